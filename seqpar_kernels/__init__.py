@@ -1,0 +1,22 @@
+"""seqpar-kernels: fused kernels for sequence parallelism.
+
+Public API:
+    all_to_all_reshard, split_sequence, gather_sequence   (DSP and friends)
+    ulysses_attention                                      (DeepSpeed-Ulysses)
+    comm_stats                                             (bytes sent, for tests and benchmarks)
+"""
+
+from seqpar_kernels import _extension  # noqa: F401  (loads the compiled ops)
+from seqpar_kernels import ops  # noqa: F401  (registers fake kernels and autograd)
+from seqpar_kernels.comm.stats import comm_stats
+from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
+from seqpar_kernels.parallel.ulysses import ulysses_attention
+
+__version__ = "0.1.0"
+__all__ = [
+    "all_to_all_reshard",
+    "split_sequence",
+    "gather_sequence",
+    "ulysses_attention",
+    "comm_stats",
+]

@@ -1,0 +1,685 @@
+"""Triton kernels for one ring-attention step.
+
+In ring attention every rank keeps its own query block and sees the key/value
+blocks of all ranks one after another.  Each arrival is one *step*: attention of
+the local queries against the visiting K/V block, folded into a running result.
+
+Forward
+    ``attention_step_forward`` computes the block's attention with an online
+    softmax (FlashAttention-2 style, fp32 accumulators) and merges it into the
+    running fp32 ``(out, lse)`` pair in the same kernel::
+
+        new_lse = logaddexp(lse, block_lse)
+        out     = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse)
+
+    Start from ``out = 0`` and ``lse = -inf``; after the last step ``out`` is the
+    exact softmax attention over every block seen and ``lse`` its log-sum-exp.
+
+Backward
+    With the *final* ``lse`` (after all steps) the softmax probabilities of any
+    block can be rebuilt locally as ``p = exp(s - lse)``, so each step's
+    gradients are independent and simply add up.  ``attention_step_backward``
+    adds this block's contribution to ``dq`` (owned by the local rank) and to
+    ``dk``/``dv`` (which travel around the ring with K/V).
+    ``attention_backward_preprocess`` computes ``delta = rowsum(dout * out)``.
+
+Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
+``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
+``nheads % nheads_kv == 0`` (GQA/MQA: q head ``h`` reads kv head
+``h // (nheads // nheads_kv)``; K/V are never repeated in memory).  ``lse`` and
+``delta`` are (batch, nheads, seqlen_q).  Every tensor may have arbitrary
+strides: the kernels take strides and never call ``.contiguous()``.
+
+Numerics: all softmax statistics and accumulators are fp32.  Scores are taken
+to base 2 (``log2(e)`` folded into the scale) so the kernels use ``exp2``;
+``lse`` is stored in natural-log units, the convention of flash-attention.
+Rows that see no valid key are never written by the forward (they stay exactly
+as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MASK_FULL",
+    "MASK_CAUSAL",
+    "attention_step_forward",
+    "attention_step_backward",
+    "attention_backward_preprocess",
+]
+
+# Mask modes of one ring step.
+MASK_FULL = 0  # every query attends every key of the block
+MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j <= i
+
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HEADDIM = 256  # bigger tiles would not fit registers / shared memory on GPU
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    # The Triton CPU interpreter (TRITON_INTERPRET=1) keeps bfloat16 as raw
+    # uint16 bits and its tl.dot multiplies those bits (triton-lang/triton
+    # #11584).  There the launcher sets DOT_UPCAST: operands already rounded
+    # to bf16 are widened to fp32 first, which gives the same numbers as a GPU
+    # bf16 dot (exact products, fp32 accumulation).
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attention_step_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    qk_scale,  # softmax_scale * log2(e)
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program owns (q tile, q head, batch) and sweeps the whole K/V block.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // kv_group  # GQA: the kv head shared by this q head's group
+    start_m = pid_m * BLOCK_M
+
+    # 64-bit base offsets (batch, head, tile start) so that large tensors cannot
+    # overflow int32 pointer arithmetic; in-tile offsets stay small int32.
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+        + start_m.to(tl.int64) * stride_qm
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen_q
+    # BLOCK_D is headdim padded to a power of two (80 -> 128): mask the tail.
+    mask_d = offs_d < headdim
+
+    q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    # Online softmax state in base 2: running max m_i, running sum l_i, acc.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Causal (diagonal) block: keys beyond the last row of this q tile are
+    # masked for every row, so the sweep stops there.
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+    else:
+        hi = seqlen_k
+
+    k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen_k
+        kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no valid key so far has m_new == -inf; subtracting it
+        # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2 below
+        # then sees -inf and yields exactly 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        # p goes to the input dtype so that fp16/bf16 use tensor cores; the
+        # accumulation itself stays fp32.
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    # ---- merge this block into the running (out, lse), in place ----
+    # Rows that saw no valid key in this block (l_i == 0) are not written at
+    # all: the running state stays bit-for-bit what it was.
+    has_keys = mask_m & (l_i > 0.0)
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    m_blk = tl.where(has_keys, m_i, 0.0)
+    block_lse = (m_blk + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
+
+    lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh \
+        + offs_m * stride_lm
+    old_lse = tl.load(lse_ptrs, mask=has_keys, other=float("-inf"))
+    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
+        + start_m.to(tl.int64) * stride_om \
+        + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_mask = has_keys[:, None] & mask_d[None, :]
+    old_out = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    # A row whose running lse is -inf carries no information: ignore whatever
+    # its out holds (e.g. torch.empty garbage) instead of letting 0 * NaN in.
+    old_out = tl.where(old_lse[:, None] == float("-inf"), 0.0, old_out)
+
+    # logaddexp written as max + log(1 + exp(-|diff|)): both exponentials stay
+    # <= 1, so large logits cannot overflow.  old_lse may be -inf (first step):
+    # then -|diff| = -inf, exp -> 0 and new_lse == block_lse exactly.
+    # block_lse is always finite here, so no inf - inf appears.
+    mx = tl.maximum(old_lse, block_lse)
+    new_lse = mx + tl.log(1.0 + tl.exp(-tl.abs(old_lse - block_lse)))
+    w_old = tl.exp(old_lse - new_lse)
+    w_blk = tl.exp(block_lse - new_lse) / l_safe  # block_out = acc / l_i
+    new_out = old_out * w_old[:, None] + acc * w_blk[:, None]
+
+    tl.store(o_ptrs, new_out, mask=o_mask)
+    tl.store(lse_ptrs, new_lse, mask=has_keys)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_db, stride_dh, stride_dm,
+    seqlen_q, headdim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # delta_i = sum_d dout[i, d] * out[i, d]; it is the rowsum(P * dP) term of
+    # the softmax backward, computed once for all ring steps.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    start_m = pid_m * BLOCK_M
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < headdim)[None, :]
+    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
+        + start_m.to(tl.int64) * stride_om + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
+    g_ptrs = DOut + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh \
+        + start_m.to(tl.int64) * stride_gm + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * g, 1)
+    d_ptrs = Delta + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + offs_m * stride_dm
+    tl.store(d_ptrs, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attention_step_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_eb, stride_eh, stride_em,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    softmax_scale, qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program owns (q tile, q head, batch) and loops over the k tiles, so
+    # its dq rows have a single writer: deterministic, no atomics.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // kv_group
+    start_m = pid_m * BLOCK_M
+
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen_q
+    mask_d = offs_d < headdim
+    mask_md = mask_m[:, None] & mask_d[None, :]
+
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+        + start_m.to(tl.int64) * stride_qm + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh \
+        + start_m.to(tl.int64) * stride_gm + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    q = tl.load(q_ptrs, mask=mask_md, other=0.0)
+    do = tl.load(do_ptrs, mask=mask_md, other=0.0)
+    lse = tl.load(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+                  + offs_m * stride_lm, mask=mask_m, other=0.0)
+    delta = tl.load(Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh
+                    + offs_m * stride_em, mask=mask_m, other=0.0)
+    # Final lse == -inf means the row saw no key in any step: its probabilities
+    # are all zero.  Using +inf makes exp2(s - lse) exactly 0 instead of NaN/inf.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+    else:
+        hi = seqlen_k
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen_k
+        kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST)
+        # Recompute P from the final lse (base 2, scale folded in).
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        valid = mask_m[:, None] & mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+        vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        dp = _dot(do, vt, DOT_PRECISION, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+        kt_ptrs += BLOCK_N * stride_kn
+        k_ptrs += BLOCK_N * stride_kn
+        vt_ptrs += BLOCK_N * stride_vn
+
+    # Accumulate (+=) into the caller's fp32 dq: one ring step's contribution.
+    dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
+        + start_m.to(tl.int64) * stride_dqm + offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    dq_old = tl.load(dq_ptrs, mask=mask_md, other=0.0)
+    tl.store(dq_ptrs, dq_old + dq * softmax_scale, mask=mask_md)
+
+
+@triton.jit
+def _attention_step_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_eb, stride_eh, stride_em,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    softmax_scale, qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program owns (k tile, kv head, batch).  It loops over every q head of
+    # the GQA group and every q tile, so all contributions to these dk/dv rows
+    # are summed in registers by a single writer: no atomics, no races, and a
+    # deterministic summation order.
+    pid_n = tl.program_id(0)
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
+    start_n = pid_n * BLOCK_N
+
+    offs_tn = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tn
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < seqlen_k
+    mask_d = offs_d < headdim
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+
+    k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh \
+        + start_n.to(tl.int64) * stride_kn + offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh \
+        + start_n.to(tl.int64) * stride_vn + offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
+    v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Causal (diagonal) block: q rows before this k tile's first key see none
+    # of its keys, so start at the q tile containing row start_n.
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+
+    for g in range(0, kv_group):
+        off_h = off_hk * kv_group + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
+        lse_base = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        delta_base = Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh
+        for start_m in range(lo, seqlen_q, BLOCK_M):
+            rows = start_m + offs_m
+            mask_m = rows < seqlen_q
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=mask_md, other=0.0)
+            do = tl.load(do_base + rows[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                         mask=mask_md, other=0.0)
+            lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
+            delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
+            # lse == -inf: row without any key -> P == 0 (see the dq kernel).
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+            # Transposed scores (keys x queries) so dk/dv come out row-major.
+            st = _dot(k, tl.trans(q), DOT_PRECISION, DOT_UPCAST)
+            pt = tl.exp2(st * qk_scale - lse2[None, :])
+            valid = mask_n[:, None] & mask_m[None, :]
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= offs_n[:, None])
+            pt = tl.where(valid, pt, 0.0)
+            dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
+            dpt = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk += _dot(dst.to(q.dtype), q, DOT_PRECISION, DOT_UPCAST)
+
+    # Accumulate (+=) into the travelling fp32 dk/dv buffers.
+    dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
+        + start_n.to(tl.int64) * stride_dkn + offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh \
+        + start_n.to(tl.int64) * stride_dvn + offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_old = tl.load(dk_ptrs, mask=mask_nd, other=0.0)
+    tl.store(dk_ptrs, dk_old + dk * softmax_scale, mask=mask_nd)
+    dv_old = tl.load(dv_ptrs, mask=mask_nd, other=0.0)
+    tl.store(dv_ptrs, dv_old + dv, mask=mask_nd)
+
+
+# ----------------------------------------------------------------------------
+# Launch configuration and argument checks
+# ----------------------------------------------------------------------------
+
+
+def _block_d(headdim):
+    # tl.arange needs a power of two and tl.dot wants every dim >= 16.
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def _dot_precision(dtype):
+    # fp32 inputs: exact fp32 products ("ieee") rather than TF32, whose ~1e-3
+    # relative error would defeat the point of asking for fp32.  For fp16/bf16
+    # the setting has no effect.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(t):
+    # bf16 tl.dot is wrong in the Triton interpreter (see _dot): widen there.
+    # CPU tensors can only be run by the interpreter; with CUDA tensors it is
+    # used when TRITON_INTERPRET=1.
+    if t.dtype != torch.bfloat16:
+        return False
+    if not t.is_cuda:
+        return True
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fwd_config(q, block_d):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward kernel."""
+    if not q.is_cuda:
+        # Interpreter: small tiles keep numpy work cheap and still exercise
+        # multi-tile loops and edge masks on short test sequences.
+        return 16, 32, 4, 1
+    big = q.element_size() * block_d  # bytes per row of a q/k/v tile
+    if big <= 2 * 64:  # fp16/bf16 d<=64
+        return 128, 64, 4, 3
+    if big <= 2 * 128:  # fp16/bf16 d<=128, fp32 d<=64
+        return 128, 64, 8, 2
+    # d=256 (or fp32 d>64): smaller tiles keep acc in registers and K/V
+    # stages within the 228 KB of shared memory of an H100.
+    return 64, 32, 4, 2
+
+
+def _bwd_config(q, block_d):
+    """((dq BLOCK_M, BLOCK_N), (dkdv BLOCK_M, BLOCK_N), num_warps, num_stages)."""
+    if not q.is_cuda:
+        return (16, 32), (16, 32), 4, 1
+    big = q.element_size() * block_d
+    if big <= 2 * 128:
+        # dq: wide q tile, narrow k sweep; dkdv: wide k tile, narrow q sweep
+        # (as in the Triton fused-attention tutorial).
+        return (128, 32), (32, 128), 8, 2
+    return (64, 32), (32, 64), 4, 1
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of float32/float16/bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_kv, headdim_k = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"batch mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if headdim_k != headdim:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} has {headdim}, k {tuple(k.shape)} has {headdim_k}")
+    if not 1 <= headdim <= _MAX_HEADDIM:
+        raise ValueError(f"head dim must be in [1, {_MAX_HEADDIM}], got {headdim} (q shape {tuple(q.shape)})")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads ({nheads}, q shape {tuple(q.shape)}) must be a multiple of nheads_kv "
+            f"({nheads_kv}, k shape {tuple(k.shape)})")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    return batch, seqlen_q, nheads, headdim, seqlen_k, nheads_kv
+
+
+def _check_mask_mode(mask_mode, seqlen_q, seqlen_k, q, k):
+    if mask_mode not in (MASK_FULL, MASK_CAUSAL) or isinstance(mask_mode, bool):
+        raise ValueError(f"mask_mode must be MASK_FULL ({MASK_FULL}) or MASK_CAUSAL ({MASK_CAUSAL}), got {mask_mode!r}")
+    if mask_mode == MASK_CAUSAL and seqlen_q != seqlen_k:
+        raise ValueError(
+            f"MASK_CAUSAL is for the diagonal block and needs seqlen_q == seqlen_k, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def _check_fp32(name, t, shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {t.dtype} (shape {tuple(t.shape)})")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_scale(softmax_scale):
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+    return scale
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
+    """Fold one K/V block into the running attention result, in place.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float32/float16/bfloat16.
+        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype as q;
+            nheads % nheads_kv == 0 (q head h uses kv head h // (nheads // nheads_kv)).
+        out: float32 (batch, seqlen_q, nheads, headdim), running output; updated in place.
+        lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
+            updated in place.  Start with out = 0 and lse = -inf.
+        softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5).
+        mask_mode: MASK_FULL, or MASK_CAUSAL for the diagonal block
+            (seqlen_q == seqlen_k, query i attends keys j <= i).
+
+    Any tensor may be non-contiguous.  Rows that see no key of this block are
+    left untouched.  Returns (out, lse), the same tensors.
+    """
+    batch, seqlen_q, nheads, headdim, seqlen_k, nheads_kv = _check_qkv(q, k, v)
+    _check_mask_mode(mask_mode, seqlen_q, seqlen_k, q, k)
+    scale = _check_scale(softmax_scale)
+    _check_fp32("out", out, q.shape, q.device)
+    _check_fp32("lse", lse, (batch, nheads, seqlen_q), q.device)
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
+        return out, lse  # an empty block changes nothing
+
+    block_d = _block_d(headdim)
+    block_m, block_n, num_warps, num_stages = _fwd_config(q, block_d)
+    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
+    _attention_step_fwd_kernel[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
+        scale * _LOG2E,
+        CAUSAL=mask_mode == MASK_CAUSAL,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+def attention_backward_preprocess(out, dout):
+    """delta = rowsum(dout * out) in float32.
+
+    Args:
+        out: (batch, seqlen_q, nheads, headdim), the FINAL attention output
+            (after all ring steps), any float dtype.
+        dout: gradient of out, same shape, any float dtype.
+
+    Returns:
+        delta: new contiguous float32 tensor (batch, nheads, seqlen_q).
+    """
+    for name, t in (("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen_q, nheads, headdim), got shape {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be float32/float16/bfloat16, got {t.dtype}")
+    if out.shape != dout.shape:
+        raise ValueError(f"out and dout shapes differ: out {tuple(out.shape)}, dout {tuple(dout.shape)}")
+    if out.device != dout.device:
+        raise ValueError(f"out and dout must be on one device, got {out.device}, {dout.device}")
+    batch, seqlen_q, nheads, headdim = out.shape
+    if headdim > _MAX_HEADDIM:
+        raise ValueError(f"head dim must be at most {_MAX_HEADDIM}, got out shape {tuple(out.shape)}")
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    if headdim == 0:
+        return delta.zero_()
+    block_d = _block_d(headdim)
+    block_m = 16 if not out.is_cuda else 64
+    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
+    _attention_bwd_preprocess_kernel[grid](
+        out, dout, delta,
+        *out.stride(), *dout.stride(), *delta.stride(),
+        seqlen_q, headdim,
+        BLOCK_M=block_m, BLOCK_D=block_d,
+    )
+    return delta
+
+
+def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode):
+    """Add one K/V block's gradients to dq, dk, dv, in place (+=).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
+            same dtype (float32/float16/bfloat16); nheads % nheads_kv == 0.
+        out: (batch, seqlen_q, nheads, headdim) final output; only used to build
+            delta when delta is None.
+        dout: (batch, seqlen_q, nheads, headdim) gradient of the final output.
+        lse: float32 (batch, nheads, seqlen_q), the FINAL log-sum-exp after all
+            ring steps (rows with -inf get zero gradient).
+        delta: float32 (batch, nheads, seqlen_q) = rowsum(dout * out), from
+            attention_backward_preprocess; None computes it here.
+        dq: float32 (batch, seqlen_q, nheads, headdim), accumulated in place.
+        dk, dv: float32 (batch, seqlen_k, nheads_kv, headdim), accumulated in place.
+        softmax_scale, mask_mode: as given to attention_step_forward for this block.
+
+    Deterministic: every output element has a single writer (no atomics).
+    Returns (dq, dk, dv), the same tensors.
+    """
+    batch, seqlen_q, nheads, headdim, seqlen_k, nheads_kv = _check_qkv(q, k, v)
+    _check_mask_mode(mask_mode, seqlen_q, seqlen_k, q, k)
+    scale = _check_scale(softmax_scale)
+    for name, t in (("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be float32/float16/bfloat16, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    _check_fp32("lse", lse, (batch, nheads, seqlen_q), q.device)
+    if delta is None:
+        delta = attention_backward_preprocess(out, dout)
+    _check_fp32("delta", delta, (batch, nheads, seqlen_q), q.device)
+    _check_fp32("dq", dq, q.shape, q.device)
+    _check_fp32("dk", dk, k.shape, q.device)
+    _check_fp32("dv", dv, v.shape, q.device)
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
+        return dq, dk, dv
+
+    kv_group = nheads // nheads_kv
+    block_d = _block_d(headdim)
+    (dq_m, dq_n), (kv_m, kv_n), num_warps, num_stages = _bwd_config(q, block_d)
+    common = dict(CAUSAL=mask_mode == MASK_CAUSAL, BLOCK_D=block_d,
+                  DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q),
+                  num_warps=num_warps, num_stages=num_stages)
+    in_strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+                  *lse.stride(), *delta.stride())
+
+    _attention_step_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_m), nheads, batch)](
+        q, k, v, dout, lse, delta, dq,
+        *in_strides, *dq.stride(),
+        seqlen_q, seqlen_k, headdim, kv_group,
+        scale, scale * _LOG2E,
+        BLOCK_M=dq_m, BLOCK_N=dq_n, **common,
+    )
+    _attention_step_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, kv_n), nheads_kv, batch)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *in_strides, *dk.stride(), *dv.stride(),
+        seqlen_q, seqlen_k, headdim, kv_group,
+        scale, scale * _LOG2E,
+        BLOCK_M=kv_m, BLOCK_N=kv_n, **common,
+    )
+    return dq, dk, dv

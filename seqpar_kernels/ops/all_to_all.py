@@ -1,0 +1,57 @@
+"""seqpar::all_to_all_single: the collective as a torch custom op.
+
+The group travels by name (a string argument), so the op has a schema that
+torch.compile and opcheck understand; the fake kernel sizes the output from the split
+sizes. Backward is the same exchange with the splits swapped. Bytes sent to other
+ranks are counted here, for comm_stats. Tests: tests/test_all_to_all_reshard.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name
+from seqpar_kernels.comm.stats import record_sent
+
+
+@torch.library.custom_op("seqpar::all_to_all_single", mutates_args=())
+def all_to_all_single(
+    input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
+) -> torch.Tensor:
+    """input: flat (sum(input_split_sizes),), the piece for rank j at split j.
+    Returns flat (sum(output_split_sizes),), rank i's piece at split i."""
+    assert input.dim() == 1 and input.is_contiguous(), "all_to_all_single takes a flat buffer"
+    if group_name == SINGLE_PROCESS:
+        return input.clone()
+    group = group_from_name(group_name)
+    rank = dist.get_rank(group)
+    output = input.new_empty(sum(output_split_sizes))
+    dist.all_to_all_single(
+        output, input, list(output_split_sizes), list(input_split_sizes), group=group
+    )
+    sent = sum(input_split_sizes) - input_split_sizes[rank]
+    record_sent(sent * input.element_size())
+    return output
+
+
+@all_to_all_single.register_fake
+def _all_to_all_single_fake(input, output_split_sizes, input_split_sizes, group_name):
+    return input.new_empty(sum(output_split_sizes))
+
+
+def _setup_context(ctx, inputs, output):
+    _, output_split_sizes, input_split_sizes, group_name = inputs
+    ctx.output_split_sizes = output_split_sizes
+    ctx.input_split_sizes = input_split_sizes
+    ctx.group_name = group_name
+
+
+def _backward(ctx, grad_output):
+    grad_input = all_to_all_single(
+        grad_output.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes, ctx.group_name
+    )
+    return grad_input, None, None, None
+
+
+all_to_all_single.register_autograd(_backward, setup_context=_setup_context)

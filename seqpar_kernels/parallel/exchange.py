@@ -1,0 +1,80 @@
+"""One all-to-all of ranges of up to four tensors: pack, exchange, unpack.
+
+Every all-to-all in the package goes through `exchange_blocks`; the algorithms only
+say which ranges go where (see seqpar_kernels.comm.plan).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import torch
+
+from seqpar_kernels.comm.groups import GroupInfo, all_gather_ints
+from seqpar_kernels.ops import all_to_all_single, pack_blocks, unpack_blocks
+from seqpar_kernels.ops.block_copy import block_numel
+
+
+def _rank_split_sizes(shapes, split_dims, lengths, world_size) -> list[int]:
+    """Elements per rank of a buffer laid out as pack_blocks writes it."""
+    num_tensors = len(shapes)
+    return [
+        sum(
+            block_numel(shape, dim, lengths[rank * num_tensors + t])
+            for t, (shape, dim) in enumerate(zip(shapes, split_dims))
+        )
+        for rank in range(world_size)
+    ]
+
+
+def exchange_blocks(
+    inputs: Sequence[torch.Tensor],
+    send_dims: Sequence[int],
+    send_starts: Sequence[int],
+    send_lengths: Sequence[int],
+    out_shapes: Sequence[Sequence[int]],
+    recv_dims: Sequence[int],
+    recv_starts: Sequence[int],
+    recv_lengths: Sequence[int],
+    group: GroupInfo,
+    out_dim_orders: Sequence[Sequence[int]] | None = None,
+) -> list[torch.Tensor]:
+    """Sends inputs[t].narrow(send_dims[t], send_starts[r*T+t], send_lengths[r*T+t]) to
+    each rank r, and writes what rank r sent for tensor t into
+    out[t].narrow(recv_dims[t], recv_starts[r*T+t], recv_lengths[r*T+t]).
+    One pack kernel, one all_to_all_single, one unpack kernel."""
+    world_size = group.world_size
+    in_shapes = [list(tensor.shape) for tensor in inputs]
+    send_splits = _rank_split_sizes(in_shapes, send_dims, send_lengths, world_size)
+    recv_splits = _rank_split_sizes([list(s) for s in out_shapes], recv_dims, recv_lengths, world_size)
+    buffer = pack_blocks(inputs, send_dims, send_starts, send_lengths)
+    received = all_to_all_single(buffer, recv_splits, send_splits, group.name)
+    return unpack_blocks(received, out_shapes, recv_dims, recv_starts, recv_lengths, out_dim_orders)
+
+
+def fingerprint(value) -> int:
+    """A stable small integer for metadata that every rank must agree on."""
+    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
+
+
+def gather_local_sizes(
+    local_size: int, agreed: Sequence[int], group: GroupInfo, describe: str
+) -> list[int]:
+    """Every rank's `local_size`, checking on the way that every rank passed the same
+    `agreed` metadata. A mismatch raises ValueError on every rank alike, so no rank is
+    left waiting in a later collective.
+
+    Under torch.compile the sizes cannot be read at trace time: every rank is assumed
+    to hold `local_size` (pass sizes explicitly when they differ)."""
+    if group.world_size == 1:
+        return [local_size]
+    if torch.compiler.is_compiling():
+        return [local_size] * group.world_size
+    rows = all_gather_ints([local_size, *agreed], group.name)
+    if any(row[1:] != rows[0][1:] for row in rows):
+        raise ValueError(
+            f"{describe}: ranks disagree on shapes, dims or dtype (per rank: local size, then "
+            f"fingerprints): {rows}"
+        )
+    return [row[0] for row in rows]

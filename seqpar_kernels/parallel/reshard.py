@@ -1,0 +1,141 @@
+"""Moving between sharded layouts: all_to_all_reshard (the DSP switch),
+split_sequence and gather_sequence.
+
+Sizes follow torch.tensor_split: a dim of size N over P ranks gives the first N % P
+ranks one more element; pieces may be empty.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from seqpar_kernels.comm.groups import GroupInfo, resolve_group
+from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
+from seqpar_kernels.parallel.exchange import exchange_blocks, fingerprint, gather_local_sizes
+
+
+def _normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for a tensor of shape {tuple(shape)}")
+    return dim % ndim
+
+
+def _check_gather_sizes(gather_sizes, group: GroupInfo, local_size: int, shape, dim: int):
+    if len(gather_sizes) != group.world_size or gather_sizes[group.rank] != local_size:
+        raise ValueError(
+            f"gather_sizes={list(gather_sizes)} must list {group.world_size} ranks' sizes along "
+            f"dim {dim}, with this rank's ({group.rank}) equal to {local_size} (local shape "
+            f"{tuple(shape)})"
+        )
+
+
+def all_to_all_reshard(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    gather_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Switches which dim of a distributed tensor is sharded, with one all-to-all.
+
+    x: this rank's piece of a tensor sharded along `gather_dim` (pieces may differ in
+        size between ranks) and whole along `scatter_dim`. Any dtype, any strides: x is
+        read in place.
+    Returns this rank's piece of the same tensor sharded along `scatter_dim`
+    (torch.tensor_split convention) and whole along `gather_dim`, contiguous.
+
+    gather_sizes: every rank's size along gather_dim. If None, they are exchanged (one
+        small collective; on NCCL a host sync); under torch.compile they are assumed
+        equal to this rank's.
+
+    Autograd: the backward is the reverse reshard. Bytes sent: (P-1)/P of x's bytes
+    when sizes are even.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"all_to_all_reshard needs a tensor with at least one dim, got {x!r:.80}")
+    scatter = _normalize_dim(scatter_dim, x.dim(), "scatter_dim", x.shape)
+    gather = _normalize_dim(gather_dim, x.dim(), "gather_dim", x.shape)
+    if scatter == gather:
+        raise ValueError(
+            f"scatter_dim ({scatter_dim}) and gather_dim ({gather_dim}) name the same dim of a "
+            f"tensor of shape {tuple(x.shape)}"
+        )
+    info = resolve_group(group)
+    shape = list(x.shape)
+    if gather_sizes is None:
+        shape_without_gather = shape[:gather] + shape[gather + 1 :]
+        agreed = [x.dim(), scatter, gather, fingerprint((x.dtype, shape_without_gather))]
+        gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard")
+    _check_gather_sizes(gather_sizes, info, shape[gather], x.shape, gather)
+    gather_sizes = list(gather_sizes)
+
+    # Send: rank j gets x.narrow(scatter, start_j, len_j). Receive: rank i's block is
+    # (..., my scatter piece, ..., gather_sizes[i], ...) and lands at offset_i of gather.
+    scatter_starts, scatter_lengths = tensor_split_ranges(shape[scatter], info.world_size)
+    out_shape = list(shape)
+    out_shape[scatter] = scatter_lengths[info.rank]
+    out_shape[gather] = sum(gather_sizes)
+    (out,) = exchange_blocks(
+        [x], [scatter], scatter_starts, scatter_lengths,
+        [out_shape], [gather], offsets(gather_sizes), gather_sizes,
+        info,
+    )  # fmt: skip
+    return out
+
+
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        info = resolve_group(group)
+        starts, lengths = tensor_split_ranges(x.shape[dim], info.world_size)
+        ctx.dim, ctx.group, ctx.lengths = dim, group, lengths
+        return x.narrow(dim, starts[info.rank], lengths[info.rank])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherSequence.apply(grad, ctx.dim, ctx.group, ctx.lengths), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, sizes):
+        info = resolve_group(group)
+        ctx.dim, ctx.start, ctx.length = dim, offsets(sizes)[info.rank], sizes[info.rank]
+        # Every rank sends its whole piece to every rank: a reshard of x repeated along a
+        # new leading dim (a stride-0 view, so nothing is copied before the pack kernel).
+        repeated = x.unsqueeze(0).expand(info.world_size, *x.shape)
+        return all_to_all_reshard(repeated, 0, dim + 1, group, gather_sizes=sizes).squeeze(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's piece of `x` along `dim` (torch.tensor_split convention), a view.
+    Backward: gather_sequence of the gradient."""
+    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    return _SplitSequence.apply(x, dim, group)
+
+
+def gather_sequence(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The whole tensor from every rank's piece along `dim` (pieces may differ in size;
+    `sizes` lists them, else they are exchanged as in all_to_all_reshard).
+    Backward: each rank keeps its own piece of the gradient, as split_sequence does."""
+    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    info = resolve_group(group)
+    if sizes is None:
+        agreed = [x.dim(), fingerprint((x.dtype, x.shape[:dim], x.shape[dim + 1 :]))]
+        sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence")
+    _check_gather_sizes(sizes, info, x.shape[dim], x.shape, dim)
+    return _GatherSequence.apply(x, dim, group, list(sizes))

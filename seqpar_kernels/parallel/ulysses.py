@@ -1,0 +1,185 @@
+"""DeepSpeed-Ulysses attention (arXiv:2309.14509) with fused exchange packing.
+
+Sequence-sharded q/k/v (B, S_local, H, D) become head-sharded full sequences with one
+all-to-all, local attention runs, and a second all-to-all brings the output back.
+
+    forward                                                  memory layout
+    q (B, S_r, H, D), k/v (B, S_r, H_kv, D)                  as given (any strides)
+      pack: rank j gets q heads [h_j, h_j + n_j) and the kv heads they read
+      all_to_all_single (q, k, v in one buffer)
+      unpack: rank i's (B, S_i, n, D) block lands at sequence offset i
+    q (B, S, n, D), k/v (B, S, n_kv, D) logical             (B, n, S, D) in memory
+      SDPA on the (B, n, S, D) views (no copy)
+    out (B, n, S, D)
+      pack: rank j gets sequence piece j of out, viewed as (B, S, n, D)
+      all_to_all_single
+      unpack: rank i's (B, S_r, n_i, D) block lands at head offset h_i
+    out (B, S_r, H, D)                                       contiguous
+
+Heads not divisible by P are split torch.tensor_split style. With GQA/MQA, each rank
+receives exactly the kv heads its q heads read (a kv head shared by q heads on several
+ranks is sent to each of them); K/V are never repeated. The backward is the autograd
+of the pack/exchange/unpack ops, each the adjoint of the other: gradients of a kv head
+sent to several ranks are summed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from seqpar_kernels.comm.groups import resolve_group
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
+from seqpar_kernels.parallel.exchange import exchange_blocks, fingerprint, gather_local_sizes
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# (B, S, H, D) logical shape stored as (B, H, S, D): the layout SDPA reads without a copy.
+HEADS_MAJOR = (0, 2, 1, 3)
+
+
+def _check_inputs(q, k, v):
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise ValueError(f"{name} must be (batch, seqlen_local, nheads, headdim), got {shape}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q, k, v need one dtype among {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype} ({shapes})"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {shapes}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q, k, v must share batch and local sequence length, got {shapes}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have one head dim, got {shapes}")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[3]} exceeds {MAX_HEAD_DIM} ({shapes})")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})"
+        )
+
+
+def uniform_head_runs(q_head_start: int, num_q: int, group_size: int) -> list[tuple[int, int, int, int]]:
+    """Splits local q heads [q_head_start, +num_q) of the model into runs in which every
+    kv head serves the same number of q heads, as SDPA's GQA needs. Returns
+    (q_offset, q_count, kv_offset, kv_count) per run, offsets local. At most three runs:
+    a partial first kv group, whole groups, a partial last group."""
+    runs = []
+    head, kv_base = 0, q_head_start // group_size
+    while head < num_q:
+        global_head = q_head_start + head
+        in_group = global_head % group_size
+        if in_group != 0 or num_q - head < group_size:  # a partial group: one kv head
+            count = min(group_size - in_group, num_q - head)
+            runs.append((head, count, global_head // group_size - kv_base, 1))
+        else:  # whole groups
+            groups = (num_q - head) // group_size
+            count = groups * group_size
+            runs.append((head, count, global_head // group_size - kv_base, groups))
+        head += count
+    return runs
+
+
+def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
+    """Attention of the model's q heads [q_head_start, +n) against the kv heads they read,
+    on (B, n, S, D) and (B, n_kv, S, D) tensors."""
+    outputs = [
+        F.scaled_dot_product_attention(
+            q[:, q_offset : q_offset + q_count],
+            k[:, kv_offset : kv_offset + kv_count],
+            v[:, kv_offset : kv_offset + kv_count],
+            is_causal=causal,
+            scale=softmax_scale,
+            enable_gqa=q_count != kv_count,
+        )
+        for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[1], group_size)
+    ]
+    if not outputs:
+        return q.new_empty(q.shape)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    seq_lens: list[int] | None = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
+        headdim) with nheads % nheads_kv == 0 (GQA, MQA). Rank r holds the r-th piece
+        of the sequence; pieces may differ in length. fp16, bf16 or fp32; head dim up
+        to 256; any strides.
+    causal: mask by global position (rank order is sequence order).
+    softmax_scale: default 1/sqrt(headdim).
+    seq_lens: every rank's seqlen_local. If None they are exchanged (one small
+        collective); under torch.compile they are assumed equal.
+    Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
+
+    Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
+    divide evenly; two all-to-alls forward, two backward.
+    """
+    _check_inputs(q, k, v)
+    info = resolve_group(group)
+    batch, local_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    if seq_lens is None:
+        agreed = [batch, num_heads, num_kv_heads, head_dim, int(causal), fingerprint((q.dtype, softmax_scale))]
+        seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention")
+    if len(seq_lens) != info.world_size or seq_lens[info.rank] != local_len:
+        raise ValueError(
+            f"seq_lens={list(seq_lens)} must list {info.world_size} ranks' local lengths, this "
+            f"rank's ({info.rank}) being {local_len} (q {tuple(q.shape)})"
+        )
+    seq_lens = list(seq_lens)
+    total_len = sum(seq_lens)
+    seq_starts = offsets(seq_lens)
+    head_starts, head_counts = tensor_split_ranges(num_heads, info.world_size)
+    kv_starts, kv_counts = kv_head_ranges(head_starts, head_counts, num_heads, num_kv_heads)
+    my_heads, my_kv_heads = head_counts[info.rank], kv_counts[info.rank]
+
+    # Sequence-sharded -> head-sharded: one exchange for q, k and v.
+    q_heads, k_heads, v_heads = exchange_blocks(
+        [q, k, v], [2, 2, 2],
+        interleave([head_starts, kv_starts, kv_starts]),
+        interleave([head_counts, kv_counts, kv_counts]),
+        [
+            (batch, total_len, my_heads, head_dim),
+            (batch, total_len, my_kv_heads, head_dim),
+            (batch, total_len, my_kv_heads, head_dim),
+        ],
+        [1, 1, 1],
+        interleave([seq_starts] * 3),
+        interleave([seq_lens] * 3),
+        info,
+        out_dim_orders=[HEADS_MAJOR] * 3,
+    )  # fmt: skip
+
+    out_heads = _local_attention(
+        q_heads.transpose(1, 2),
+        k_heads.transpose(1, 2),
+        v_heads.transpose(1, 2),
+        head_starts[info.rank],
+        num_heads // num_kv_heads,
+        causal,
+        softmax_scale,
+    )  # (B, n, S, D)
+
+    # Head-sharded -> sequence-sharded.
+    (out,) = exchange_blocks(
+        [out_heads.transpose(1, 2)], [1], seq_starts, seq_lens,
+        [(batch, local_len, num_heads, head_dim)], [2], head_starts, head_counts,
+        info,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+
+# Triton kernels run on CPU tensors through the interpreter when there is no GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rank_pool import RankPool  # noqa: E402
+
+WORLD_SIZES = (1, 2, 3, 4)
+_pools: dict[int, RankPool] = {}
+
+
+def pool_for(world_size: int) -> RankPool:
+    if world_size not in _pools:
+        _pools[world_size] = RankPool(world_size)
+    return _pools[world_size]
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=lambda size: f"P{size}")
+def ranks(request) -> RankPool:
+    """A pool of local gloo ranks; tests run once per world size 1, 2, 3 and 4
+    (3 catches power-of-two assumptions)."""
+    return pool_for(request.param)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()

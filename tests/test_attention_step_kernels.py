@@ -1,0 +1,434 @@
+"""Tests for the ring-attention step kernels (seqpar_kernels/kernels/attention_step.py).
+
+Without CUDA the Triton kernels run in the interpreter on CPU tensors
+(TRITON_INTERPRET=1 must be set before triton is imported).  The reference is
+plain torch in float64 with the score matrix materialized; K/V heads are
+repeated for GQA/MQA in the reference only.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _load_module():
+    # Load the kernel file directly so the test does not depend on the
+    # package's __init__ files (owned and edited elsewhere).
+    name = "_seqpar_test_attention_step"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = pathlib.Path(__file__).resolve().parents[1] / "seqpar_kernels" / "kernels" / "attention_step.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ast = _load_module()
+MASK_FULL, MASK_CAUSAL = ast.MASK_FULL, ast.MASK_CAUSAL
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+
+def _randn(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _zeros(*shape):
+    return torch.zeros(*shape, dtype=torch.float32, device=DEVICE)
+
+
+def _causal_keep(sq, sk, offset=0):
+    """keep[i, j] = query i (at global position offset + i) may see key j."""
+    i = torch.arange(sq).unsqueeze(1) + offset
+    j = torch.arange(sk).unsqueeze(0)
+    return (j <= i).to(DEVICE)
+
+
+def _reference(q, k, v, scale, keep=None):
+    """fp64 attention; returns out (b, sq, h, d) and lse (b, h, sq).
+
+    keep: optional bool (sq, sk) mask of visible keys.  Rows with no visible
+    key give out = 0 and lse = -inf.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float64).min))
+    p = torch.nan_to_num(p, nan=0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse
+
+
+def _torch_attention_in_dtype(q, k, v, scale, keep=None):
+    """Plain (materialized) torch attention computed in q's own dtype."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    s = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) * scale
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)
+
+
+def _fresh_state(b, sq, h, d):
+    out = torch.zeros(b, sq, h, d, dtype=torch.float32, device=DEVICE)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=DEVICE)
+    return out, lse
+
+
+def _ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32):
+    """K/V of the own (diagonal, causal) block followed by full blocks of other ranks.
+
+    Returns the list of (k, v, mask_mode) steps in ring order (diagonal first)
+    and the global K/V, keep-mask in the order [full blocks..., diagonal].
+    """
+    fulls = [(_randn(b, n, hk, d, dtype=dtype), _randn(b, n, hk, d, dtype=dtype)) for n in full_lens]
+    kd, vd = _randn(b, sq, hk, d, dtype=dtype), _randn(b, sq, hk, d, dtype=dtype)
+    steps = [(kd, vd, MASK_CAUSAL)] + [(kf, vf, MASK_FULL) for kf, vf in fulls]
+    k_all = torch.cat([kf for kf, _ in fulls] + [kd], dim=1)
+    v_all = torch.cat([vf for _, vf in fulls] + [vd], dim=1)
+    keep = _causal_keep(sq, k_all.shape[1], offset=sum(full_lens))
+    return steps, k_all, v_all, keep
+
+
+# ----------------------------------------------------------------------------
+# forward, single step
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "h, hk, d, mode, sq, sk, q_transposed",
+    [
+        (4, 4, 64, MASK_FULL, 17, 33, False),  # MHA, odd lengths, several k tiles
+        (4, 2, 80, MASK_CAUSAL, 17, 17, True),  # GQA, non-power-of-2 head dim, q a transpose view
+        (3, 1, 128, MASK_CAUSAL, 40, 40, False),  # MQA, three q tiles
+        (2, 1, 96, MASK_FULL, 3, 1, True),  # tiny
+        (2, 2, 256, MASK_FULL, 1, 5, False),  # largest head dim, one query
+    ],
+)
+def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
+    torch.manual_seed(0)
+    b = 2
+    if q_transposed:
+        # (b, h, sq, d) storage viewed as (b, sq, h, d): non-contiguous q.
+        q = _randn(b, h, sq, d).transpose(1, 2)
+        assert not q.is_contiguous()
+    else:
+        q = _randn(b, sq, h, d)
+    k, v = _randn(b, sk, hk, d), _randn(b, sk, hk, d)
+    scale = d ** -0.5
+    out, lse = _fresh_state(b, sq, h, d)
+    ret = ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    assert ret[0] is out and ret[1] is lse
+    keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
+    ref_out, ref_lse = _reference(q, k, v, scale, keep)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "h, hk, d, mode, sq, sk",
+    [
+        (4, 2, 64, MASK_CAUSAL, 33, 33),  # GQA diagonal block
+        (2, 1, 128, MASK_FULL, 17, 40),  # MQA full block
+    ],
+)
+def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
+    torch.manual_seed(1)
+    b = 1
+    q, k, v = _randn(b, sq, h, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype)
+    scale = d ** -0.5
+    keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
+    out, lse = _fresh_state(b, sq, h, d)
+    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    ref_out, ref_lse = _reference(q, k, v, scale, keep)  # fp64 on the same rounded inputs
+    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep)
+    ours_err = (out.double() - ref_out).abs().max().item()
+    torch_err = (torch_out.double() - ref_out).abs().max().item()
+    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
+    # Scores are exact products accumulated in fp32, so lse is fp32-accurate.
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------
+# forward, several ring steps merged in place
+# ----------------------------------------------------------------------------
+
+
+def test_forward_merge_three_steps_matches_full_attention():
+    torch.manual_seed(2)
+    b, sq, h, hk, d = 2, 17, 4, 2, 64
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=[9, 23])
+    q = _randn(b, sq, h, d)
+    scale = d ** -0.5
+    # Non-contiguous running state: out stored head-major, lse stored (b, sq, h).
+    out = torch.zeros(b, h, sq, d, device=DEVICE).transpose(1, 2)
+    lse = torch.full((b, sq, h), float("-inf"), device=DEVICE).transpose(1, 2)
+    assert not out.is_contiguous() and not lse.is_contiguous()
+    for k, v, mode in steps:
+        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    ref_out, ref_lse = _reference(q, k_all, v_all, scale, keep)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_forward_merge_strided_kv_and_garbage_initial_out():
+    # K/V with a head-dim stride of 2 and a batch-major permutation; the initial
+    # out holds NaN garbage (torch.empty-like): lse = -inf must make it ignored.
+    torch.manual_seed(3)
+    b, sq, h, hk, d = 2, 5, 4, 2, 80
+    q = _randn(b, sq, h, d)
+    big_k = _randn(b, 11, hk, 2 * d)
+    big_v = _randn(hk, b, 11, d).permute(1, 2, 0, 3)
+    k1, v1 = big_k[:, :6, :, ::2], big_v[:, :6]
+    k2, v2 = big_k[:, 6:, :, ::2], big_v[:, 6:]
+    assert k1.stride(-1) == 2 and not v1.is_contiguous()
+    scale = 0.3
+    out = torch.full((b, sq, h, d), float("nan"), device=DEVICE)
+    lse = torch.full((b, h, sq), float("-inf"), device=DEVICE)
+    ast.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
+    ast.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
+    ref_out, ref_lse = _reference(q, big_k[..., ::2], big_v, scale)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_large_logits(dtype):
+    # q scaled by 40: logits of several hundred; naive exp would overflow.
+    torch.manual_seed(4)
+    b, sq, h, hk, d = 1, 17, 2, 1, 64
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=[20], dtype=dtype)
+    q = (_randn(b, sq, h, d) * 40).to(dtype)
+    scale = d ** -0.5
+    out, lse = _fresh_state(b, sq, h, d)
+    for k, v, mode in steps:
+        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref_out, ref_lse = _reference(q, k_all, v_all, scale, keep)
+    assert ref_lse.abs().max() > 100  # the logits really are large
+    out_atol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref_out, atol=out_atol, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# fully masked rows
+# ----------------------------------------------------------------------------
+
+
+def test_fully_masked_rows_stay_untouched():
+    torch.manual_seed(5)
+    b, sq, h, hk, d = 1, 17, 2, 2, 64
+    q = _randn(b, sq, h, d)
+    out, lse = _fresh_state(b, sq, h, d)
+    empty = _randn(b, 0, hk, d)
+
+    # Zero steps / an empty K/V block: initial state, no NaN.
+    ast.attention_step_forward(q, empty, empty, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+    # Inside the kernel: with seqlen_k = 0 no row sees a key, so nothing may be
+    # written (launched directly: the launcher short-cuts empty blocks).
+    k, v = _randn(b, 8, hk, d), _randn(b, 8, hk, d)
+    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
+    out_before, lse_before = out.clone(), lse.clone()
+    fresh_out, fresh_lse = _fresh_state(b, sq, h, d)
+    for o, l in ((out, lse), (fresh_out, fresh_lse)):
+        ast._attention_step_fwd_kernel[(2, h, b)](
+            q, k, v, o, l,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *l.stride(),
+            sq, 0, d, 1, 0.125 * 1.4426950408889634,
+            CAUSAL=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
+        )
+    assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
+    assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
+
+
+def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
+    torch.manual_seed(6)
+    b, sq, h, hk, d = 1, 17, 2, 1, 64
+    q, k, v = _randn(b, sq, h, d), _randn(b, sq, hk, d), _randn(b, sq, hk, d)
+    scale = d ** -0.5
+    out, lse = _fresh_state(b, sq, h, d)
+    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    dout = _randn(b, sq, h, d)
+    rows = [0, 5, 16]
+    lse_masked = lse.clone()
+    lse_masked[:, :, rows] = float("-inf")  # as if these rows saw no key at all
+    delta = ast.attention_backward_preprocess(out, dout)
+    grads = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
+    ast.attention_step_backward(q, k, v, out, dout, lse_masked, delta, *grads,
+                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    for g in grads:
+        assert torch.isfinite(g).all()
+    assert torch.equal(grads[0][:, rows], torch.zeros_like(grads[0][:, rows]))
+    # dk/dv equal those of the same problem where the masked rows have no
+    # upstream gradient at all.
+    dout0, delta0 = dout.clone(), delta.clone()
+    dout0[:, rows] = 0
+    delta0[:, :, rows] = 0
+    want = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
+    ast.attention_step_backward(q, k, v, out, dout0, lse, delta0, *want,
+                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    torch.testing.assert_close(grads[1], want[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[2], want[2], atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------
+
+
+def test_backward_preprocess():
+    torch.manual_seed(7)
+    out = _randn(2, 3, 17, 80).transpose(1, 2)  # (b, sq, h, d), non-contiguous
+    dout = _randn(2, 17, 3, 80, dtype=torch.bfloat16)
+    delta = ast.attention_backward_preprocess(out, dout)
+    assert delta.shape == (2, 3, 17) and delta.dtype == torch.float32
+    want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(delta.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "h, hk, d, full_lens",
+    [
+        (4, 2, 64, [9, 23]),  # GQA: causal diagonal + two full blocks
+        (2, 1, 80, [17]),  # MQA, padded head dim
+    ],
+)
+def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
+    torch.manual_seed(8)
+    b, sq = 2, 17
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=full_lens)
+    q = _randn(b, sq, h, d)
+    scale = d ** -0.5
+
+    out, lse = _fresh_state(b, sq, h, d)
+    for k, v, mode in steps:
+        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    dout = _randn(b, sq, h, d)
+    delta = ast.attention_backward_preprocess(out, dout)
+
+    # dq starts non-zero to check accumulation (+=); dk/dv are slices of one
+    # buffer (like the travelling gradient buffers of the ring).
+    dq0 = _randn(b, sq, h, d)
+    dq = dq0.clone()
+    dk_all = torch.zeros_like(k_all)
+    dv_all = torch.zeros_like(v_all)
+    n_full = sum(full_lens)
+    bounds = [(n_full, n_full + sq)]
+    start = 0
+    for n in full_lens:
+        bounds.append((start, start + n))
+        start += n
+    for (k, v, mode), (lo, hi) in zip(steps, bounds):
+        ast.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
+                                    softmax_scale=scale, mask_mode=mode)
+
+    qr = q.double().requires_grad_()
+    kr = k_all.double().requires_grad_()
+    vr = v_all.double().requires_grad_()
+    ref_out, _ = _reference(qr, kr, vr, scale, keep)
+    ref_out.backward(dout.double())
+    torch.testing.assert_close(dq.double() - dq0.double(), qr.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(dk_all.double(), kr.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(dv_all.double(), vr.grad, atol=1e-4, rtol=0)
+
+
+def test_backward_bf16_single_causal_step():
+    # Low-precision inputs (P and dS are rounded to bf16 before the products,
+    # as in flash-attention): check against the fp64 reference loosely.
+    torch.manual_seed(9)
+    b, sq, h, hk, d = 1, 17, 4, 2, 64
+    q, k, v = (_randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
+    scale = d ** -0.5
+    out, lse = _fresh_state(b, sq, h, d)
+    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    dout = _randn(b, sq, h, d, dtype=torch.bfloat16)
+    dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)
+    ast.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv,
+                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = _reference(qr, kr, vr, scale, _causal_keep(sq, sq))
+    ref_out.backward(dout.double())
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 3e-2 * want.abs().max().item(), err
+
+
+# ----------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_error():
+    b, s, h, hk, d = 1, 5, 4, 2, 64
+    q, k, v = _randn(b, s, h, d), _randn(b, s, hk, d), _randn(b, s, hk, d)
+    out, lse = _fresh_state(b, s, h, d)
+    fwd = ast.attention_step_forward
+
+    def call(mask_mode=MASK_FULL, **over):
+        args = dict(q=q, k=k, v=v, out=out, lse=lse)
+        args.update(over)
+        fwd(args["q"], args["k"], args["v"], args["out"], args["lse"], softmax_scale=0.125, mask_mode=mask_mode)
+
+    bad = [
+        dict(k=k.half()),  # dtype mismatch
+        dict(q=q.to(torch.float64), k=k.double(), v=v.double()),  # unsupported dtype
+        dict(k=_randn(b, s, hk, 32), v=_randn(b, s, hk, 32)),  # head dim mismatch
+        dict(k=_randn(b, s, 3, d), v=_randn(b, s, 3, d)),  # 4 % 3 != 0
+        dict(v=_randn(b, s + 1, hk, d)),  # k/v shape mismatch
+        dict(q=q[0]),  # not 4-D
+        dict(out=out.half()),  # out wrong dtype
+        dict(out=_zeros(b, s, h, d + 1)),  # out wrong shape
+        dict(lse=lse.double()),  # lse wrong dtype
+        dict(lse=_zeros(b, s, h)),  # lse wrong layout (b, sq, h)
+        dict(k=_randn(b, s + 1, hk, d), v=_randn(b, s + 1, hk, d), mask_mode=MASK_CAUSAL),  # causal sq != sk
+        dict(mask_mode=2),  # unknown mask mode
+    ]
+    for over in bad:
+        with pytest.raises(ValueError):
+            call(**over)
+    with pytest.raises(ValueError):
+        fwd(q, k, v, out, lse, softmax_scale=float("nan"), mask_mode=MASK_FULL)
+
+    dout = _randn(b, s, h, d)
+    delta = ast.attention_backward_preprocess(out, dout)
+    dq, dk, dv = torch.zeros_like(out), _zeros(b, s, hk, d), _zeros(b, s, hk, d)
+    bwd = ast.attention_step_backward
+    with pytest.raises(ValueError):  # dk shaped like q (GQA needs nheads_kv)
+        bwd(q, k, v, out, dout, lse, delta, dq, torch.zeros_like(q), dv, softmax_scale=0.1, mask_mode=MASK_FULL)
+    with pytest.raises(ValueError):  # dq not fp32
+        bwd(q, k, v, out, dout, lse, delta, dq.half(), dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
+    with pytest.raises(ValueError):  # delta wrong shape
+        bwd(q, k, v, out, dout, lse, delta[:, :, :2], dq, dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
+    with pytest.raises(ValueError):  # dout wrong shape
+        bwd(q, k, v, out, dout[:, :2], lse, delta, dq, dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
+    with pytest.raises(ValueError):
+        ast.attention_backward_preprocess(out, dout[..., :8])
+    assert math.isfinite(delta.sum().item())

@@ -59,6 +59,7 @@ MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEADDIM = 256  # bigger tiles would not fit registers / shared memory on GPU
+_MAX_GRID_YZ = 65535  # CUDA limit of grid axes 1 and 2
 
 
 # ----------------------------------------------------------------------------
@@ -453,9 +454,10 @@ def _fwd_config(q, block_d):
         return 128, 64, 4, 3
     if big <= 2 * 128:  # fp16/bf16 d<=128, fp32 d<=64
         return 128, 64, 8, 2
-    # d=256 (or fp32 d>64): smaller tiles keep acc in registers and K/V
-    # stages within the 228 KB of shared memory of an H100.
-    return 64, 32, 4, 2
+    # d=256 (or fp32 d>64): smaller tiles keep K/V stages within the 228 KB
+    # of shared memory of an H100, and 8 warps spread the wide fp32 acc
+    # (64 x 256) over more registers.
+    return 64, 32, 8, 2
 
 
 def _bwd_config(q, block_d):
@@ -467,7 +469,9 @@ def _bwd_config(q, block_d):
         # dq: wide q tile, narrow k sweep; dkdv: wide k tile, narrow q sweep
         # (as in the Triton fused-attention tutorial).
         return (128, 32), (32, 128), 8, 2
-    return (64, 32), (32, 64), 4, 1
+    # d=256 or fp32 d>64: two fp32 (BLOCK_N x 256) accumulators (dk, dv) per
+    # program; 8 warps keep them in registers.
+    return (64, 32), (32, 64), 8, 1
 
 
 def _check_qkv(q, k, v):
@@ -496,6 +500,9 @@ def _check_qkv(q, k, v):
             f"({nheads_kv}, k shape {tuple(k.shape)})")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
+        # heads and batch index grid axes 1 and 2, which CUDA caps at 65535.
+        raise ValueError(f"batch and nheads must be at most {_MAX_GRID_YZ}, got q shape {tuple(q.shape)}")
     return batch, seqlen_q, nheads, headdim, seqlen_k, nheads_kv
 
 

@@ -12,7 +12,6 @@ So each op is the other's backward.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -21,7 +20,12 @@ from seqpar_kernels import _extension  # noqa: F401  (registers torch.ops.seqpar
 
 
 def block_numel(shape: Sequence[int], split_dim: int, length: int) -> int:
-    return math.prod(size for dim, size in enumerate(shape) if dim != split_dim) * length
+    """Elements of tensor.narrow(split_dim, start, length) for a tensor of `shape`."""
+    numel = length
+    for dim, size in enumerate(shape):  # a plain loop: torch.compile traces it
+        if dim != split_dim:
+            numel *= size
+    return numel
 
 
 def pack_blocks(

@@ -1,0 +1,186 @@
+"""seqpar::pack_blocks / seqpar::unpack_blocks against plain-PyTorch references.
+
+Data movement must match exactly. On a machine with a GPU the same cases run on the
+CUDA kernels and are compared with the CPU kernels too.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import seqpar_kernels  # noqa: F401
+from seqpar_kernels.ops import pack_blocks, unpack_blocks
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+def make(shape, dtype, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator) * 50
+    if dtype == torch.bool:
+        return (values > 0).to(device)
+    if dtype == torch.complex64:
+        return torch.complex(values, -values).to(device)
+    return values.to(dtype).to(device)
+
+
+def reference_pack(tensors, split_dims, starts, lengths):
+    pieces = []
+    for index, (start, length) in enumerate(zip(starts, lengths)):
+        tensor_index = index % len(tensors)
+        block = tensors[tensor_index].narrow(split_dims[tensor_index], start, length)
+        pieces.append(block.contiguous().flatten())
+    return torch.cat(pieces)
+
+
+def reference_unpack(buffer, out_shapes, split_dims, starts, lengths):
+    """Sums where ranges overlap in rank order, in fp32 for fp16/bf16 (op-math), as the op does."""
+    wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(buffer.dtype, buffer.dtype)
+    outputs = [torch.zeros(shape, dtype=wide, device=buffer.device) for shape in out_shapes]
+    offset = 0
+    for index, (start, length) in enumerate(zip(starts, lengths)):
+        t = index % len(out_shapes)
+        block_shape = list(out_shapes[t])
+        block_shape[split_dims[t]] = length
+        numel = int(torch.Size(block_shape).numel())
+        block = buffer[offset : offset + numel].view(block_shape).to(wide)
+        outputs[t].narrow(split_dims[t], start, length).add_(block)
+        offset += numel
+    return [out.to(buffer.dtype) for out in outputs]
+
+
+def views(tensor, kind):
+    """The same logical values under different memory layouts."""
+    if kind == "contiguous":
+        return tensor
+    if kind == "transposed":  # memory (.., D, H) read as (.., H, D)
+        return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "sliced":  # every other element of a larger tensor
+        wide = torch.zeros(*tensor.shape[:-1], tensor.shape[-1] * 2, dtype=tensor.dtype, device=tensor.device)
+        wide[..., ::2] = tensor
+        return wide[..., ::2]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_matches_narrow_and_cat(device, dtype):
+    shape = (2, 7, 5, 6)
+    for split_dim, layout, world_size in itertools.product(range(4), ["contiguous", "transposed", "sliced"], [1, 3, 4]):
+        tensor = views(make(shape, dtype, device), layout)
+        sizes = [len(piece) for piece in torch.arange(shape[split_dim]).tensor_split(world_size)]
+        starts = [sum(sizes[:rank]) for rank in range(world_size)]
+        packed = pack_blocks([tensor], [split_dim], starts, sizes)
+        expected = reference_pack([tensor], [split_dim], starts, sizes)
+        assert torch.equal(packed, expected), (split_dim, layout, world_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_qkv_overlapping_kv_ranges_and_empty_blocks(device):
+    # Ulysses with GQA: 6 q heads over 4 ranks [2,2,1,1], kv heads (2) overlap between ranks.
+    q = make((2, 3, 6, 80), torch.bfloat16, device, 1)
+    k = make((2, 3, 2, 80), torch.bfloat16, device, 2)
+    v = views(make((2, 3, 2, 80), torch.bfloat16, device, 3), "transposed")
+    q_starts, q_lengths = [0, 2, 4, 5], [2, 2, 1, 1]
+    kv_starts, kv_lengths = [0, 0, 1, 1], [1, 2, 1, 1]
+    starts = [s for rank in zip(q_starts, kv_starts, kv_starts) for s in rank]
+    lengths = [n for rank in zip(q_lengths, kv_lengths, kv_lengths) for n in rank]
+    packed = pack_blocks([q, k, v], [2, 2, 2], starts, lengths)
+    assert torch.equal(packed, reference_pack([q, k, v], [2, 2, 2], starts, lengths))
+    # Empty blocks (a rank with no heads) take no room.
+    packed = pack_blocks([q], [2], [0, 6, 0], [6, 0, 0])
+    assert torch.equal(packed, q.flatten())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_is_inverse_of_pack(device, dtype):
+    shape = (3, 5, 4, 8)
+    for split_dim, order in itertools.product(range(4), [(0, 1, 2, 3), (0, 2, 1, 3), (3, 2, 1, 0)]):
+        tensor = make(shape, dtype, device)
+        sizes = [len(piece) for piece in torch.arange(shape[split_dim]).tensor_split(3)]
+        starts = [sum(sizes[:rank]) for rank in range(3)]
+        buffer = pack_blocks([tensor], [split_dim], starts, sizes)
+        (out,) = unpack_blocks(buffer, [shape], [split_dim], starts, sizes, [order])
+        assert torch.equal(out, tensor), (split_dim, order)
+        # The memory order is the one asked for.
+        expected_strides = torch.empty([shape[d] for d in order]).permute(
+            [order.index(d) for d in range(4)]).stride()
+        assert out.stride() == expected_strides
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpack_sums_overlapping_ranges_and_zeroes_gaps(device, dtype):
+    # Backward of the GQA exchange: a kv head that went to several ranks gets the sum.
+    shape = (2, 3, 4, 16)
+    starts, lengths = [0, 1, 1, 3], [2, 2, 1, 1]  # heads 1 covered 3x, 0 and 3 once, 2 once
+    buffer = make((2 * 3 * 16 * sum(lengths),), dtype, device)
+    (out,) = unpack_blocks(buffer, [shape], [2], starts, lengths)
+    (expected,) = reference_unpack(buffer, [shape], [2], starts, lengths)
+    assert torch.equal(out, expected)
+    # A gap (head 2 uncovered) reads zero.
+    buffer = make((2 * 3 * 16 * 3,), dtype, device)
+    (out,) = unpack_blocks(buffer, [shape], [2], [0, 3], [2, 1])
+    (expected,) = reference_unpack(buffer, [shape], [2], [0, 3], [2, 1])
+    assert torch.equal(out, expected)
+    assert torch.count_nonzero(out[:, :, 2]) == 0
+
+
+def test_unpack_rejects_wrong_buffer_size():
+    with pytest.raises(RuntimeError, match="blocks hold"):
+        unpack_blocks(torch.zeros(10), [(2, 3)], [0], [0, 1], [1, 1])
+    with pytest.raises(RuntimeError, match="outside its dim"):
+        pack_blocks([torch.zeros(2, 3)], [0], [0, 1], [1, 2])
+
+
+def test_gradients_are_adjoint():
+    # pack's backward is unpack (summing overlaps) and vice versa: gradcheck in fp64.
+    q = torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 2, 4, dtype=torch.float64, requires_grad=True)
+    starts, lengths = [0, 0, 2, 0, 4, 1], [2, 1, 2, 2, 2, 1]
+    assert torch.autograd.gradcheck(lambda a, b: pack_blocks([a, b], [2, 2], starts, lengths), (q, k))
+    buffer = pack_blocks([q, k], [2, 2], starts, lengths).detach().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda flat: unpack_blocks(flat, [(2, 3, 6, 4), (2, 3, 2, 4)], [2, 2], starts, lengths,
+                                   [(0, 2, 1, 3), (0, 1, 2, 3)]),
+        (buffer,),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q = make((2, 5, 6, 8), torch.float32, device).requires_grad_()
+    k = make((2, 5, 2, 8), torch.float32, device).requires_grad_()
+    starts, lengths = [0, 0, 3, 1], [3, 1, 3, 1]
+    torch.library.opcheck(torch.ops.seqpar.pack_blocks.default, ([q, k], [2, 2], starts, lengths))
+    buffer = torch.ops.seqpar.pack_blocks([q, k], [2, 2], starts, lengths).detach().requires_grad_()
+    torch.library.opcheck(
+        torch.ops.seqpar.unpack_blocks.default,
+        (buffer, [2, 5, 6, 8, 2, 5, 2, 8], [0, 2, 1, 3, 0, 1, 2, 3], [2, 2], starts, lengths),
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_cuda_kernels_match_cpu_kernels(dtype):
+    # Large enough to use many CTAs and the 16-byte path, plus an unaligned head dim.
+    for head_dim in (128, 80, 7):
+        q = make((2, 256, 12, head_dim), dtype, "cpu", 4)
+        k = views(make((2, 256, 4, head_dim), dtype, "cpu", 5), "transposed")
+        starts = [0, 0, 5, 1, 9, 3]
+        lengths = [5, 2, 4, 2, 3, 1]
+        cpu = pack_blocks([q, k], [2, 2], starts, lengths)
+        gpu = pack_blocks([q.cuda(), k.cuda()], [2, 2], starts, lengths)
+        assert torch.equal(gpu.cpu(), cpu)
+        shapes = [(2, 256, 12, head_dim), (2, 256, 4, head_dim)]
+        orders = [(0, 2, 1, 3), (0, 1, 2, 3)]
+        seq_starts, seq_lengths = [0, 0, 100, 100, 200, 200], [100, 100, 100, 100, 56, 56]
+        buffer = make((sum(cpu.numel() for cpu in [q, k]),), dtype, "cpu", 6)
+        expected = unpack_blocks(buffer, shapes, [1, 1], seq_starts, seq_lengths, orders)
+        actual = unpack_blocks(buffer.cuda(), shapes, [1, 1], seq_starts, seq_lengths, orders)
+        for want, got in zip(expected, actual):
+            assert got.stride() == want.stride() and torch.equal(got.cpu(), want)

@@ -84,10 +84,13 @@ class CMakeBuild(build_ext):
         import pybind11
         import torch
 
-        output_dir = Path(self.get_ext_fullpath(extension.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / "cmake"
-        build_dir.mkdir(parents=True, exist_ok=True)
+        target = Path(self.get_ext_fullpath(extension.name)).resolve()
         cuda_args, description = cuda_build_settings()
+        # A build folder that outlives pip's temporary ones (editable installs get a new
+        # build_temp each time), so a repeated install recompiles only what changed.
+        flavour = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{'cuda' if cuda_args else 'cpu'}"
+        build_dir = ROOT / "build" / f"cmake-{flavour}"
+        build_dir.mkdir(parents=True, exist_ok=True)
         log(f"building {description} against torch {torch.__version__}")
         configure = [
             "cmake",
@@ -95,7 +98,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={pybind11.get_cmake_dir()}",
-            f"-DSEQPAR_OUTPUT_DIR={output_dir}",
+            f"-DSEQPAR_OUTPUT_DIR={build_dir / 'out'}",
             f"-DSEQPAR_WITH_CUDA={'ON' if cuda_args else 'OFF'}",
             *cuda_args,
         ]
@@ -104,6 +107,11 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(configure, cwd=build_dir, check=True)
         subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
+        # Copy then rename: processes that have the old module loaded keep a valid file.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_suffix(".tmp")
+        shutil.copy2(build_dir / "out" / target.name, staging)
+        os.replace(staging, target)
         log(f"built {description}; `python -m seqpar_kernels.info` shows what is installed")
 
 

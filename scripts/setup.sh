@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Sets up a machine to build, test and benchmark seqpar-kernels; safe to run again.
+#   - keeps the torch you have (2.6 or newer); installs torch==2.14.1 if there is none
+#   - installs the build, test and benchmark tools that are missing
+#   - builds the extension in place (pip install --no-build-isolation -e .): CPU kernels
+#     always, CUDA kernels when a CUDA toolkit and a CUDA build of torch are present
+# Environment: PYTHON (default python3), SEQPAR_TORCH (default torch==2.14.1),
+# CUDA_HOME, SEQPAR_CUDA_ARCHS, SEQPAR_FORCE_CPU=1 (see setup.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SEQPAR_TORCH=${SEQPAR_TORCH:-torch==2.14.1}
+
+say() { echo "[setup] $*"; }
+
+if ! "$PYTHON" - <<'PY' 2>/dev/null
+import torch
+major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+raise SystemExit(0 if (major, minor) >= (2, 6) else 1)
+PY
+then
+  say "installing $SEQPAR_TORCH"
+  "$PYTHON" -m pip install -q "$SEQPAR_TORCH"
+fi
+
+# Python modules the build, tests and benchmarks import; install only what is missing
+# (the GPU machines reach no package index, and have most of these already).
+missing=()
+for module_and_package in pybind11:pybind11 pytest:pytest matplotlib:matplotlib numpy:numpy; do
+  module=${module_and_package%%:*}
+  "$PYTHON" -c "import $module" 2>/dev/null || missing+=("${module_and_package##*:}")
+done
+command -v cmake >/dev/null || missing+=("cmake>=3.18")
+command -v ninja >/dev/null || "$PYTHON" -c "import ninja" 2>/dev/null || missing+=(ninja)
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
+  "$PYTHON" -m pip install -q "${missing[@]}"
+fi
+
+# The nvcc on PATH may be a wrapper script; torch's helpers and ours want the toolkit root.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+
+say "building the extension (log: build/install.log)"
+mkdir -p build
+if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >build/install.log 2>&1; then
+  tail -40 build/install.log
+  say "build failed; full log in build/install.log"
+  exit 1
+fi
+grep "seqpar-kernels build:" build/install.log | tail -2 || true
+"$PYTHON" -m seqpar_kernels.info

@@ -29,16 +29,17 @@ struct KernelLayouts {
   char* bases[kMaxTensors];
 };
 
-template <typename Unit>
+template <typename Unit, typename Index>
 __global__ void block_copy_kernel(KernelLayouts layouts, const BlockDescriptor* blocks,
                                   Unit* flat, bool to_flat) {
   const BlockDescriptor block = blocks[blockIdx.y];
   const StridedLayout& layout = layouts.layouts[block.tensor_index];
   Unit* strided = reinterpret_cast<Unit*>(layouts.bases[block.tensor_index]);
   Unit* flat_block = flat + block.flat_offset;
-  for (int64_t unit = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       unit < block.numel; unit += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t offset = strided_offset(layout, block, unit);
+  const Index numel = static_cast<Index>(block.numel);
+  for (Index unit = blockIdx.x * blockDim.x + threadIdx.x; unit < numel;
+       unit += gridDim.x * blockDim.x) {
+    const Index offset = strided_offset<Index>(layout, block, unit);
     if (to_flat) flat_block[unit] = strided[offset];
     else strided[offset] = flat_block[unit];
   }
@@ -90,6 +91,24 @@ void to_units(BlockCopyPlan& plan, int64_t per_unit) {
   }
 }
 
+// Whether every unit index, and every offset into a tensor, fits in int32 (with room
+// for the grid-stride loop's last increment).
+bool fits_int32(const BlockCopyPlan& plan) {
+  constexpr int64_t kLimit = (int64_t{1} << 31) - (int64_t{1} << 26);
+  for (int64_t t = 0; t < plan.num_tensors; ++t) {
+    const StridedLayout& layout = plan.layouts[t];
+    int64_t largest_offset = 0;
+    for (int dim = 0; dim < layout.ndim; ++dim) {
+      largest_offset += (layout.sizes[dim] - 1) * layout.strides[dim];
+    }
+    if (largest_offset >= kLimit) return false;
+  }
+  for (const BlockDescriptor& block : plan.blocks) {
+    if (block.numel >= kLimit) return false;
+  }
+  return true;
+}
+
 template <typename Unit>
 void launch(const BlockCopyPlan& plan, const BlockDescriptor* device_blocks, char* flat,
             bool to_flat, cudaStream_t stream) {
@@ -106,8 +125,13 @@ void launch(const BlockCopyPlan& plan, const BlockDescriptor* device_blocks, cha
   const int64_t ctas = std::min<int64_t>((largest + 4 * kThreads - 1) / (4 * kThreads), 65535);
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(ctas, 1)),
                   static_cast<unsigned>(plan.blocks.size()));
-  block_copy_kernel<Unit><<<grid, kThreads, 0, stream>>>(
-      layouts, device_blocks, reinterpret_cast<Unit*>(flat), to_flat);
+  if (fits_int32(plan)) {
+    block_copy_kernel<Unit, int32_t><<<grid, kThreads, 0, stream>>>(
+        layouts, device_blocks, reinterpret_cast<Unit*>(flat), to_flat);
+  } else {
+    block_copy_kernel<Unit, int64_t><<<grid, kThreads, 0, stream>>>(
+        layouts, device_blocks, reinterpret_cast<Unit*>(flat), to_flat);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

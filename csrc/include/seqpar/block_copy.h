@@ -43,16 +43,19 @@ struct BlockDescriptor {
 };
 
 // Offset, in units, of the block's `linear_index`-th unit (C order over the block
-// shape) inside its strided tensor, relative to the tensor's base pointer.
-SEQPAR_HOST_DEVICE int64_t strided_offset(const StridedLayout& layout,
-                                          const BlockDescriptor& block,
-                                          int64_t linear_index) {
-  int64_t offset = block.start * layout.strides[layout.split_dim];
+// shape) inside its strided tensor, relative to the tensor's base pointer. Index is
+// int64_t in general; the CUDA kernel uses int32_t when every offset fits, because
+// 64-bit division costs several times the instructions of 32-bit division.
+template <typename Index>
+SEQPAR_HOST_DEVICE Index strided_offset(const StridedLayout& layout, const BlockDescriptor& block,
+                                        Index linear_index) {
+  Index offset = static_cast<Index>(block.start * layout.strides[layout.split_dim]);
   for (int dim = layout.ndim - 1; dim >= 0; --dim) {
-    const int64_t extent = dim == layout.split_dim ? block.length : layout.sizes[dim];
-    const int64_t index = linear_index % extent;
+    const Index extent =
+        static_cast<Index>(dim == layout.split_dim ? block.length : layout.sizes[dim]);
+    const Index index = linear_index % extent;
     linear_index /= extent;
-    offset += index * layout.strides[dim];
+    offset += index * static_cast<Index>(layout.strides[dim]);
   }
   return offset;
 }

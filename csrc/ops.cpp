@@ -17,6 +17,11 @@ TORCH_LIBRARY(seqpar, m) {
   m.def(
       "unpack_blocks(Tensor buffer, int[] out_shapes, int[] out_dim_orders, int[] split_dims, "
       "int[] starts, int[] lengths) -> Tensor[]");
+  // Ring attention's merge: folds a block's attention (block_out, block_lse) into the
+  // running fp32 (out, lse), in place. out, block_out: (B, S, H, D); lse, block_lse:
+  // fp32 (B, H, S); any strides; block_out fp32, fp16 or bf16. Rows whose block_lse is
+  // -inf are left untouched. Python side: seqpar_kernels/ops/ring_attention.py.
+  m.def("attention_merge_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse) -> ()");
 }
 
 namespace {

@@ -3,6 +3,7 @@
 Public API:
     all_to_all_reshard, split_sequence, gather_sequence   (DSP and friends)
     ulysses_attention                                      (DeepSpeed-Ulysses)
+    ring_attention, zigzag_split, zigzag_gather            (ring attention)
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
@@ -11,6 +12,7 @@ from seqpar_kernels import ops  # noqa: F401  (registers fake kernels and autogr
 from seqpar_kernels.comm.stats import comm_stats
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ulysses import ulysses_attention
+from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
 
 __version__ = "0.1.0"
 __all__ = [
@@ -20,3 +22,4 @@ __all__ = [
     "ulysses_attention",
     "comm_stats",
 ]
+__all__ += ["ring_attention", "zigzag_split", "zigzag_gather"]

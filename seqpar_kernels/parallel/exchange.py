@@ -53,28 +53,25 @@ def exchange_blocks(
     return unpack_blocks(received, out_shapes, recv_dims, recv_starts, recv_lengths, out_dim_orders)
 
 
-def fingerprint(value) -> int:
+def _fingerprint(value) -> int:
     """A stable small integer for metadata that every rank must agree on."""
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
-def gather_local_sizes(
-    local_size: int, agreed: Sequence[int], group: GroupInfo, describe: str
-) -> list[int]:
-    """Every rank's `local_size`, checking on the way that every rank passed the same
-    `agreed` metadata. A mismatch raises ValueError on every rank alike, so no rank is
-    left waiting in a later collective.
+def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str) -> list[int]:
+    """Every rank's `local_size`, checking on the way that every rank passed equal
+    `agreed` metadata (any printable value: shapes, dims, dtype, flags). A mismatch
+    raises ValueError on every rank alike, so no rank is left waiting in a later
+    collective. One small all_gather (on NCCL, a host sync).
 
     Under torch.compile the sizes cannot be read at trace time: every rank is assumed
-    to hold `local_size` (pass sizes explicitly when they differ)."""
-    if group.world_size == 1:
-        return [local_size]
-    if torch.compiler.is_compiling():
+    to hold `local_size` and nothing is checked (pass sizes explicitly when they differ)."""
+    if group.world_size == 1 or torch.compiler.is_compiling():
         return [local_size] * group.world_size
-    rows = all_gather_ints([local_size, *agreed], group.name)
-    if any(row[1:] != rows[0][1:] for row in rows):
+    rows = all_gather_ints([local_size, _fingerprint(agreed)], group.name)
+    if any(row[1] != rows[0][1] for row in rows):
         raise ValueError(
-            f"{describe}: ranks disagree on shapes, dims or dtype (per rank: local size, then "
-            f"fingerprints): {rows}"
+            f"{describe}: ranks disagree on shapes, dims or dtype; rank {group.rank} passed "
+            f"{agreed} (per rank: local size, metadata fingerprint: {rows})"
         )
     return [row[0] for row in rows]

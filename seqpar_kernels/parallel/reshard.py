@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
-from seqpar_kernels.parallel.exchange import exchange_blocks, fingerprint, gather_local_sizes
+from seqpar_kernels.parallel.exchange import exchange_blocks, gather_local_sizes
 
 
 def _normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
@@ -68,7 +68,7 @@ def all_to_all_reshard(
     shape = list(x.shape)
     if gather_sizes is None:
         shape_without_gather = shape[:gather] + shape[gather + 1 :]
-        agreed = [x.dim(), scatter, gather, fingerprint((x.dtype, shape_without_gather))]
+        agreed = (x.dim(), scatter, gather, x.dtype, shape_without_gather)
         gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard")
     _check_gather_sizes(gather_sizes, info, shape[gather], x.shape, gather)
     gather_sizes = list(gather_sizes)
@@ -135,7 +135,7 @@ def gather_sequence(
     dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
     if sizes is None:
-        agreed = [x.dim(), fingerprint((x.dtype, x.shape[:dim], x.shape[dim + 1 :]))]
+        agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
         sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence")
     _check_gather_sizes(sizes, info, x.shape[dim], x.shape, dim)
     return _GatherSequence.apply(x, dim, group, list(sizes))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
-from seqpar_kernels.parallel.exchange import exchange_blocks, fingerprint, gather_local_sizes
+from seqpar_kernels.parallel.exchange import exchange_blocks, gather_local_sizes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -135,7 +135,7 @@ def ulysses_attention(
     batch, local_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     if seq_lens is None:
-        agreed = [batch, num_heads, num_kv_heads, head_dim, int(causal), fingerprint((q.dtype, softmax_scale))]
+        agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, softmax_scale)
         seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention")
     if len(seq_lens) != info.world_size or seq_lens[info.rank] != local_len:
         raise ValueError(

@@ -1,0 +1,417 @@
+"""ring_attention, zigzag_split and zigzag_gather (seqpar_kernels/parallel/ring.py, the
+ring driver in seqpar_kernels/ops/ring_attention.py) on 1-4 gloo ranks.
+
+Every rank builds the same full q/k/v/dout (B, N, H, D) from a fixed seed, takes its
+piece in the layout under test (contiguous: rows [r*S, (r+1)*S); zigzag: chunks r and
+2P-1-r of 2P), runs ring_attention with autograd, and compares its piece of out, lse and
+of the gradients with a reference on the same rank: attention with the score matrix
+materialized, in fp64 (kv heads repeat_interleave'd in the reference only).
+
+Low precision follows flash-attention's rule: the error of ours against the fp64
+reference is at most 2x the error of plain PyTorch attention computed in that dtype
+(plus a tiny slack), for the output and every gradient.
+
+Rank functions are module-level (the pool pickles them by reference) and run several
+cases per call: every `ranks.run` is a round trip to all ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar_kernels as sp
+from seqpar_kernels.ops.ring_attention import force_step_kernels
+
+# ----------------------------------------------------------------------------------
+# helpers (run inside the ranks)
+# ----------------------------------------------------------------------------------
+
+
+def _rank():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def reference_attention(q, k, v, causal, scale):
+    """(out, lse) of plain attention in q's dtype with the scores materialized.
+    q: (B, N, H, D); k, v: (B, N, H_kv, D); lse: (B, H, N)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        length = q.shape[1]
+        keep = torch.ones(length, length, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    return out, torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
+
+
+def local_rows(x, layout, rank, world_size, dim=1):
+    """This rank's rows of a full-sequence tensor, by hand (not with zigzag_split)."""
+    if layout == "contiguous":
+        return x.chunk(world_size, dim=dim)[rank]
+    chunks = x.chunk(2 * world_size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
+
+
+def full_inputs(case, world_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = case["S"] * world_size
+    draw = lambda heads: torch.randn(case["B"], total, heads, case["D"], generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, dout = draw(case["H"]), draw(case["H_kv"]), draw(case["H_kv"]), draw(case["H"])
+    q = q * case.get("q_mult", 1.0)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def attention_with_grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def max_err(a, b):
+    return 0.0 if a.numel() == 0 else (a.double() - b.double()).abs().max().item()
+
+
+def sdpa_attention(q, k, v, causal, scale):
+    """torch's own fused attention (single device, whole sequence) in q's dtype."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    ).transpose(1, 2)  # fmt: skip
+    return out, None
+
+
+def run_case(case, dtype, seed=0):
+    """One case on this rank. Returns (errors, yardsticks): errors[name] is the max error
+    of ring_attention's piece against the fp64 reference; yardsticks["plain"][name] and
+    yardsticks["sdpa"][name] are those of plain attention and of torch SDPA computed in
+    dtype on the whole sequence (same piece), yardsticks["magnitude"][name] the largest
+    magnitude of the reference piece."""
+    rank, world_size = _rank()
+    causal, layout = case["causal"], case["layout"]
+    scale = case.get("scale", 1.0 / math.sqrt(case["D"]))
+    inputs = full_inputs(case, world_size, dtype, seed)
+    piece = lambda x, name: local_rows(x, layout, rank, world_size, dim=2 if name == "lse" else 1)  # noqa: E731
+    exact = attention_with_grads(
+        lambda q, k, v: reference_attention(q, k, v, causal, scale), *(t.double() for t in inputs)
+    )
+    ours = attention_with_grads(
+        lambda q, k, v: sp.ring_attention(
+            q, k, v, causal=causal, softmax_scale=case.get("scale"), layout=layout, return_lse=True
+        ),
+        *(local_rows(t, layout, rank, world_size) for t in inputs),
+    )
+    plain = attention_with_grads(lambda q, k, v: reference_attention(q, k, v, causal, scale), *inputs)
+    sdpa = attention_with_grads(lambda q, k, v: sdpa_attention(q, k, v, causal, scale), *inputs)
+    errors = {}
+    yardsticks = {"plain": {}, "sdpa": {}, "magnitude": {}}
+    for index, name in enumerate(NAMES):
+        expected, got = piece(exact[index], name), ours[index]
+        assert got.shape == expected.shape, (name, got.shape, expected.shape)
+        assert got.dtype == (torch.float32 if name == "lse" else dtype), (name, got.dtype)
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        errors[name] = max_err(got, expected)
+        yardsticks["plain"][name] = max_err(piece(plain[index], name), expected)
+        sdpa_result = plain[index] if sdpa[index] is None else sdpa[index]  # SDPA has no lse
+        yardsticks["sdpa"][name] = max_err(piece(sdpa_result, name), expected)
+        yardsticks["magnitude"][name] = expected.abs().max().item() if expected.numel() else 0.0
+    return errors, yardsticks
+
+
+def run_cases(cases, dtype):
+    return [(case["id"], *run_case(case, dtype, seed)) for seed, case in enumerate(cases)]
+
+
+def run_cases_with_kernels(kernels, cases, dtype):
+    with force_step_kernels(kernels):
+        return run_cases(cases, dtype)
+
+
+def _case(id, H, H_kv, D, S, causal, layout, B=1, **extra):
+    return dict(id=id, H=H, H_kv=H_kv, D=D, S=S, causal=causal, layout=layout, B=B, **extra)
+
+
+# Local lengths (S) are per rank; the full sequence is S x P.
+CASE_GROUPS = {
+    "mha": [
+        _case("contig-full", H=4, H_kv=4, D=64, S=8, causal=False, layout="contiguous", B=2),
+        _case("contig-causal", H=4, H_kv=4, D=64, S=8, causal=True, layout="contiguous", B=2),
+        _case("zigzag-causal", H=4, H_kv=4, D=64, S=8, causal=True, layout="zigzag", B=2),
+        _case("zigzag-full", H=2, H_kv=2, D=64, S=6, causal=False, layout="zigzag"),
+        _case("contig-odd-scale", H=2, H_kv=2, D=64, S=5, causal=True, layout="contiguous", scale=0.3),
+    ],
+    "gqa-mqa": [
+        _case("gqa-contig-causal", H=6, H_kv=2, D=64, S=6, causal=True, layout="contiguous"),
+        _case("gqa-zigzag-causal", H=4, H_kv=2, D=64, S=8, causal=True, layout="zigzag", B=2),
+        _case("gqa-contig-full", H=4, H_kv=2, D=64, S=6, causal=False, layout="contiguous"),
+        _case("mqa-contig-causal", H=4, H_kv=1, D=64, S=6, causal=True, layout="contiguous"),
+        _case("mqa-zigzag-causal", H=3, H_kv=1, D=64, S=4, causal=True, layout="zigzag"),
+    ],
+    "head-dims": [
+        _case("D80-zigzag-gqa", H=4, H_kv=2, D=80, S=6, causal=True, layout="zigzag"),
+        _case("D128-contig", H=2, H_kv=2, D=128, S=6, causal=True, layout="contiguous"),
+        _case("D128-zigzag-mqa", H=2, H_kv=1, D=128, S=4, causal=True, layout="zigzag"),
+        _case("D96-full", H=2, H_kv=1, D=96, S=4, causal=False, layout="contiguous"),
+        _case("D256-zigzag", H=1, H_kv=1, D=256, S=4, causal=True, layout="zigzag"),
+    ],
+}
+
+FP32_TOL = 2e-5
+
+
+def failures_of(per_rank, limit_for):
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for case_id, errors, yardsticks in results:
+            for name, err in errors.items():
+                limit = limit_for(name, yardsticks)
+                if not err <= limit:
+                    failures.append(f"rank {rank} {case_id} {name}: err {err:.3g} > {limit:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("group", list(CASE_GROUPS))
+def test_fp32_matches_fp64_reference(ranks, group):
+    per_rank = ranks.run(run_cases, CASE_GROUPS[group], torch.float32)
+    failures = failures_of(per_rank, lambda name, yardsticks: FP32_TOL)
+    assert not failures, "\n".join(failures)
+
+
+LOW_PRECISION_CASES = [
+    _case("contig-causal-gqa", H=4, H_kv=2, D=64, S=16, causal=True, layout="contiguous"),
+    _case("zigzag-causal", H=2, H_kv=2, D=80, S=16, causal=True, layout="zigzag"),
+    _case("contig-full-mqa", H=2, H_kv=1, D=128, S=12, causal=False, layout="contiguous"),
+]
+# "Tiny slack": about one ulp of the dtype at 0.01-0.03 (the gradients' scale here).
+SLACK = {torch.bfloat16: 1e-4, torch.float16: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_within_twice_plain_torch_error(ranks, dtype):
+    per_rank = ranks.run(run_cases, LOW_PRECISION_CASES, dtype)
+    failures = failures_of(per_rank, lambda name, yardsticks: 2 * yardsticks["plain"][name] + SLACK[dtype])
+    assert not failures, "\n".join(failures)
+
+
+def test_large_logits_stay_finite_and_accurate(ranks):
+    # q x 40: scores in the hundreds; softmax is nearly one-hot, exp(score) overflows fp32.
+    cases = [
+        _case("contig-causal", H=2, H_kv=1, D=64, S=8, causal=True, layout="contiguous", q_mult=40.0),
+        _case("zigzag-causal", H=2, H_kv=2, D=64, S=8, causal=True, layout="zigzag", q_mult=40.0),
+        _case("full", H=2, H_kv=2, D=64, S=6, causal=False, layout="contiguous", q_mult=40.0),
+    ]
+    per_rank = ranks.run(run_cases, cases, torch.float32)  # run_case asserts finiteness
+    # With scores in the hundreds, fp32 rounding costs single-device attention itself more
+    # than FP32_TOL: lse and dk grow with the logits, and a flash-style backward (delta =
+    # rowsum(dout * out)) loses digits of dk when the softmax is nearly one-hot. So: as
+    # accurate as torch's fused attention on the whole sequence (2x its error), and never
+    # worse than FP32_TOL relative to each tensor's magnitude otherwise.
+    def limit(name, yardsticks):
+        return 2 * yardsticks["sdpa"][name] + FP32_TOL * max(1.0, yardsticks["magnitude"][name])
+
+    failures = failures_of(per_rank, limit)
+    assert not failures, "\n".join(failures)
+    bf16 = ranks.run(run_cases, cases[:2], torch.bfloat16)  # finiteness in bf16 too
+    assert len(bf16) == ranks.world_size
+
+
+# The Triton step kernels (the CUDA path) under the interpreter on CPU tensors: the same
+# schedule and views, so the ring logic of the GPU path is tested without a GPU. Small:
+# the interpreter is slow.
+TRITON_CASES = [
+    _case("triton-zigzag-gqa", H=2, H_kv=1, D=64, S=4, causal=True, layout="zigzag"),
+    _case("triton-contig-causal", H=1, H_kv=1, D=80, S=3, causal=True, layout="contiguous"),
+]
+
+
+def test_triton_step_path_matches_reference(ranks):
+    per_rank = ranks.run(run_cases_with_kernels, "triton", TRITON_CASES, torch.float32)
+    failures = failures_of(per_rank, lambda name, yardsticks: FP32_TOL)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# comm_stats
+# ----------------------------------------------------------------------------------
+
+
+def measure_bytes(dtype):
+    rank, world_size = _rank()
+    results = []
+    for layout, causal, heads_kv in (("contiguous", True, 2), ("zigzag", True, 1), ("contiguous", False, 4)):
+        gen = torch.Generator().manual_seed(rank)
+        q = torch.randn(2, 6, 4, 64, generator=gen).to(dtype).requires_grad_()
+        k = torch.randn(2, 6, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
+        v = torch.randn(2, 6, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
+        with sp.comm_stats() as forward:
+            out = sp.ring_attention(q, k, v, causal=causal, layout=layout)
+        with sp.comm_stats() as backward:
+            out.sum().backward()
+        kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        grad_kv_bytes = 4 * (k.numel() + v.numel())  # fp32 dk|dv travel
+        results.append(
+            (forward.bytes_sent, (world_size - 1) * kv_bytes,
+             backward.bytes_sent, (world_size - 1) * (kv_bytes + grad_kv_bytes),
+             forward.calls, backward.calls)
+        )  # fmt: skip
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_comm_stats_count_the_ring(ranks, dtype):
+    for per_case in ranks.run(measure_bytes, dtype):
+        for fwd, fwd_theory, bwd, bwd_theory, fwd_calls, bwd_calls in per_case:
+            assert fwd == fwd_theory  # (P-1) x local KV bytes
+            assert bwd == bwd_theory  # (P-1) x (KV bytes + fp32 dKV bytes)
+            assert fwd_calls == ranks.world_size - 1
+            assert bwd_calls == 2 * (ranks.world_size - 1)
+
+
+# ----------------------------------------------------------------------------------
+# opcheck
+# ----------------------------------------------------------------------------------
+
+
+def opcheck_ops():
+    rank, world_size = _rank()
+    group_name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    for causal, zigzag in ((True, True), (False, False)):
+        q = torch.randn(1, 4, 2, 16, generator=gen, requires_grad=True)
+        k = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
+        v = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
+        args = (q, k, v, causal, 0.25, zigzag, group_name)
+        torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
+        out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
+        dout = torch.randn(out.shape, generator=gen)
+        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name)
+        torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
+        results.append(True)
+    return results
+
+
+def test_opcheck(ranks):
+    assert ranks.run(opcheck_ops) == [[True] * 2] * ranks.world_size
+
+
+def test_opcheck_single_process():
+    # Without torch.distributed: the group of one process (group name "").
+    q = torch.randn(2, 6, 4, 32, requires_grad=True)
+    k = torch.randn(2, 6, 2, 32, requires_grad=True)
+    v = torch.randn(2, 6, 2, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, ""))
+    out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
+    expected, expected_lse = reference_attention(q.double(), k.double(), v.double(), True, 32**-0.5)
+    assert max_err(out, expected) <= FP32_TOL and max_err(lse, expected_lse) <= FP32_TOL
+
+
+# ----------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------
+
+
+def _qkv(shape_q=(1, 4, 2, 16), shape_kv=(1, 4, 2, 16), dtype=torch.float32):
+    return torch.randn(shape_q).to(dtype), torch.randn(shape_kv).to(dtype), torch.randn(shape_kv).to(dtype)
+
+
+def bad_inputs_raise_everywhere():
+    """Bad inputs raise ValueError on every rank (and nobody hangs); the ranks are usable
+    afterwards. Returns the messages."""
+    rank, world_size = _rank()
+    q, k, v = _qkv()
+    bad = {
+        "3-D q": lambda: sp.ring_attention(q[0], k, v),
+        "int dtype": lambda: sp.ring_attention(*_qkv(dtype=torch.int32)),
+        "fp64": lambda: sp.ring_attention(*_qkv(dtype=torch.float64)),
+        "mixed dtypes": lambda: sp.ring_attention(q, k.half(), v),
+        "k/v shapes": lambda: sp.ring_attention(q, k, v[:, :, :1]),
+        "seqlen q != kv": lambda: sp.ring_attention(q, k[:, :2], v[:, :2]),
+        "batch q != kv": lambda: sp.ring_attention(q, torch.cat([k, k]), torch.cat([v, v])),
+        "head dims": lambda: sp.ring_attention(q, k[..., :8], v[..., :8]),
+        "head dim 512": lambda: sp.ring_attention(*_qkv((1, 4, 2, 512), (1, 4, 2, 512))),
+        "heads % kv heads": lambda: sp.ring_attention(*_qkv((1, 4, 3, 16), (1, 4, 2, 16))),
+        "devices": lambda: sp.ring_attention(q.to("meta"), k, v),
+        "meta device": lambda: sp.ring_attention(*(t.to("meta") for t in (q, k, v))),
+        "layout": lambda: sp.ring_attention(q, k, v, layout="striped"),
+        "zigzag odd length": lambda: sp.ring_attention(*_qkv((1, 3, 2, 16), (1, 3, 2, 16)), layout="zigzag"),
+        "softmax_scale": lambda: sp.ring_attention(q, k, v, softmax_scale=float("nan")),
+        "zigzag_split length": lambda: sp.zigzag_split(torch.randn(2, 2 * world_size + 1), dim=1),
+        "zigzag_gather odd": lambda: sp.zigzag_gather(torch.randn(3, 2), dim=0),
+    }
+    if world_size > 1:
+        # Each rank alone is fine; together they disagree. The metadata all_gather makes
+        # every rank raise.
+        length = 4 if rank == 0 else 6
+        bad["unequal lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)))
+        bad["ranks disagree on causal"] = lambda: sp.ring_attention(q, k, v, causal=rank == 0)
+        bad["ranks disagree on heads"] = lambda: sp.ring_attention(
+            *_qkv((1, 4, 2 + 2 * (rank == 0), 16), (1, 4, 2, 16))
+        )
+        bad["zigzag_gather unequal"] = lambda: sp.zigzag_gather(torch.randn(2 + 2 * (rank == 0), 3), dim=0)
+    messages = {}
+    for name, call in bad.items():
+        try:
+            call()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = None
+    # Still usable: a valid call runs and is right.
+    out = sp.ring_attention(q, k, v, causal=True)
+    return messages, tuple(out.shape)
+
+
+def test_bad_inputs_raise_on_every_rank(ranks):
+    for rank, (messages, shape) in enumerate(ranks.run(bad_inputs_raise_everywhere)):
+        missing = [name for name, message in messages.items() if message is None]
+        assert not missing, f"rank {rank}: no ValueError for {missing}"
+        assert shape == (1, 4, 2, 16)
+        assert "(1, 4, 2, 16)" in messages["k/v shapes"]  # messages name the shapes
+
+
+# ----------------------------------------------------------------------------------
+# zigzag_split / zigzag_gather
+# ----------------------------------------------------------------------------------
+
+
+def zigzag_round_trip():
+    rank, world_size = _rank()
+    gen = torch.Generator().manual_seed(11)
+    results = {}
+    full = torch.randn(2, 4 * world_size, 3, generator=gen)
+    weights = torch.randn(full.shape, generator=gen)
+    for dim in (1, -2):
+        x = full.clone().requires_grad_()
+        piece = sp.zigzag_split(x, dim)
+        results[f"split dim {dim}"] = torch.equal(piece, local_rows(full, "zigzag", rank, world_size))
+        # split's backward gathers: x.grad is the full gradient, the same on every rank.
+        (piece * local_rows(weights, "zigzag", rank, world_size)).sum().backward()
+        results[f"split grad dim {dim}"] = torch.equal(x.grad, weights)
+        leaf = piece.detach().requires_grad_()
+        gathered = sp.zigzag_gather(leaf, dim)
+        results[f"gather dim {dim}"] = torch.equal(gathered, full)
+        (gathered * weights).sum().backward()
+        results[f"gather grad dim {dim}"] = torch.equal(leaf.grad, local_rows(weights, "zigzag", rank, world_size))
+    # End to end: zigzag pieces of full q/k/v -> causal ring attention -> gathered out
+    # equals attention over the full sequence.
+    case = _case("e2e", H=2, H_kv=1, D=64, S=4, causal=True, layout="zigzag")
+    q, k, v, _ = full_inputs(case, world_size, torch.float32, seed=3)
+    out = sp.ring_attention(*(sp.zigzag_split(t, 1) for t in (q, k, v)), causal=True, layout="zigzag")
+    expected, _ = reference_attention(q.double(), k.double(), v.double(), True, 64**-0.5)
+    results["end to end"] = max_err(sp.zigzag_gather(out, 1), expected) <= FP32_TOL
+    return results
+
+
+def test_zigzag_split_and_gather(ranks):
+    for rank, results in enumerate(ranks.run(zigzag_round_trip)):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"

@@ -1,8 +1,8 @@
 // CPU kernels of seqpar::pack_blocks and seqpar::unpack_blocks.
 //
-// Work is split into rows: a row is one run of the innermost coalesced dim of a block.
-// Rows whose innermost stride is 1 are one memcpy each (the common case: headdim is
-// innermost); other rows copy element by element.
+// Work is split into rows (see BlockRows): a row is the longest run of a block that is
+// contiguous in the strided tensor, one memcpy; rows with a non-unit innermost stride
+// copy element by element.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -58,36 +58,92 @@ void copy_row(char* strided, int64_t stride, char* flat, int64_t count, int64_t 
   }
 }
 
+// A block seen as rows: the trailing dims that are contiguous in the strided tensor
+// (the split dim included, with the block's extent) form one row, copied with one
+// memcpy; the remaining outer dims are walked with an odometer. Measured on a 2-core
+// Xeon, Ulysses' q pack (B*S, H, D): one memcpy per (token, head) row plus index
+// division per row made the kernel 1.45x slower than permute().contiguous(); rows of
+// (heads of one rank) x D elements and no division per row remove that.
+struct BlockRows {
+  int64_t row_length;    // units per row
+  int64_t inner_stride;  // stride between a row's units (1 when merged)
+  int outer_ndim;
+  int64_t outer_extents[kMaxDims];
+  int64_t outer_strides[kMaxDims];
+  int64_t start_offset;  // offset of the block's first unit in the strided tensor
+  int64_t rows;
+};
+
+BlockRows block_rows(const StridedLayout& layout, const BlockDescriptor& block) {
+  BlockRows rows{};
+  int dim = layout.ndim - 1;
+  auto extent = [&](int d) { return d == layout.split_dim ? block.length : layout.sizes[d]; };
+  rows.row_length = extent(dim);
+  rows.inner_stride = layout.strides[dim];
+  if (rows.inner_stride == 1) {
+    while (dim > 0 && layout.strides[dim - 1] == rows.row_length) {
+      --dim;
+      rows.row_length *= extent(dim);
+    }
+  }
+  rows.outer_ndim = dim;
+  rows.rows = 1;
+  for (int d = 0; d < dim; ++d) {
+    rows.outer_extents[d] = extent(d);
+    rows.outer_strides[d] = layout.strides[d];
+    rows.rows *= extent(d);
+  }
+  rows.start_offset = block.start * layout.strides[layout.split_dim];
+  return rows;
+}
+
 void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
   const int64_t num_blocks = static_cast<int64_t>(plan.blocks.size());
+  const int64_t element_size = plan.element_size;
+  std::vector<BlockRows> shapes(num_blocks);
   // rows_before[b]: rows of all blocks before b, so a flat row index finds its block.
   std::vector<int64_t> rows_before(num_blocks + 1, 0);
-  std::vector<int64_t> row_length(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const BlockDescriptor& block = plan.blocks[b];
-    const StridedLayout& layout = plan.layouts[block.tensor_index];
-    const int inner = layout.ndim - 1;
-    row_length[b] = inner == layout.split_dim ? block.length : layout.sizes[inner];
-    rows_before[b + 1] = rows_before[b] + block.numel / row_length[b];
+    shapes[b] = block_rows(plan.layouts[plan.blocks[b].tensor_index], plan.blocks[b]);
+    rows_before[b + 1] = rows_before[b] + shapes[b].rows;
   }
   int64_t total_units = 0;
   for (const BlockDescriptor& block : plan.blocks) total_units += block.numel;
   const int64_t total_rows = rows_before[num_blocks];
-  const int64_t mean_row_bytes = std::max<int64_t>(1, total_units * plan.element_size / total_rows);
+  const int64_t mean_row_bytes = std::max<int64_t>(1, total_units * element_size / total_rows);
   const int64_t grain = std::max<int64_t>(1, kBytesPerTask / mean_row_bytes);
   at::parallel_for(0, total_rows, grain, [&](int64_t row_begin, int64_t row_end) {
     int64_t b = std::upper_bound(rows_before.begin(), rows_before.end(), row_begin) -
                 rows_before.begin() - 1;
-    for (int64_t row = row_begin; row < row_end; ++row) {
-      while (row >= rows_before[b + 1]) ++b;
+    int64_t row = row_begin;
+    while (row < row_end) {
       const BlockDescriptor& block = plan.blocks[b];
-      const StridedLayout& layout = plan.layouts[block.tensor_index];
-      const int64_t first = (row - rows_before[b]) * row_length[b];
-      const int64_t offset = strided_offset(layout, block, first);
-      copy_row(plan.bases[block.tensor_index] + offset * plan.element_size,
-               layout.strides[layout.ndim - 1],
-               flat + (block.flat_offset + first) * plan.element_size, row_length[b],
-               plan.element_size, to_flat);
+      const BlockRows& shape = shapes[b];
+      char* strided = plan.bases[block.tensor_index];
+      // The odometer starts at this task's first row of the block: one division per
+      // dim here, none per row below.
+      int64_t index[kMaxDims];
+      int64_t offset = shape.start_offset;
+      int64_t remainder = row - rows_before[b];
+      for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+        index[d] = remainder % shape.outer_extents[d];
+        remainder /= shape.outer_extents[d];
+        offset += index[d] * shape.outer_strides[d];
+      }
+      const int64_t last_row = std::min(row_end, rows_before[b + 1]);
+      char* packed = flat + (block.flat_offset + (row - rows_before[b]) * shape.row_length) * element_size;
+      for (; row < last_row; ++row) {
+        copy_row(strided + offset * element_size, shape.inner_stride, packed, shape.row_length,
+                 element_size, to_flat);
+        packed += shape.row_length * element_size;
+        for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+          offset += shape.outer_strides[d];
+          if (++index[d] < shape.outer_extents[d]) break;
+          offset -= index[d] * shape.outer_strides[d];
+          index[d] = 0;
+        }
+      }
+      ++b;
     }
   });
 }

@@ -1,0 +1,47 @@
+"""python -m bench: the seqpar-kernels microbenchmark suite.
+
+    python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL
+    python -m bench --quick              tiny shapes, seconds (the CI smoke test)
+    python -m bench --only kernels       one benchmark: reshard, ulysses or kernels
+    torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
+
+Prints one line per case as it goes, then a summary with issue 2's targets marked met or
+not met, and writes <device>-<backend><P>-<date>.csv, .json and .png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.launch import Options, launch
+from bench.suite import BENCHES
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks to spawn (default: all local GPUs with nccl, 4 with gloo; "
+                             "ignored under torchrun)")  # fmt: skip
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: nccl when CUDA GPUs are present, else gloo")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (seconds)")
+    parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
+                        help="run only this benchmark (repeatable; default: all)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results directory (default: {DEFAULT_OUT})")  # fmt: skip
+    args = parser.parse_args(argv)
+    return Options(
+        world_size=args.world_size,
+        backend=args.backend,
+        quick=args.quick,
+        only=tuple(dict.fromkeys(args.only or BENCHES)),  # in order, each once
+        out=args.out,
+    )
+
+
+if __name__ == "__main__":
+    launch(parse_options())

@@ -1,0 +1,173 @@
+"""The pack and unpack kernels alone (no collective), in Ulysses' q, k, v layout.
+
+    pack    q (B, S_l, H, D), k/v (B, S_l, H_kv, D) -> one flat send buffer, per
+            destination j: q heads of j, then the kv heads they read
+            baseline: DeepSpeed's reshape + permute + contiguous of q, k and v (with
+            yunchang's repeat of K/V when H_kv < P), one copy per tensor
+    unpack  the receive buffer (per source i: q, k, v blocks (B, S_l, h, D)) -> q
+            (B, S, h, D) and k/v (B, S, h_kv, D) in (B, h, S, D) memory for attention
+            baseline: cat of the P received pieces along the sequence, per tensor
+
+GB/s counts the bytes each kernel must read plus write (2 x the buffer), for ours and
+the baseline alike, so the two are rates of the same work. On a GPU that is also shown
+as a fraction of the memory bandwidth; on CPU the reference is a measured large copy.
+
+Runs on rank 0 alone while the other ranks wait. On CPU rank 0 keeps its share of the
+cores (cores / P threads), as each rank of a P-rank job on one machine would: giving it
+every core would also make its timings hostage to any other load on the machine
+(OpenMP teams stall whenever one of their threads is descheduled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ranges
+
+from bench.baselines import heads_to_front, repeat_kv_heads
+from bench.context import Context
+from bench.results import Row, gbps, progress_line, short_dtype, timed_row
+from bench.timing import time_side_by_side
+from bench.verify import agreement
+
+# (B, S, h, D) logical, (B, h, S, D) in memory: how ulysses_attention unpacks.
+HEADS_MAJOR = [0, 2, 1, 3]
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    batch: int
+    local_len: int  # S_l, this rank's sequence piece
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def label(self, destinations: int) -> str:
+        kind = "MHA" if self.kv_heads == self.heads else "GQA"
+        dtype = short_dtype(self.dtype)
+        return f"{kind} H={self.heads}/{self.kv_heads} D={self.head_dim} P={destinations} {dtype}"
+
+    def shape(self, destinations: int) -> str:
+        return (
+            f"q (B,S_l,H,D)=({self.batch},{self.local_len},{self.heads},{self.head_dim}) "
+            f"H_kv={self.kv_heads} P={destinations}"
+        )
+
+
+def cases(ctx: Context) -> list[KernelCase]:
+    bf16 = torch.bfloat16
+    if ctx.quick:
+        return [KernelCase(1, 64, 8, 8, 16, torch.float32), KernelCase(1, 64, 8, 2, 16, bf16)]
+    if ctx.on_gpu:  # hundreds of MB: far above launch overhead and the L2 cache
+        return [
+            KernelCase(1, 16384, 32, 32, 128, bf16),
+            KernelCase(1, 16384, 32, 8, 128, bf16),
+            KernelCase(2, 8192, 32, 32, 128, torch.float32),
+        ]
+    return [
+        KernelCase(1, 2048, 16, 16, 128, bf16),
+        KernelCase(1, 2048, 16, 4, 128, bf16),
+        KernelCase(1, 2048, 16, 2, 128, bf16),
+        KernelCase(1, 2048, 16, 16, 64, torch.float32),
+    ]
+
+
+def destinations_for(ctx: Context) -> int:
+    """The number of ranks the layout is cut for. Nothing is sent here, so a world of one
+    still benches the layout of a typical node (8): packing for one destination would
+    be a plain copy."""
+    return ctx.world_size if ctx.world_size > 1 else 8
+
+
+def supported(case: KernelCase, destinations: int) -> bool:
+    """The baseline's permute needs H % P == 0 and kv heads that split or repeat evenly."""
+    kv_even = case.kv_heads % destinations == 0 or destinations % case.kv_heads == 0
+    return case.heads % destinations == 0 and kv_even
+
+
+def measure_pack(case: KernelCase, ctx: Context, destinations: int) -> Row:
+    shape_q = (case.batch, case.local_len, case.heads, case.head_dim)
+    shape_kv = (case.batch, case.local_len, case.kv_heads, case.head_dim)
+    q = ctx.random(shape_q, case.dtype, 0)
+    k, v = ctx.random(shape_kv, case.dtype, 1), ctx.random(shape_kv, case.dtype, 2)
+    q_starts, q_lengths = tensor_split_ranges(case.heads, destinations)
+    kv_starts, kv_lengths = kv_head_ranges(q_starts, q_lengths, case.heads, case.kv_heads)
+    starts = interleave([q_starts, kv_starts, kv_starts])
+    lengths = interleave([q_lengths, kv_lengths, kv_lengths])
+
+    def ours():
+        return torch.ops.seqpar.pack_blocks([q, k, v], [2, 2, 2], starts, lengths)
+
+    def baseline():
+        kv = (repeat_kv_heads(k, destinations), repeat_kv_heads(v, destinations))
+        return [heads_to_front(tensor, destinations) for tensor in (q, *kv)]
+
+    per_destination = baseline()  # (P, B, S_l, h, D) each
+    as_one_buffer = torch.cat([t[j].flatten() for j in range(destinations) for t in per_destination])
+    check = agreement(ctx, [ours()], [as_one_buffer], collective=False)
+    candidates = {"ours": ours, "baseline": baseline}
+    return kernel_row("pack", case, ctx, destinations, candidates, as_one_buffer.numel(), check)
+
+
+def measure_unpack(case: KernelCase, ctx: Context, destinations: int) -> Row:
+    heads = case.heads // destinations
+    kv_heads = max(case.kv_heads // destinations, 1)
+    block = (destinations, case.batch, case.local_len)
+    received = [  # as the baseline receives them: one (P, B, S_l, h, D) buffer per tensor
+        ctx.random((*block, heads, case.head_dim), case.dtype, 0),
+        ctx.random((*block, kv_heads, case.head_dim), case.dtype, 1),
+        ctx.random((*block, kv_heads, case.head_dim), case.dtype, 2),
+    ]
+    # Ours receives one buffer: per source i, its q, k and v blocks.
+    buffer = torch.cat([tensor[i].flatten() for i in range(destinations) for tensor in received])
+    total_len = destinations * case.local_len
+    q_shape = [case.batch, total_len, heads, case.head_dim]
+    kv_shape = [case.batch, total_len, kv_heads, case.head_dim]
+    seq_starts, seq_lengths = tensor_split_ranges(total_len, destinations)
+
+    def ours():
+        return torch.ops.seqpar.unpack_blocks(
+            buffer, q_shape + kv_shape + kv_shape, HEADS_MAJOR * 3, [1, 1, 1],
+            interleave([seq_starts] * 3), interleave([seq_lengths] * 3),
+        )  # fmt: skip
+
+    def baseline():
+        return [torch.cat(tensor.unbind(0), dim=1) for tensor in received]
+
+    check = agreement(ctx, ours(), baseline(), collective=False)
+    candidates = {"ours": ours, "baseline": baseline}
+    return kernel_row("unpack", case, ctx, destinations, candidates, buffer.numel(), check)
+
+
+def kernel_row(bench, case, ctx, destinations, candidates, buffer_numel, check) -> Row:
+    timings = time_side_by_side(candidates, ctx, collective=False)
+    moved = 2 * buffer_numel * case.dtype.itemsize  # read once, written once
+    peak, peak_source = ctx.peak_bandwidth
+    ours_gbps = gbps(moved, timings["ours"].median_s)
+    return timed_row(
+        ctx, timings,
+        bench=bench, case=case.label(destinations), shape=case.shape(destinations),
+        dtype=short_dtype(case.dtype), check=check,
+        gbps_basis="bytes read + written / time", ours_gbps=ours_gbps,
+        baseline_gbps=gbps(moved, timings["baseline"].median_s),
+        peak_gbps=peak, peak_source=peak_source, ours_fraction_of_peak=ours_gbps / peak,
+    )  # fmt: skip
+
+
+def run(ctx: Context) -> list[Row]:
+    rows = []
+    destinations = destinations_for(ctx)
+    if ctx.is_root:
+        for case in cases(ctx):
+            if not supported(case, destinations):
+                ctx.log(f"skipped {case.label(destinations)}: heads do not split evenly")
+                continue
+            for measure in (measure_pack, measure_unpack):
+                row = measure(case, ctx, destinations)
+                ctx.log(progress_line(row))
+                rows.append(row)
+    ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
+    return rows

@@ -1,0 +1,207 @@
+"""DeepSpeed-Ulysses: ulysses_attention against the unfused DeepSpeed/yunchang version.
+
+Two measurements per case:
+  ulysses           the whole forward: exchange, SDPA, exchange back
+  ulysses-exchange  the same calls with attention replaced by an empty output of the
+                    right shape, so only the data movement is timed (on CPU attention
+                    dominates the whole forward and hides the exchange)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+import seqpar_kernels.parallel.ulysses as ulysses_module
+from seqpar_kernels import ulysses_attention
+
+from bench.baselines import SentBytes, unfused_ulysses_attention
+from bench.context import Context
+from bench.results import OURS_DEFAULT_CALL, Row, gbps, progress_line, short_dtype, timed_row
+from bench.timing import time_side_by_side
+from bench.verify import agreement, measure_volume
+
+# Largest |ours - baseline| accepted: both run SDPA on the same values, but on
+# different memory layouts and head groupings, so the last bits may differ.
+ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class UlyssesCase:
+    batch: int
+    seqlen: int  # global sequence length, split evenly over the ranks
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        kind = "MHA" if self.kv_heads == self.heads else ("MQA" if self.kv_heads == 1 else "GQA")
+        return f"{kind} S={self.seqlen} H={self.heads}/{self.kv_heads} {short_dtype(self.dtype)}"
+
+    @property
+    def shape(self) -> str:
+        return f"B={self.batch} S={self.seqlen} H={self.heads} H_kv={self.kv_heads} D={self.head_dim}"
+
+    def unsupported_by_baseline(self, world_size: int) -> str | None:
+        """Why the DeepSpeed-style baseline cannot run this case (it needs even splits)."""
+        if self.seqlen % world_size or self.heads % world_size:
+            return f"S and H must be multiples of P={world_size}"
+        if self.kv_heads % world_size and world_size % self.kv_heads:
+            return f"H_kv must divide or be a multiple of P={world_size}"
+        return None
+
+
+def attention_cases(ctx: Context) -> list[UlyssesCase]:
+    """Whole-forward cases: sizes at which CPU attention takes tens of ms per rank."""
+    bf16 = torch.bfloat16
+    if ctx.quick:
+        return [UlyssesCase(1, 64, 8, 8, 16, torch.float32), UlyssesCase(1, 64, 8, 2, 16, bf16)]
+    if ctx.on_gpu:
+        return [UlyssesCase(1, 32768, 32, 32, 128, bf16), UlyssesCase(1, 32768, 32, 8, 128, bf16)]
+    return [
+        UlyssesCase(1, 2048, 16, 16, 64, bf16),
+        UlyssesCase(1, 2048, 16, 4, 64, bf16),  # one kv head per rank
+        UlyssesCase(1, 2048, 16, 2, 64, bf16),  # fewer kv heads than ranks: baseline repeats K/V
+        UlyssesCase(1, 1024, 16, 16, 64, torch.float32),
+    ]
+
+
+def exchange_cases(ctx: Context) -> list[UlyssesCase]:
+    """Exchange-only cases: longer sequences, since no attention has to run."""
+    bf16 = torch.bfloat16
+    if ctx.quick:
+        return [UlyssesCase(1, 64, 8, 2, 16, bf16)]
+    if ctx.on_gpu:
+        return [UlyssesCase(1, 131072, 32, 32, 128, bf16), UlyssesCase(1, 131072, 32, 8, 128, bf16)]
+    return [
+        UlyssesCase(1, 2048, 16, 16, 64, bf16),
+        UlyssesCase(1, 8192, 16, 16, 128, bf16),
+        UlyssesCase(1, 8192, 16, 4, 128, bf16),
+        UlyssesCase(1, 8192, 16, 2, 128, bf16),
+    ]
+
+
+def local_qkv(case: UlyssesCase, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's q (B, S/P, H, D) and k, v (B, S/P, H_kv, D)."""
+    shape = (case.batch, case.seqlen // ctx.world_size, case.heads, case.head_dim)
+    kv_shape = (*shape[:2], case.kv_heads, case.head_dim)
+    seed = 3 * ctx.rank
+    return (
+        ctx.random(shape, case.dtype, seed),
+        ctx.random(kv_shape, case.dtype, seed + 1),
+        ctx.random(kv_shape, case.dtype, seed + 2),
+    )
+
+
+def theory_bytes(case: UlyssesCase, ctx: Context) -> int:
+    """Bytes this rank sends in one forward: to each other rank j, the q heads j owns and
+    the kv heads those q heads read, for this rank's sequence piece; then this rank's
+    output heads for j's sequence piece. With H_kv a multiple of P that is
+    (P-1)/P x (q + k + v + o) bytes; with fewer kv heads than ranks each rank needs one."""
+    world_size, rank = ctx.world_size, ctx.rank
+    heads_per_rank = case.heads // world_size
+    group = case.heads // case.kv_heads  # q heads per kv head
+    head_bytes = case.batch * (case.seqlen // world_size) * case.head_dim * case.dtype.itemsize
+
+    def kv_heads_read_by(j):
+        return len({head // group for head in range(j * heads_per_rank, (j + 1) * heads_per_rank)})
+
+    q_k_v = sum(heads_per_rank + 2 * kv_heads_read_by(j) for j in range(world_size) if j != rank)
+    out = (world_size - 1) * heads_per_rank
+    return (q_k_v + out) * head_bytes
+
+
+def empty_attention(q: torch.Tensor, *unused) -> torch.Tensor:
+    """Stands in for attention: a fresh (B, h, S, D) output, as SDPA returns, unfilled."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def identity_attention(q: torch.Tensor, *unused) -> torch.Tensor:
+    """Stands in for attention when checking the exchange: the round trip must return q."""
+    return q
+
+
+@contextlib.contextmanager
+def ours_attention_replaced_by(stand_in):
+    """Replaces the local attention inside ulysses_attention, so that the exchanges of
+    the shipped code path are timed without it (the alternative, re-assembling them
+    here from the plan, would time a copy of the code rather than the code)."""
+    with mock.patch.object(ulysses_module, "_local_attention", stand_in):
+        yield
+
+
+def measure_forward(case: UlyssesCase, ctx: Context) -> Row:
+    q, k, v = local_qkv(case, ctx)
+    seq_lens = [case.seqlen // ctx.world_size] * ctx.world_size
+    counter = SentBytes()
+
+    def ours():
+        return ulysses_attention(q, k, v, seq_lens=seq_lens)
+
+    def baseline():
+        return unfused_ulysses_attention(q, k, v)
+
+    check = agreement(ctx, [ours()], [unfused_ulysses_attention(q, k, v, counter)], ATOL[case.dtype])
+    volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
+    timings = time_side_by_side({"ours": ours, "baseline": baseline}, ctx)
+    return timed_row(
+        ctx, timings,
+        bench="ulysses", case=case.label, shape=case.shape,
+        dtype=short_dtype(case.dtype), check=check,
+        bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory,
+        volume_at_theory=volume.at_theory, bytes_sent_baseline=counter.bytes_sent,
+    )  # fmt: skip
+
+
+def measure_exchange(case: UlyssesCase, ctx: Context) -> Row:
+    q, k, v = local_qkv(case, ctx)
+    seq_lens = [case.seqlen // ctx.world_size] * ctx.world_size
+    counter = SentBytes()
+
+    def ours():
+        return ulysses_attention(q, k, v, seq_lens=seq_lens)
+
+    def ours_default_call():
+        return ulysses_attention(q, k, v)
+
+    def baseline():
+        return unfused_ulysses_attention(q, k, v, attention=empty_attention)
+
+    with ours_attention_replaced_by(identity_attention):
+        round_trip = [ours(), unfused_ulysses_attention(q, k, v, counter, attention=identity_attention)]
+    check = agreement(ctx, round_trip, [q, q])
+    with ours_attention_replaced_by(empty_attention):
+        volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
+        timings = time_side_by_side(
+            {"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx
+        )
+    return timed_row(
+        ctx, timings,
+        bench="ulysses-exchange", case=case.label, shape=case.shape,
+        dtype=short_dtype(case.dtype), check=check,
+        bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory,
+        volume_at_theory=volume.at_theory, bytes_sent_baseline=counter.bytes_sent,
+        gbps_basis="bytes sent / time",
+        ours_gbps=gbps(volume.measured, timings["ours"].median_s),
+        baseline_gbps=gbps(counter.bytes_sent, timings["baseline"].median_s),
+    )  # fmt: skip
+
+
+def run(ctx: Context) -> list[Row]:
+    rows = []
+    plan = [(measure_forward, case) for case in attention_cases(ctx)]
+    plan += [(measure_exchange, case) for case in exchange_cases(ctx)]
+    for measure, case in plan:
+        reason = case.unsupported_by_baseline(ctx.world_size)
+        if reason:
+            ctx.log(f"skipped {case.label}: {reason}")
+            continue
+        row = measure(case, ctx)
+        ctx.log(progress_line(row))
+        rows.append(row)
+    return rows

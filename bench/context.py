@@ -1,0 +1,71 @@
+"""What every benchmark needs to know about the rank it runs on."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bench import hardware
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+    device: torch.device  # cpu for gloo, this rank's GPU for nccl
+    device_name: str
+    quick: bool  # tiny shapes, few repetitions: a smoke test, not a measurement
+    warmup: int  # untimed rounds (one call of each candidate) before timing
+    reps: int  # timed rounds at least; the median is reported
+    max_reps: int  # timed rounds at most, for cases cheap enough ...
+    seconds_per_case: float  # ... to fill this much time with samples
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def log(self, message: str) -> None:
+        """Rank 0 prints, flushed at once so progress shows while the run goes on."""
+        if self.is_root:
+            print(message, flush=True)
+
+    def sync(self) -> None:
+        """Waits for this rank's queued device work (a no-op on CPU, where ops block)."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def reduce_over_ranks(self, values: torch.Tensor, op=dist.ReduceOp.MAX) -> torch.Tensor:
+        """values reduced elementwise over all ranks (NCCL needs them on the GPU)."""
+        if self.world_size == 1:
+            return values
+        staged = values.to(self.device)
+        dist.all_reduce(staged, op=op)
+        return staged.cpu()
+
+    def random(self, shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+        """A normal-distributed tensor made on this rank's device (GPU-sized inputs would
+        take seconds to make on the host), reproducible from seed."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32).to(dtype)
+
+    @functools.cached_property
+    def peak_bandwidth(self) -> tuple[float, str]:
+        """(GB/s, source) of this device's memory: spec sheet for known GPUs, else measured
+        (on CPU: the copy bandwidth with this rank's threads, the ceiling of any packing
+        kernel run with them)."""
+        return hardware.peak_memory_bandwidth(self.device, self.device_name)

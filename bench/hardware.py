@@ -1,0 +1,99 @@
+"""What machine the benchmark ran on: device names, peak memory bandwidth, git commit."""
+
+from __future__ import annotations
+
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+# Spec-sheet HBM bandwidth in GB/s, matched by substring of torch.cuda.get_device_name,
+# most specific first ("H100 PCIe" before "H100").
+SPEC_MEMORY_BANDWIDTH_GBPS = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM5 (get_device_name: "NVIDIA H100 80GB HBM3")
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),  # 40 GB
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else whatever platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {cpu_name()}"
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe short form: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    slug = re.sub(r"\(r\)|\(tm\)|processor", "", name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", slug).strip("-") or "device"
+
+
+def spec_memory_bandwidth_gbps(name: str) -> float | None:
+    for key, gbps in SPEC_MEMORY_BANDWIDTH_GBPS:
+        if key.lower() in name.lower():
+            return gbps
+    return None
+
+
+def measured_copy_bandwidth_gbps(device: torch.device, num_bytes: int, reps: int = 5) -> float:
+    """Best-of-`reps` bandwidth of one large tensor copy, counting bytes read plus written:
+    the practical peak when the spec sheet is unknown (and the reference on CPUs)."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # first touch: page faults and allocator warm-up are not bandwidth
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            begin = time.perf_counter()
+            target.copy_(source)
+            seconds = time.perf_counter() - begin
+        best = min(best, seconds)
+    return 2 * num_bytes / best / 1e9
+
+
+def peak_memory_bandwidth(device: torch.device, name: str) -> tuple[float, str]:
+    """(GB/s, where it comes from): the spec sheet for known GPUs, else a measured copy."""
+    spec = spec_memory_bandwidth_gbps(name) if device.type == "cuda" else None
+    if spec is not None:
+        return spec, "spec sheet"
+    num_bytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    return measured_copy_bandwidth_gbps(device, num_bytes), "measured large copy"
+
+
+def git_commit() -> str:
+    """Short hash of HEAD (read only: `git rev-parse`), or "unknown"."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+        return result.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -12,7 +12,9 @@ cases per call, because every `ranks.run` is a round trip to all ranks.
 
 from __future__ import annotations
 
+import functools
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -27,6 +29,49 @@ from seqpar_kernels import comm_stats, ulysses_attention
 
 def _rank():
     return dist.get_rank(), dist.get_world_size()
+
+
+# A collective that one rank never joins (a bug, or an assertion that failed on one
+# rank only) should fail the test in seconds, not hang until the pool's 300 s timeout:
+# the rank functions pass this gloo group, whose collectives time out, to Ulysses.
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+_group = None
+_failed_last_call = False
+
+
+def timeout_group():
+    """The world as a group with a short collective timeout (made by on_every_rank at
+    the start of a rank function, on every rank at the same point: new_group is
+    collective)."""
+    global _group
+    if _group is None:
+        world = list(range(dist.get_world_size()))
+        _group = dist.new_group(world, timeout=COLLECTIVE_TIMEOUT, backend="gloo")
+    return _group
+
+
+def on_every_rank(fn):
+    """Marks a rank function. A gloo group whose collective timed out is unusable, so
+    if the previous call raised on any rank, every rank replaces the group first (they
+    agree through one small all-reduce on the default group)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        global _group, _failed_last_call
+        if dist.get_world_size() > 1:
+            any_failed = torch.tensor([int(_failed_last_call)])
+            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
+            if any_failed.item():
+                _group = None
+        _failed_last_call = False
+        timeout_group()
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            _failed_last_call = True
+            raise
+
+    return wrapper
 
 
 def reference_attention(q, k, v, causal=False, scale=None):
@@ -61,7 +106,7 @@ def full_inputs(case, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     batch, heads, kv_heads, head_dim = case["B"], case["H"], case["H_kv"], case["D"]
     total = case["S_total"]
-    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
     q = draw(batch, total, heads, head_dim)
     k = draw(batch, total, kv_heads, head_dim)
     v = draw(batch, total, kv_heads, head_dim)
@@ -82,10 +127,34 @@ def reference_with_grads(q, k, v, dout, causal, scale=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def all_ranks_agree(flag: bool) -> bool:
+    """True iff `flag` is true on every rank (one small all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=timeout_group())
+    return bool(value.item())
+
+
+def backward_on_every_rank(out, dout):
+    """out.backward(dout), but first make sure that every rank can run it: the
+    backward is collective, so one rank whose output is cut from the graph would
+    leave the others waiting until the pool's timeout. Raises on every rank alike."""
+    connected = out.grad_fn is not None
+    if not all_ranks_agree(connected):
+        raise AssertionError(
+            f"ulysses_attention output of shape {tuple(out.shape)} has no grad_fn on some rank "
+            f"(this rank: grad_fn={out.grad_fn}); its backward would hang the others"
+        )
+    out.backward(dout)
+
+
 def ulysses_with_grads(q_loc, k_loc, v_loc, dout_loc, causal, sizes, scale=None):
     q_loc, k_loc, v_loc = (t.detach().clone().requires_grad_() for t in (q_loc, k_loc, v_loc))
-    out = ulysses_attention(q_loc, k_loc, v_loc, causal=causal, softmax_scale=scale, seq_lens=sizes)
-    out.backward(dout_loc)
+    out = ulysses_attention(
+        q_loc, k_loc, v_loc, causal=causal, softmax_scale=scale, seq_lens=sizes, group=timeout_group()
+    )
+    backward_on_every_rank(out, dout_loc)
     return out.detach(), q_loc.grad, k_loc.grad, v_loc.grad
 
 
@@ -119,6 +188,7 @@ def check_case_fp32(case):
     return errors
 
 
+@on_every_rank
 def run_cases_fp32(cases):
     """All cases on this rank; returns a list of (case id, errors)."""
     return [(case["id"], check_case_fp32(case)) for case in cases]
@@ -139,14 +209,14 @@ CASE_GROUPS = {
         _case("mha-odd-seq", H=4, H_kv=4, D=64, S=11, causal=True),
     ],
     "heads": [
-        # H not divisible by P (5 on P=2,3,4; 6 on P=4), heads < P for H=2 on P=3,4.
+        # H not divisible by P: 5 on P=2,3,4; 6 on P=4.
         _case("H5", H=5, H_kv=5, D=64, S=12, causal=True),
         _case("H6", H=6, H_kv=6, D=64, S=12, causal=False),
-        _case("H2", H=2, H_kv=2, D=64, S=8, causal=True),
-        # GQA: even groups; H=8,H_kv=2 on P=3 splits a kv group across ranks.
+        # GQA: H=8,H_kv=2 splits a kv group across ranks on P=3 (heads [3,3,2]).
         _case("gqa-8-2", H=8, H_kv=2, D=64, S=12, causal=True, B=2),
         _case("gqa-8-2-full", H=8, H_kv=2, D=64, S=12, causal=False),
-        # GQA where groups split unevenly: H=6, H_kv=2 on P=4 -> heads [2,2,1,1].
+        # GQA with groups split unevenly: H=6, H_kv=2 on P=4 -> heads [2,2,1,1],
+        # kv head 0 serves ranks 0 and 1.
         _case("gqa-6-2", H=6, H_kv=2, D=64, S=12, causal=True),
         _case("gqa-6-3", H=6, H_kv=3, D=64, S=12, causal=False),
         # MQA: one kv head, fewer kv heads than ranks.
@@ -162,20 +232,452 @@ CASE_GROUPS = {
     "head-dims": [
         _case("D80", H=4, H_kv=2, D=80, S=12, causal=True),
         _case("D128", H=4, H_kv=4, D=128, S=12, causal=False),
-        _case("D256", H=3, H_kv=1, D=256, S=8, causal=True),
+        _case("D256", H=4, H_kv=1, D=256, S=8, causal=True),
     ],
 }
 
 FP32_TOL = 2e-5
 
 
-@pytest.mark.parametrize("group", list(CASE_GROUPS))
-def test_fp32_forward_backward_matches_fp64_reference(ranks, group):
-    per_rank = ranks.run(run_cases_fp32, CASE_GROUPS[group])
+def _failures(per_rank, tolerance):
     failures = []
     for rank, results in enumerate(per_rank):
         for case_id, errors in results:
             for name, err in errors.items():
-                if not err <= FP32_TOL:
+                if not err <= tolerance:  # also catches NaN
                     failures.append(f"rank {rank} {case_id} {name}: max err {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("group", list(CASE_GROUPS))
+def test_fp32_forward_backward_matches_fp64_reference(ranks, group):
+    per_rank = ranks.run(run_cases_fp32, CASE_GROUPS[group])
+    assert len(per_rank) == ranks.world_size
+    assert all(len(results) == len(CASE_GROUPS[group]) for results in per_rank)
+    failures = _failures(per_rank, FP32_TOL)
     assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# fewer q heads than ranks: some ranks get no heads at all
+# ----------------------------------------------------------------------------------
+
+FEWER_HEADS = [
+    _case("H2", H=2, H_kv=2, D=64, S=8, causal=True),
+    _case("H3-mqa", H=3, H_kv=1, D=64, S=8, causal=False),
+]
+
+
+@on_every_rank
+def run_forward_only_fp32(cases):
+    rank, world = _rank()
+    results = []
+    for case in cases:
+        sizes = seq_sizes_for(case["S"], world)
+        case = dict(case, S_total=sum(sizes))
+        q, k, v, _ = full_inputs(case)
+        expected = local_piece(reference_attention(q, k, v, case["causal"]), sizes, rank)
+        with torch.no_grad():
+            out = ulysses_attention(
+                *(local_piece(t, sizes, rank).float() for t in (q, k, v)),
+                causal=case["causal"], seq_lens=sizes, group=timeout_group(),
+            )  # fmt: skip
+        assert out.shape == expected.shape
+        results.append((case["id"], {"out": max_err(out, expected)}))
+    return results
+
+
+def test_fewer_heads_than_ranks_forward(ranks):
+    failures = _failures(ranks.run(run_forward_only_fp32, FEWER_HEADS), FP32_TOL)
+    assert not failures, "\n".join(failures)
+
+
+def test_fewer_heads_than_ranks_backward(ranks):
+    # A rank with no q heads must still join both backward all-to-alls.
+    failures = _failures(ranks.run(run_cases_fp32, FEWER_HEADS), FP32_TOL)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# fp16 / bf16: the flash-attention rule
+# ----------------------------------------------------------------------------------
+
+# Absolute slack on top of 2x PyTorch's own error: a fraction of one rounding step of
+# an O(1) value in the dtype (as flash-attention's tests add), so that a case where
+# PyTorch happens to be almost exact does not demand exactness.
+LOW_PRECISION_SLACK = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+LOW_PRECISION_CASES = [
+    _case("mha-causal-D64", H=4, H_kv=4, D=64, S=16, causal=True, B=2),
+    _case("gqa-6-2-D80", H=6, H_kv=2, D=80, S=12, causal=False),
+    _case("mqa-uneven-D128", H=5, H_kv=1, D=128, S=UNEVEN, causal=True),
+    _case("gqa-D256", H=4, H_kv=2, D=256, S=8, causal=True),
+]
+
+
+@on_every_rank
+def run_cases_low_precision(cases, dtype):
+    """Per case: this rank's max errors vs the fp64 reference, of ulysses in `dtype` and
+    of plain PyTorch attention (materialized scores) computed in `dtype`."""
+    rank, world = _rank()
+    results = []
+    for case in cases:
+        sizes = seq_sizes_for(case["S"], world)
+        case = dict(case, S_total=sum(sizes))
+        q, k, v, dout = full_inputs(case, torch.float64, seed=1)
+        ref = reference_with_grads(q, k, v, dout, case["causal"])
+        plain = reference_with_grads(*(t.to(dtype) for t in (q, k, v, dout)), case["causal"])
+        got = ulysses_with_grads(
+            *(local_piece(t, sizes, rank).to(dtype) for t in (q, k, v, dout)), case["causal"], sizes
+        )
+        ours, pytorch = {}, {}
+        for name, r, p, g in zip(NAMES, ref, plain, got):
+            assert g.dtype == dtype, (name, g.dtype)
+            r, p = local_piece(r, sizes, rank), local_piece(p, sizes, rank)
+            ours[name], pytorch[name] = max_err(g, r), max_err(p, r)
+        results.append((case["id"], ours, pytorch))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_low_precision_within_2x_of_pytorch(ranks, dtype):
+    per_rank = ranks.run(run_cases_low_precision, LOW_PRECISION_CASES, dtype)
+    slack = LOW_PRECISION_SLACK[dtype]
+    failures = []
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(LOW_PRECISION_CASES)
+        for case_id, ours, pytorch in results:
+            for name in NAMES:
+                if not ours[name] <= 2 * pytorch[name] + slack:
+                    failures.append(
+                        f"rank {rank} {case_id} {name}: ulysses err {ours[name]:.3g} > 2 x "
+                        f"pytorch err {pytorch[name]:.3g} + {slack}"
+                    )
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# non-contiguous inputs
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_noncontiguous(causal):
+    """q/k/v as (1) head slices of a packed qkv tensor, (2) transposed (B, H, S, D)
+    storage, (3) every other element of a wider head dim. Gradients land in the
+    packed/transposed leaves. Returns max errors per layout."""
+    rank, world = _rank()
+    sizes = seq_sizes_for(UNEVEN, world)
+    case = _case("nc", H=6, H_kv=2, D=64, S=UNEVEN, causal=causal, B=2, S_total=sum(sizes))
+    heads, kv_heads = case["H"], case["H_kv"]
+    q, k, v, dout = full_inputs(case, seed=2)
+    ref = reference_with_grads(q, k, v, dout, causal)
+    ref_local = [local_piece(r, sizes, rank) for r in ref]
+    q_loc, k_loc, v_loc, dout_loc = (local_piece(t, sizes, rank).float() for t in (q, k, v, dout))
+    errors = {}
+
+    # (1) packed: (B, S_r, H + 2 H_kv, D); q, k, v are head slices of it.
+    packed = torch.cat([q_loc, k_loc, v_loc], dim=2).requires_grad_()
+    q_view, k_view, v_view = packed.split([heads, kv_heads, kv_heads], dim=2)
+    assert sizes[rank] == 0 or not (q_view.is_contiguous() or k_view.is_contiguous())
+    out = ulysses_attention(q_view, k_view, v_view, causal=causal, seq_lens=sizes, group=timeout_group())
+    backward_on_every_rank(out, dout_loc)
+    dq, dk, dv = packed.grad.split([heads, kv_heads, kv_heads], dim=2)
+    for name, g, r in zip(NAMES, (out, dq, dk, dv), ref_local):
+        errors[f"packed-{name}"] = max_err(g, r)
+
+    # (2) transposed: storage (B, H, S_r, D), viewed as (B, S_r, H, D).
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q_loc, k_loc, v_loc)]
+    views = [leaf.transpose(1, 2) for leaf in leaves]
+    assert not any(view.is_contiguous() for view in views if view.shape[1] > 1)
+    out = ulysses_attention(*views, causal=causal, seq_lens=sizes, group=timeout_group())
+    backward_on_every_rank(out, dout_loc)
+    for name, g, r in zip(NAMES, (out, *(leaf.grad.transpose(1, 2) for leaf in leaves)), ref_local):
+        errors[f"transposed-{name}"] = max_err(g, r)
+
+    # (3) strided head dim: (B, S_r, H, 2D)[..., ::2].
+    # (B, S_r, H, D) -> (B, S_r, H, D, 2) -> (B, S_r, H, 2D); the odd elements are poison.
+    leaves = [
+        torch.stack([t, torch.full_like(t, 1e6)], dim=-1).flatten(-2).requires_grad_()
+        for t in (q_loc, k_loc, v_loc)
+    ]
+    views = [leaf[..., ::2] for leaf in leaves]
+    out = ulysses_attention(*views, causal=causal, seq_lens=sizes, group=timeout_group())
+    backward_on_every_rank(out, dout_loc)
+    for name, g, r in zip(NAMES, (out, *(leaf.grad[..., ::2] for leaf in leaves)), ref_local):
+        errors[f"strided-{name}"] = max_err(g, r)
+    # The skipped elements get exactly zero gradient.
+    skipped = [leaf.grad[..., 1::2] for leaf in leaves]
+    errors["strided-skipped-grad"] = max(max_err(grad, torch.zeros_like(grad)) for grad in skipped)
+    return [("noncontiguous", errors)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_noncontiguous_inputs(ranks, causal):
+    per_rank = ranks.run(run_noncontiguous, causal)
+    assert all(len(results[0][1]) == 13 for results in per_rank)
+    failures = _failures(per_rank, FP32_TOL)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# communication volume
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_comm_stats(heads, kv_heads):
+    """Bytes sent by one ulysses_attention call, forward and forward + backward, with
+    heads and sequence divisible by P. Returns (forward, forward+backward, local
+    q+k+v+out bytes, calls forward, calls forward+backward)."""
+    _, world = _rank()
+    batch, head_dim, total = 2, 16, 12 * world
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, total // world, heads, head_dim, generator=gen)
+    k = torch.randn(batch, total // world, kv_heads, head_dim, generator=gen)
+    v = torch.randn(batch, total // world, kv_heads, head_dim, generator=gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with comm_stats() as forward:
+        out = ulysses_attention(q, k, v, causal=True)
+    local_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, out))
+    with comm_stats() as both:
+        out = ulysses_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    return forward.bytes_sent, both.bytes_sent, local_bytes, forward.calls, both.calls
+
+
+@pytest.mark.parametrize("kv_heads", ["mha", "gqa"])
+def test_comm_stats_match_formula(ranks, kv_heads):
+    world = ranks.world_size
+    heads = 12  # divisible by every world size tested
+    # GQA with H_kv = P: each rank's q heads read exactly one kv head, kv split evenly.
+    num_kv = heads if kv_heads == "mha" else world
+    for rank, (forward, both, local_bytes, calls_fwd, calls_both) in enumerate(
+        ranks.run(run_comm_stats, heads, num_kv)
+    ):
+        expected = (world - 1) * local_bytes // world
+        assert (world - 1) * local_bytes % world == 0
+        assert forward == expected, f"rank {rank}: forward sent {forward} B, formula {expected} B"
+        assert both == 2 * expected, f"rank {rank}: fwd+bwd sent {both} B, formula {2 * expected} B"
+        assert calls_fwd == 2, f"rank {rank}: {calls_fwd} collectives forward, expected 2 (qkv in one)"
+        assert calls_both == 4, f"rank {rank}: {calls_both} collectives fwd+bwd, expected 4"
+
+
+# ----------------------------------------------------------------------------------
+# opcheck of the ops as Ulysses calls them
+# ----------------------------------------------------------------------------------
+
+
+class _RecordSeqparOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op, args) of every torch.ops.seqpar call, tensors cloned."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "seqpar":
+            clone = lambda t: t.detach().clone()
+            copied = torch.utils._pytree.tree_map_only(torch.Tensor, clone, (args, kwargs))
+            self.calls.append((func, copied))
+        return func(*args, **kwargs)
+
+
+@on_every_rank
+def run_opcheck(case):
+    rank, world = _rank()
+    sizes = seq_sizes_for(case["S"], world)
+    case = dict(case, S_total=sum(sizes))
+    q, k, v, _ = full_inputs(case)
+    q, k, v = (local_piece(t, sizes, rank).float() for t in (q, k, v))
+    recorder = _RecordSeqparOps()
+    with recorder:
+        ulysses_attention(q, k, v, causal=case["causal"], seq_lens=sizes)
+    names = [func.name() for func, _ in recorder.calls]
+    expected_names = ["seqpar::pack_blocks", "seqpar::all_to_all_single", "seqpar::unpack_blocks"] * 2
+    assert names == expected_names, names
+    checked = []
+    for func, (args, kwargs) in recorder.calls:
+        # Floating inputs require grad so that opcheck exercises the autograd formula.
+        args = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.requires_grad_() if t.is_floating_point() else t, args
+        )
+        result = torch.library.opcheck(func, args, kwargs, raise_exception=True)
+        assert all(outcome == "SUCCESS" for outcome in result.values()), (func, result)
+        checked.append(func.name())
+    return checked
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _case("gqa-6-2-uneven", H=6, H_kv=2, D=16, S=UNEVEN, causal=True),
+    ],
+    ids=lambda case: case["id"],
+)
+def test_opcheck_ops_as_called_by_ulysses(ranks, case):
+    for checked in ranks.run(run_opcheck, case):
+        assert len(checked) == 6
+
+
+# ----------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------
+
+
+def _compile_backend(world_size):
+    # Inductor's cold start costs about a minute per process on a 2-core machine, so
+    # it runs on one world size (2: a real exchange); the others use aot_eager, which
+    # still traces with dynamo (fullgraph) and AOTAutograd through the fake kernels and
+    # the registered autograd of every op.
+    return "inductor" if world_size == 2 else "aot_eager"
+
+
+@on_every_rank
+def run_compile_vs_eager(case, pass_seq_lens):
+    """fullgraph torch.compile of a function around ulysses_attention vs eager, forward
+    and gradients. Returns {name: max abs difference}."""
+    rank, world = _rank()
+    torch._dynamo.reset()
+    sizes = seq_sizes_for(case["S"], world)
+    case = dict(case, S_total=sum(sizes))
+    q, k, v, dout = (local_piece(t, sizes, rank).float() for t in full_inputs(case, seed=4))
+    group = timeout_group()
+    seq_lens = sizes if pass_seq_lens else None
+
+    def block(q, k, v):
+        # Something before and after, so the graph is more than the op alone.
+        out = ulysses_attention(q * 0.5, k, v, causal=case["causal"], seq_lens=seq_lens, group=group)
+        return out.float() * 2.0
+
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend=_compile_backend(world))):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        backward_on_every_rank(out, dout)
+        results.append((out.detach(), *(leaf.grad for leaf in leaves)))
+    eager, compiled = results
+    return [("compile", {name: max_err(c, e) for name, c, e in zip(NAMES, compiled, eager)})]
+
+
+COMPILE_CASE = _case("gqa-6-2", H=6, H_kv=2, D=16, S=8, causal=True)
+
+
+def test_compile_fullgraph_matches_eager(ranks):
+    # Lengths differing by rank (one empty on P=3), passed as seq_lens.
+    per_rank = ranks.run(run_compile_vs_eager, dict(COMPILE_CASE, S=UNEVEN), True)
+    failures = _failures(per_rank, 1e-6)
+    assert not failures, "\n".join(failures)
+
+
+def test_compile_fullgraph_equal_lengths_without_seq_lens(ranks):
+    # Equal lengths: the documented case in which seq_lens may be left out.
+    per_rank = ranks.run(run_compile_vs_eager, dict(COMPILE_CASE, S=4 * ranks.world_size), False)
+    failures = _failures(per_rank, 1e-6)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# bad inputs: ValueError/RuntimeError naming the shapes, on every rank, no collective
+# ----------------------------------------------------------------------------------
+
+
+class _NoCollectives:
+    """Makes every torch.distributed collective raise inside the block, so a bad input
+    that reaches one fails loudly instead of hanging."""
+
+    NAMES = (
+        "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_gather", "all_reduce",
+        "broadcast",
+    )  # fmt: skip
+
+    def __enter__(self):
+        self.saved = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
+        for name in self.saved:
+            setattr(dist, name, functools.partial(self._called, name))
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    @staticmethod
+    def _called(name, *args, **kwargs):
+        raise AssertionError(f"torch.distributed.{name} was called before the inputs were validated")
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def bad_input_cases(world):
+    """(name, (q, k, v), kwargs, indices of the tensors whose shapes the message must name)."""
+    S, Q, KV = 4, (0,), (1, 2)
+    return [
+        ("dtypes", (_t(1, S, 4, 16), *(_t(1, S, 4, 16, dtype=torch.float16),) * 2), {}, Q),
+        ("fp64", (_t(1, S, 4, 16, dtype=torch.float64),) * 3, {}, Q),
+        ("head-dims", (_t(1, S, 4, 16), _t(1, S, 4, 8), _t(1, S, 4, 8)), {}, Q + KV),
+        ("head-dim>256", (_t(1, S, 2, 264),) * 3, {}, Q),
+        ("H%H_kv", (_t(1, S, 5, 16), _t(1, S, 2, 16), _t(1, S, 2, 16)), {}, Q + KV),
+        ("q-3d", (_t(1, S, 64), _t(1, S, 4, 16), _t(1, S, 4, 16)), {}, Q),
+        ("k-5d", (_t(1, S, 4, 16), _t(1, S, 4, 16, 1), _t(1, S, 4, 16)), {}, (1,)),
+        ("kv-shapes", (_t(1, S, 4, 16), _t(1, S, 2, 16), _t(1, S, 1, 16)), {}, KV),
+        ("batch", (_t(2, S, 4, 16), _t(1, S, 4, 16), _t(1, S, 4, 16)), {}, Q + KV),
+        ("seq", (_t(1, S, 4, 16), _t(1, S + 1, 4, 16), _t(1, S + 1, 4, 16)), {}, Q + KV),
+        ("seq_lens-length", (_t(1, S, 4, 16),) * 3, {"seq_lens": [S] * (world + 1)}, Q),
+        ("seq_lens-mine", (_t(1, S, 4, 16),) * 3, {"seq_lens": [S + 1] * world}, Q),
+    ]
+
+
+@on_every_rank
+def run_bad_inputs():
+    """Every bad call must raise ValueError/RuntimeError naming the shapes, without a
+    collective; then ranks that disagree on shapes raise together; then a good call
+    (default group, seq_lens exchanged) still matches the reference."""
+    rank, world = _rank()
+    torch.manual_seed(5)
+    messages = {}
+    for name, (q, k, v), kwargs, must_name in bad_input_cases(world):
+        with _NoCollectives():
+            try:
+                ulysses_attention(q, k, v, **kwargs)
+            except (ValueError, RuntimeError) as error:
+                message = str(error)
+            else:
+                shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                raise AssertionError(f"{name}: no error for {shapes}")
+        for index in must_name:
+            shape = str(tuple((q, k, v)[index].shape))
+            assert shape in message, f"{name}: message does not name {'qkv'[index]} {shape}: {message!r}"
+        messages[name] = message
+
+    if world > 1:
+        # Ranks disagree (the last rank has 2 heads, the others 4): every rank raises
+        # from the size exchange instead of some entering the all-to-all.
+        heads = 2 if rank == world - 1 else 4
+        q = _t(1, 4, heads, 16)
+        try:
+            ulysses_attention(q, q, q)
+        except (ValueError, RuntimeError) as error:
+            messages["ranks-disagree"] = str(error)
+        else:
+            raise AssertionError("ranks with different head counts: no error")
+
+    # The ranks are still in step: a good call with the default group and exchanged
+    # seq_lens works and matches the reference.
+    sizes = seq_sizes_for(UNEVEN, world)
+    case = _case("after", H=4, H_kv=2, D=16, S=UNEVEN, causal=True, S_total=sum(sizes))
+    q, k, v, _ = full_inputs(case, seed=6)
+    expected = local_piece(reference_attention(q, k, v, causal=True), sizes, rank)
+    out = ulysses_attention(*(local_piece(t, sizes, rank).float() for t in (q, k, v)), causal=True)
+    return messages, max_err(out, expected)
+
+
+def test_bad_inputs_raise_on_every_rank_then_ranks_still_work(ranks):
+    per_rank = ranks.run(run_bad_inputs)
+    expected_names = {name for name, *_ in bad_input_cases(ranks.world_size)}
+    if ranks.world_size > 1:
+        expected_names.add("ranks-disagree")
+    for rank, (messages, error_after) in enumerate(per_rank):
+        assert set(messages) == expected_names, (rank, sorted(messages))
+        assert error_after <= FP32_TOL, f"rank {rank}: a good call afterwards is off by {error_after}"

@@ -101,7 +101,9 @@ def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
         for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[1], group_size)
     ]
     if not outputs:
-        return q.new_empty(q.shape)
+        # No heads on this rank (fewer heads than ranks): an empty output that stays in
+        # the autograd graph, so this rank joins the backward exchanges like the others.
+        return q.clone()
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

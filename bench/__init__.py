@@ -7,10 +7,10 @@ where it means something, GB/s against the device's memory bandwidth.
     bench/__main__.py      command line
     bench/launch.py        starting ranks: spawned gloo/NCCL processes, torchrun, or one process
     bench/context.py       what every benchmark needs: rank, device, sync, rank-0 logging
-    bench/hardware.py      device names, peak memory bandwidth, git commit
+    bench/hardware.py      device names, peak memory bandwidth and bf16 TFLOP/s, git commit
     bench/timing.py        the one timing helper (interleaved, warmed up, median)
     bench/baselines.py     the unfused baselines (DeepSpeed-Ulysses / tensor_split + cat)
-    bench/bench_reshard.py, bench_ulysses.py, bench_kernels.py   the three benchmarks
+    bench/bench_reshard.py, bench_ulysses.py, bench_kernels.py, bench_ring.py   the benchmarks
     bench/results.py       result rows, progress lines, targets summary, CSV + JSON writer
     bench/plot.py          the PNG
     bench/suite.py         runs the selected benchmarks on one rank and writes results

@@ -2,11 +2,11 @@
 
     python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
-    python -m bench --only kernels       one benchmark: reshard, ulysses or kernels
+    python -m bench --only kernels       one benchmark: reshard, ulysses, kernels or ring
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
-Prints one line per case as it goes, then a summary with issue 2's targets marked met or
-not met, and writes <device>-<backend><P>-<date>.csv, .json and .png under --out.
+Prints one line per case as it goes, then a summary with issues 2 and 3's targets marked
+met or not met, and writes <device>-<backend><P>-<date>.csv, .json and .png under --out.
 """
 
 from __future__ import annotations

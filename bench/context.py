@@ -69,3 +69,8 @@ class Context:
         (on CPU: the copy bandwidth with this rank's threads, the ceiling of any packing
         kernel run with them)."""
         return hardware.peak_memory_bandwidth(self.device, self.device_name)
+
+    @functools.cached_property
+    def peak_flops(self) -> tuple[float | None, str]:
+        """(dense bf16 TFLOP/s, source): the spec sheet for known GPUs, else None."""
+        return hardware.peak_bf16_tflops(self.device, self.device_name)

@@ -1,4 +1,5 @@
-"""What machine the benchmark ran on: device names, peak memory bandwidth, git commit."""
+"""What machine the benchmark ran on: device names, peak memory bandwidth and bf16
+TFLOP/s, git commit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ SPEC_MEMORY_BANDWIDTH_GBPS = (
     ("A100-SXM4-80GB", 2039.0),
     ("A100 80GB PCIe", 1935.0),
     ("A100", 1555.0),  # 40 GB
+)
+
+# Spec-sheet dense (no sparsity) bf16 tensor-core TFLOP/s, matched the same way.
+SPEC_BF16_DENSE_TFLOPS = (
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),  # SXM
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM5
+    ("A100", 312.0),
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +64,20 @@ def spec_memory_bandwidth_gbps(name: str) -> float | None:
         if key.lower() in name.lower():
             return gbps
     return None
+
+
+def spec_bf16_tflops(name: str) -> float | None:
+    for key, tflops in SPEC_BF16_DENSE_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops
+    return None
+
+
+def peak_bf16_tflops(device: torch.device, name: str) -> tuple[float | None, str]:
+    """(dense bf16 TFLOP/s, where it comes from): the spec sheet for known GPUs; None
+    elsewhere (CPUs, unknown GPUs: no fraction of peak is claimed)."""
+    spec = spec_bf16_tflops(name) if device.type == "cuda" else None
+    return (spec, "spec sheet, dense bf16") if spec is not None else (None, "unknown")
 
 
 def measured_copy_bandwidth_gbps(device: torch.device, num_bytes: int, reps: int = 5) -> float:

@@ -1,4 +1,6 @@
-"""The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak."""
+"""The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
+attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
+kernel's TFLOP/s against SDPA's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,16 @@ matplotlib.use("Agg")  # no display: rank 0 may run on a headless node
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from bench.results import GPU_BANDWIDTH_TARGET, GPU_SPEEDUP_TARGET, KERNEL_BENCHES, Row  # noqa: E402
+from bench.results import (  # noqa: E402
+    GPU_BANDWIDTH_TARGET,
+    GPU_SPEEDUP_TARGET,
+    KERNEL_BENCHES,
+    OVERLAP_TARGET,
+    RING_ALL,
+    STEP_BENCHES,
+    ZIGZAG_IDEAL_TARGET,
+    Row,
+)
 
 BENCH_COLORS = {
     "reshard": "tab:blue",
@@ -19,6 +30,21 @@ BENCH_COLORS = {
     "pack": "tab:purple",
     "unpack": "tab:brown",
 }
+# Ring panels: the legend goes between the title and the plot, where it hides no bar.
+PAD_FOR_LEGEND = 34
+
+
+def _legend_on_top(axis) -> None:
+    axis.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=7, frameon=False)
+
+
+RING_SERIES = (  # (label, value of a row or None, color)
+    ("ideal / ring time",
+     lambda row: None if row.time_ratio is None else 1 / row.time_ratio, "tab:blue"),
+    ("overlap: compute only / ring time", lambda row: row.overlap_efficiency, "tab:green"),
+    ("serial: compute only / (compute + exchange only); probe: measured",
+     lambda row: None if row.serial_s is None else row.compute_only_s / row.serial_s, "lightgray"),
+)  # fmt: skip
 
 
 def _plot_speedups(axis, rows: list[Row], on_gpu: bool) -> None:
@@ -76,13 +102,106 @@ def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.set_title("pack/unpack bandwidth" + (" vs peak" if on_gpu else " vs measured copy (CPU)"))
 
 
+def _plot_ring_efficiency(axis, rows: list[Row]) -> None:
+    """Per ring case (and GPU probe): share of the ideal, overlap efficiency, and what a
+    serial schedule would give; 1.0 is perfect."""
+    height = 0.8 / len(RING_SERIES)
+    for index, (label, value, color) in enumerate(RING_SERIES):
+        offset = (index - (len(RING_SERIES) - 1) / 2) * height
+        placed = [(position, value(row)) for position, row in enumerate(rows) if value(row) is not None]
+        if not placed:
+            continue
+        axis.barh([p + offset for p, _ in placed], [v for _, v in placed], height,
+                  label=label, color=color)  # fmt: skip
+        for position, number in placed:
+            axis.text(number, position + offset, f" {number:.2f}", va="center", fontsize=6)
+    axis.axvline(1.0, color="black", linewidth=1)
+    targets = f"{OVERLAP_TARGET}: targets (overlap; zigzag {ZIGZAG_IDEAL_TARGET:.0%} of ideal)"
+    axis.axvline(OVERLAP_TARGET, color="red", linestyle="--", linewidth=1, label=targets)
+    axis.set_yticks(list(range(len(rows))), [f"{row.bench}: {row.case}" for row in rows], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xlim(0, 1.5)
+    axis.set_xlabel("fraction (1.0 = perfect)")
+    _legend_on_top(axis)
+    axis.set_title("ring attention vs single-device SDPA of the same size (ideal = its time / P)",
+                   pad=PAD_FOR_LEGEND)  # fmt: skip
+
+
+TIME_SERIES = (  # (label, seconds of a row or None, color): where a ring's time goes
+    ("ideal: single device / P", lambda row: row.ideal_s, "tab:blue"),
+    ("compute only (no exchange)", lambda row: row.compute_only_s, "tab:green"),
+    ("ring (probe: overlapped copy)", lambda row: row.ours_s, "tab:orange"),
+    ("exchange only (no compute)", lambda row: row.exchange_only_s, "lightgray"),
+)
+
+
+def _plot_ring_times(axis, rows: list[Row]) -> None:
+    height = 0.8 / len(TIME_SERIES)
+    for index, (label, value, color) in enumerate(TIME_SERIES):
+        offset = (index - (len(TIME_SERIES) - 1) / 2) * height
+        placed = [(position, value(row)) for position, row in enumerate(rows) if value(row)]
+        if placed:
+            axis.barh([p + offset for p, _ in placed], [v * 1e3 for _, v in placed], height,
+                      label=label, color=color)  # fmt: skip
+    axis.set_yticks(list(range(len(rows))), [f"{row.bench}: {row.case}" for row in rows], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    axis.set_xlabel("ms per call (median; log scale)")
+    _legend_on_top(axis)
+    axis.set_title("where the ring's time goes", pad=PAD_FOR_LEGEND)
+
+
+def _plot_step_tflops(axis, rows: list[Row], on_gpu: bool) -> None:
+    if not rows:
+        note = "step kernels not run" if on_gpu else "Triton step kernel vs SDPA: GPU only"
+        axis.text(0.5, 0.5, note, ha="center", va="center")
+        axis.set_axis_off()
+        return
+    positions = range(len(rows))
+    height = 0.4
+    axis.barh([p - height / 2 for p in positions], [row.ours_tflops for row in rows], height,
+              label="ours (Triton step)", color="tab:purple")  # fmt: skip
+    axis.barh([p + height / 2 for p in positions], [row.baseline_tflops for row in rows], height,
+              label="SDPA best (flash / cuDNN)", color="lightgray")  # fmt: skip
+    peak = rows[0].peak_tflops
+    if peak:
+        source = rows[0].peak_tflops_source
+        axis.axvline(peak, color="black", linewidth=1, label=f"{peak:.0f} TFLOP/s ({source})")
+    axis.set_yticks(list(positions), [f"{row.bench[10:]}: {row.case}" for row in rows], fontsize=8)
+    axis.invert_yaxis()
+    widest = max([row.ours_tflops for row in rows] + [row.baseline_tflops for row in rows] + [peak or 0])
+    axis.set_xlim(0, widest * 1.4)
+    axis.set_xlabel("TFLOP/s (causal: half the FLOPs)")
+    _legend_on_top(axis)
+    axis.set_title("ring step kernel (one step) vs SDPA", pad=PAD_FOR_LEGEND)
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
-    figure, (left, right) = plt.subplots(
-        1, 2, figsize=(16, max(4.5, 0.32 * len(rows) + 2)), gridspec_kw={"width_ratios": [3, 2]}
-    )
     on_gpu = metadata["device_type"] == "cuda"
-    _plot_speedups(left, rows, on_gpu)
-    _plot_kernel_bandwidth(right, rows, on_gpu)
+    general = [row for row in rows if row.bench not in RING_ALL]
+    ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES]
+    steps = [row for row in rows if row.bench in STEP_BENCHES]
+    # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
+    # the step kernels.
+    panel_rows = [len(panel) for panel in (general, ring, steps) if panel] or [0]
+    heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
+    figure, axes = plt.subplots(
+        len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
+        gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
+    )  # fmt: skip
+    line = iter(axes)
+    if general or not (ring or steps):
+        left, right = next(line)
+        _plot_speedups(left, general, on_gpu)
+        _plot_kernel_bandwidth(right, general, on_gpu)
+    if ring:
+        left, right = next(line)
+        _plot_ring_efficiency(left, ring)
+        _plot_ring_times(right, ring)
+    if steps:
+        left, right = next(line)
+        _plot_step_tflops(left, steps, on_gpu)
+        right.set_axis_off()
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

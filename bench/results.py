@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 GPU_BANDWIDTH_TARGET = 0.80
 GPU_SPEEDUP_TARGET = 1.5
 KERNEL_BENCHES = ("pack", "unpack")
+# Ring attention (issue 3's targets): the zigzag ring within 90% of ideal, the exchange
+# hidden (overlap efficiency) where a step's compute outlasts its transfer, and the GPU
+# step kernel against SDPA's best backend.
+RING_BENCHES = ("ring", "ring-train")  # ring_attention vs single-device SDPA
+STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # GPU: the Triton step kernel
+PROBE_BENCH = "ring-probe"  # GPU: single-GPU overlap probe
+RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
+ZIGZAG_IDEAL_TARGET = 0.90
+OVERLAP_TARGET = 0.90
+STEP_TARGETS = {"ring-step-fwd": 0.9, "ring-step-bwd": 0.8}
+FLASH_RULE_FACTOR = 2.0
 # A case where ours won fewer than this share of the paired rounds is slower beyond noise.
 CLEARLY_SLOWER_SHARE = 0.25
 # The timing candidate name for ours called without sizes (see Row.ours_default_call_s).
@@ -58,6 +69,28 @@ class Row:
     peak_gbps: float | None = None  # memory bandwidth reference (kernels rows)
     peak_source: str = ""  # "spec sheet" or "measured large copy"
     ours_fraction_of_peak: float | None = None
+    # Ring attention (bench_ring.py); empty elsewhere. In ring / ring-train rows ours is
+    # the ring on P ranks and the baseline single-device SDPA of the whole sequence.
+    layout: str = ""  # contiguous | zigzag
+    ideal_s: float | None = None  # baseline_s / P: a perfectly parallel ring
+    time_ratio: float | None = None  # ours_s / ideal_s: 1.0 is ideal
+    compute_only_s: float | None = None  # the ring with its exchange removed
+    exchange_only_s: float | None = None  # the ring's exchanges alone (probe: the copies)
+    overlap_efficiency: float | None = None  # compute_only_s / ours_s
+    # No overlap: compute_only_s + exchange_only_s, each timed on its own (so without the
+    # ring's step-by-step coupling of the ranks); probe: measured (copy on the compute stream).
+    serial_s: float | None = None
+    compute_per_step_s: float | None = None  # compute_only_s / steps
+    transfer_per_step_s: float | None = None  # exchange_only_s / exchanges
+    ours_tflops: float | None = None  # ring-step rows: matmul FLOPs / time
+    baseline_tflops: float | None = None  # SDPA's best backend
+    peak_tflops: float | None = None  # spec-sheet dense bf16
+    peak_tflops_source: str = ""
+    ours_fraction_of_peak_tflops: float | None = None
+    # Largest error / plain torch's error in the same dtype, against an exact result
+    # (the flash-attention rule: at most FLASH_RULE_FACTOR).
+    error_vs_plain: float | None = None
+    detail: str = ""  # per-case notes: errors against the exact result, backends ...
 
 
 CSV_COLUMNS = [field.name for field in dataclasses.fields(Row)]
@@ -116,8 +149,54 @@ def _bytes(num_bytes: int | None) -> str:
     return f"{num_bytes} B"
 
 
+def _sent(row: Row) -> str:
+    verdict = "= theory" if row.volume_at_theory else f"!= theory {_bytes(row.bytes_sent_theory)}"
+    return f"sent {_bytes(row.bytes_sent_ours)} {verdict}"
+
+
+def ring_line(row: Row) -> str:
+    """The part of a ring row's line that says how it went (progress and summary)."""
+    if row.bench in STEP_BENCHES:
+        fraction = row.ours_fraction_of_peak_tflops
+        peak = "" if fraction is None else f", {fraction:.0%} of peak"
+        return (f"ours {row.ours_tflops:.3g} TFLOP/s vs SDPA best {row.baseline_tflops:.3g} "
+                f"(x{row.speedup:.2f}{peak})")  # fmt: skip
+    if row.bench == PROBE_BENCH:
+        return (f"overlap {row.overlap_efficiency:.2f}, serial {row.compute_only_s / row.serial_s:.2f} "
+                f"(compute only / time; step compute {_ms(row.compute_per_step_s)}, "
+                f"copy {_ms(row.transfer_per_step_s)})")  # fmt: skip
+    parts = [f"ratio {row.time_ratio:5.2f} ({1 / row.time_ratio:4.0%} of ideal)",
+             f"overlap {row.overlap_efficiency:.2f}"]  # fmt: skip
+    if row.serial_s is not None:
+        parts.append(f"serial est. {row.compute_only_s / row.serial_s:.2f}")
+    if row.error_vs_plain is not None:
+        parts.append(f"err {row.error_vs_plain:.1f}x plain torch's")
+    return ", ".join(parts)
+
+
+def _ring_progress_line(row: Row) -> str:
+    if row.bench in STEP_BENCHES or row.bench == PROBE_BENCH:
+        ours, baseline = ("ours", "SDPA best") if row.bench in STEP_BENCHES else ("overlapped", "serial")
+        first = f"{row.bench:<16} {row.case:<32} {ours} {_ms(row.ours_s):>11}  "
+        first += f"{baseline} {_ms(row.baseline_s):>11} (noise {row.noise:.0%}, {row.reps} rounds)"
+        return " | ".join([first, ring_line(row), row.check])
+    parts = [
+        f"{row.bench:<16} {row.case:<32} ring {_ms(row.ours_s):>11}  "
+        f"single device {_ms(row.baseline_s):>11}"
+        f" (ideal {_ms(row.ideal_s)}, noise {row.noise:.0%}, {row.reps} rounds)",
+        ring_line(row),
+        f"compute only {_ms(row.compute_only_s)}, exchange only {_ms(row.exchange_only_s)}",
+    ]
+    if row.bytes_sent_theory is not None:
+        parts.append(_sent(row))
+    parts.append(row.check)
+    return " | ".join(parts)
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
+    if row.bench in RING_ALL:
+        return _ring_progress_line(row)
     parts = [
         f"{row.bench:<16} {row.case:<32} ours {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
         f"  x{row.speedup:5.2f} (ours faster in {row.ours_faster_share:4.0%} of {row.reps} rounds, "
@@ -126,8 +205,7 @@ def progress_line(row: Row) -> str:
     if row.ours_default_call_s is not None:
         parts.append(f"default call {_ms(row.ours_default_call_s)}")
     if row.bytes_sent_theory is not None:
-        verdict = "= theory" if row.volume_at_theory else f"!= theory {_bytes(row.bytes_sent_theory)}"
-        parts.append(f"sent {_bytes(row.bytes_sent_ours)} {verdict}")
+        parts.append(_sent(row))
     if row.ours_gbps is not None and row.baseline_gbps is not None:
         text = f"{row.ours_gbps:.2f} vs {row.baseline_gbps:.2f} GB/s"
         if row.ours_fraction_of_peak is not None:
@@ -174,6 +252,9 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     target = "CPU: fused no slower than unfused"
     if on_gpu:
         return Check(target, "n/a (GPU run)", "")
+    rows = [row for row in rows if row.bench not in RING_ALL]  # no unfused baseline there
+    if not rows:
+        return Check(target, "n/a (not run)", "")
     not_slower = [row for row in rows if row.speedup >= 1.0]
     clearly_slower = [row for row in rows if row.ours_faster_share < CLEARLY_SLOWER_SHARE]
     detail = (
@@ -195,6 +276,60 @@ def _gpu_kernel_check(rows: list[Row], on_gpu: bool, target: str, key, goal: flo
     return Check(target, _status(len(met) == len(kernels)), detail)
 
 
+def _zigzag_check(rows: list[Row]) -> Check:
+    target = f"ring: zigzag >= {ZIGZAG_IDEAL_TARGET:.0%} of ideal (single device / P)"
+    zigzag = [row for row in rows if row.bench in RING_BENCHES and row.layout == "zigzag"]
+    if not zigzag:
+        return Check(target, "n/a (ring not run)", "")
+    met = [row for row in zigzag if 1 / row.time_ratio >= ZIGZAG_IDEAL_TARGET]
+    detail = f"{_count(met, zigzag)}; " + _worst(
+        zigzag, lambda row: 1 / row.time_ratio, lambda row: f"{1 / row.time_ratio:.0%} of ideal"
+    )
+    return Check(target, _status(len(met) == len(zigzag)), detail)
+
+
+def _flash_rule_check(rows: list[Row]) -> Check:
+    target = f"ring: error <= {FLASH_RULE_FACTOR:g}x plain torch's (flash-attention rule)"
+    judged = [row for row in rows if row.error_vs_plain is not None]
+    if not judged:
+        return Check(target, "n/a (ring not run)", "")
+    met = [row for row in judged if row.error_vs_plain <= FLASH_RULE_FACTOR]
+    detail = f"{_count(met, judged)}; " + _worst(
+        judged, lambda row: -row.error_vs_plain, lambda row: f"{row.error_vs_plain:.1f}x"
+    )
+    return Check(target, _status(len(met) == len(judged)), detail)
+
+
+def _overlap_check(rows: list[Row]) -> Check:
+    target = f"ring: overlap efficiency >= {OVERLAP_TARGET} where step compute > transfer"
+    timed = [row for row in rows if None not in (row.overlap_efficiency, row.transfer_per_step_s)]
+    judged = [row for row in timed if row.compute_per_step_s > row.transfer_per_step_s]
+    if not judged:
+        ran = any(row.bench in RING_ALL for row in rows)
+        reason = "no such case" if timed else ("no exchange timed" if ran else "ring not run")
+        return Check(target, f"n/a ({reason})", "")
+    met = [row for row in judged if row.overlap_efficiency >= OVERLAP_TARGET]
+    detail = f"{_count(met, judged)} ({len(timed) - len(judged)} with transfer >= compute not judged); "
+    efficiency = lambda row: row.overlap_efficiency  # noqa: E731
+    detail += _worst(judged, efficiency, lambda row: f"{row.overlap_efficiency:.2f}")
+    return Check(target, _status(len(met) == len(judged)), detail)
+
+
+def _step_check(rows: list[Row], on_gpu: bool, bench: str) -> Check:
+    goal = STEP_TARGETS[bench]
+    direction = "forward" if bench.endswith("fwd") else "backward"
+    target = f"GPU: step kernel {direction} >= {goal}x SDPA's best backend"
+    steps = [row for row in rows if row.bench == bench]
+    if not on_gpu:
+        return Check(target, "n/a (no GPU)", "")
+    if not steps:
+        return Check(target, "n/a (not run)", "")
+    met = [row for row in steps if row.speedup >= goal]
+    detail = f"{_count(met, steps)}; "
+    detail += _worst(steps, lambda row: row.speedup, lambda row: f"x{row.speedup:.2f}")
+    return Check(target, _status(len(met) == len(steps)), detail)
+
+
 def target_checks(rows: list[Row], on_gpu: bool) -> list[Check]:
     """Issue 2's targets, judged on this run's rows (shown, never asserted)."""
     return [
@@ -210,6 +345,11 @@ def target_checks(rows: list[Row], on_gpu: bool) -> list[Check]:
             rows, on_gpu, f"GPU: pack/unpack >= {GPU_SPEEDUP_TARGET}x unfused",
             lambda row: row.speedup, GPU_SPEEDUP_TARGET, lambda row: f"x{row.speedup:.2f}",
         ),
+        _flash_rule_check(rows),
+        _zigzag_check(rows),
+        _overlap_check(rows),
+        _step_check(rows, on_gpu, "ring-step-fwd"),
+        _step_check(rows, on_gpu, "ring-step-bwd"),
     ]  # fmt: skip
 
 
@@ -217,8 +357,18 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     lines = ["", "Summary (x = baseline time / ours: above 1 ours is faster; won = share of paired "
              "rounds in which ours was faster)"]  # fmt: skip
     for row in rows:
+        if row.bench in RING_ALL:
+            continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")
+    ring = [row for row in rows if row.bench in RING_ALL]
+    if ring:
+        lines += ["", "Ring (ratio = ring time / (single-device time / P): 1.0 ideal; overlap = "
+                  "compute-only time / ring time; serial est. = compute only / (compute only + "
+                  "exchange only), timed apart; probe: serial measured)"]  # fmt: skip
+        for row in ring:
+            sent = f"  {_sent(row)}" if row.bytes_sent_theory is not None else ""
+            lines.append(f"  {row.bench:<16} {row.case:<32} {ring_line(row)}{sent}  {row.check}")
     lines += ["", "Targets"]
     width = max(len(check.target) for check in checks)
     for check in checks:

@@ -13,12 +13,17 @@ import torch
 import seqpar_kernels
 from seqpar_kernels._extension import build_info
 
-from bench import bench_kernels, bench_reshard, bench_ulysses, hardware
+from bench import bench_kernels, bench_reshard, bench_ring, bench_ulysses, hardware
 from bench.context import Context
 from bench.plot import plot_results
 from bench.results import Row, summary_table, target_checks, write_results
 
-BENCHES = {"reshard": bench_reshard.run, "ulysses": bench_ulysses.run, "kernels": bench_kernels.run}
+BENCHES = {
+    "reshard": bench_reshard.run,
+    "ulysses": bench_ulysses.run,
+    "kernels": bench_kernels.run,
+    "ring": bench_ring.run,
+}
 
 
 def load_average() -> float | None:
@@ -33,9 +38,11 @@ def timed_rounds(ctx: Context) -> str:
     return str(ctx.reps) if ctx.reps == ctx.max_reps else f"{ctx.reps} to {ctx.max_reps}"
 
 
-def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float | None) -> dict:
+def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float | None,
+                 only: list[str]) -> dict:  # fmt: skip
     """What the sidecar JSON records about the run (rank 0's view)."""
     metadata = {
+        "benches": only,
         "device": ctx.device_name,
         "device_type": ctx.device.type,
         "world_size": ctx.world_size,
@@ -59,6 +66,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         "timing": "median over timed rounds of the slowest rank's time per call, candidates "
         "interleaved; " + ("CUDA events" if ctx.on_gpu else "time.perf_counter after dist.barrier"),
     }
+    if "ring" in only:
+        metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
     return metadata
 
 
@@ -79,7 +88,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
         f"{', quick' if ctx.quick else ''}"
     )
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
-            "all_to_all_single); x = baseline time / ours")  # fmt: skip
+            "all_to_all_single); x = baseline time / ours (ring: see its own note)")  # fmt: skip
     rows: list[Row] = []
     for name in only:
         ctx.log(f"== {name} ==")
@@ -87,7 +96,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
     if not ctx.is_root:
         return
     checks = target_checks(rows, ctx.on_gpu)
-    metadata = run_metadata(ctx, started, load_at_start)
+    metadata = run_metadata(ctx, started, load_at_start, only)
     print(summary_table(rows, checks), flush=True)
     print(f"\nmachine load (1-min average, this run's ranks included): {load_at_start} at start, "
           f"{metadata['load_average_end']} at end, on {os.cpu_count()} cores", flush=True)  # fmt: skip

@@ -1,5 +1,6 @@
 """The microbenchmark suite runs end to end (tiny shapes) and writes its CSV, JSON and
-plot, with every case computing what its baseline computes and volumes at theory."""
+plot, with every case computing what its baseline or reference computes and volumes at
+theory."""
 
 import csv
 import os
@@ -23,5 +24,8 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert len(csv_files) == 1 and list(tmp_path.glob("*.png")) and list(tmp_path.glob("*.json"))
     rows = list(csv.DictReader(csv_files[0].open()))
     assert {row["bench"] for row in rows} >= {"reshard", "ulysses"}
-    assert all(row["check"] == "identical" for row in rows), rows
+    # Data movement must be identical to the baseline's; attention must match the
+    # reference within the 2x rule ("matches").
+    assert all(row["check"] in ("identical", "matches") for row in rows), rows
+    assert {row["bench"] for row in rows} >= {"ring", "ring-train"}
     assert all(row["volume_at_theory"] == "True" for row in rows if row["volume_at_theory"]), rows

@@ -113,12 +113,18 @@ def peak_memory_bandwidth(device: torch.device, name: str) -> tuple[float, str]:
 
 
 def git_commit() -> str:
-    """Short hash of HEAD (read only: `git rev-parse`), or "unknown"."""
+    """Short hash of HEAD (read only: `git rev-parse`), "+dirty" when the package, its C++
+    or the bench have uncommitted changes (the results then do not describe HEAD exactly),
+    or "unknown"."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-        return result.stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short", "HEAD") or "unknown"
+        changed = git("status", "--porcelain", "--", "seqpar_kernels", "csrc", "bench", ":!bench/results")
+        return f"{commit}+dirty" if changed else commit
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -15,7 +15,7 @@ from seqpar_kernels import all_to_all_reshard
 
 from bench.baselines import SentBytes, unfused_reshard
 from bench.context import Context
-from bench.results import OURS_DEFAULT_CALL, Row, gbps, progress_line, short_dtype, timed_row
+from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, progress_line, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -105,15 +105,10 @@ def measure(case: ReshardCase, ctx: Context) -> Row:
     volume = measure_volume(ctx, ours, theory_bytes(x, scatter_dim, ctx))
     candidates = {"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}
     timings = time_side_by_side(candidates, ctx)
-    return timed_row(
-        ctx, timings,
+    return exchange_row(
+        ctx, timings, volume, counter.bytes_sent,
         bench="reshard", case=case.label, shape=f"(B,T,S,C)={case.shape}",
         dtype=short_dtype(case.dtype), check=check,
-        bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory,
-        volume_at_theory=volume.at_theory, bytes_sent_baseline=counter.bytes_sent,
-        gbps_basis="bytes sent / time",
-        ours_gbps=gbps(volume.measured, timings["ours"].median_s),
-        baseline_gbps=gbps(counter.bytes_sent, timings["baseline"].median_s),
     )  # fmt: skip
 
 

@@ -116,6 +116,20 @@ def timed_row(ctx: Context, timings: dict[str, Timing], **fields) -> Row:
     )
 
 
+def exchange_row(ctx: Context, timings: dict[str, Timing], volume, baseline_bytes: int, **fields) -> Row:
+    """timed_row for a collective: bytes sent by ours (a verify.Volume) and by the
+    baseline, and the GB/s of both as bytes sent / time."""
+    return timed_row(
+        ctx, timings,
+        bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory,
+        volume_at_theory=volume.at_theory, bytes_sent_baseline=baseline_bytes,
+        gbps_basis="bytes sent / time",
+        ours_gbps=gbps(volume.measured, timings["ours"].median_s),
+        baseline_gbps=gbps(baseline_bytes, timings["baseline"].median_s),
+        **fields,
+    )  # fmt: skip
+
+
 def short_dtype(dtype) -> str:
     """torch.bfloat16 -> "bf16", as the case labels spell dtypes."""
     names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}

@@ -20,6 +20,8 @@ __all__ = [
     "split_sequence",
     "gather_sequence",
     "ulysses_attention",
+    "ring_attention",
+    "zigzag_split",
+    "zigzag_gather",
     "comm_stats",
 ]
-__all__ += ["ring_attention", "zigzag_split", "zigzag_gather"]

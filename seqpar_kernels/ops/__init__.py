@@ -1,7 +1,8 @@
 """Torch custom ops: fake kernels, autograd and Python entry points.
 
-Schemas of the compiled ops are in csrc/ops.cpp; the collective op is defined here in
-Python because it calls torch.distributed.
+Schemas of the compiled ops (pack_blocks, unpack_blocks, attention_merge_) are in
+csrc/ops.cpp; the ops that call torch.distributed (all_to_all_single, the ring attention
+forward and backward) are defined here in Python.
 """
 
 from seqpar_kernels.ops.block_copy import pack_blocks, unpack_blocks
@@ -12,5 +13,11 @@ from seqpar_kernels.ops.ring_attention import (
     ring_attention_forward,
 )
 
-__all__ = ["pack_blocks", "unpack_blocks", "all_to_all_single"]
-__all__ += ["attention_merge_", "ring_attention_forward", "ring_attention_backward"]
+__all__ = [
+    "pack_blocks",
+    "unpack_blocks",
+    "all_to_all_single",
+    "attention_merge_",
+    "ring_attention_forward",
+    "ring_attention_backward",
+]

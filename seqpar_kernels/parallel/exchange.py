@@ -75,3 +75,17 @@ def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str)
             f"{agreed} (per rank: local size, metadata fingerprint: {rows})"
         )
     return [row[0] for row in rows]
+
+
+def check_local_sizes(
+    sizes: Sequence[int], group: GroupInfo, local_size: int, argument: str, shape, dim: int
+) -> list[int]:
+    """Checks user-passed per-rank sizes along `dim` (`argument` names the parameter):
+    one per rank, this rank's equal to its local size. Returns them as a list."""
+    if len(sizes) != group.world_size or sizes[group.rank] != local_size:
+        raise ValueError(
+            f"{argument}={list(sizes)} must list {group.world_size} ranks' sizes along dim "
+            f"{dim}, with this rank's ({group.rank}) equal to {local_size} (local shape "
+            f"{tuple(shape)})"
+        )
+    return list(sizes)

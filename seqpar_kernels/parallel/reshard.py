@@ -12,24 +12,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
+from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
-from seqpar_kernels.parallel.exchange import exchange_blocks, gather_local_sizes
+from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
 
 
 def _normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
     if not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(f"{name}={dim} is out of range for a tensor of shape {tuple(shape)}")
     return dim % ndim
-
-
-def _check_gather_sizes(gather_sizes, group: GroupInfo, local_size: int, shape, dim: int):
-    if len(gather_sizes) != group.world_size or gather_sizes[group.rank] != local_size:
-        raise ValueError(
-            f"gather_sizes={list(gather_sizes)} must list {group.world_size} ranks' sizes along "
-            f"dim {dim}, with this rank's ({group.rank}) equal to {local_size} (local shape "
-            f"{tuple(shape)})"
-        )
 
 
 def all_to_all_reshard(
@@ -70,8 +61,7 @@ def all_to_all_reshard(
         shape_without_gather = shape[:gather] + shape[gather + 1 :]
         agreed = (x.dim(), scatter, gather, x.dtype, shape_without_gather)
         gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard")
-    _check_gather_sizes(gather_sizes, info, shape[gather], x.shape, gather)
-    gather_sizes = list(gather_sizes)
+    gather_sizes = check_local_sizes(gather_sizes, info, shape[gather], "gather_sizes", x.shape, gather)
 
     # Send: rank j gets x.narrow(scatter, start_j, len_j). Receive: rank i's block is
     # (..., my scatter piece, ..., gather_sizes[i], ...) and lands at offset_i of gather.
@@ -137,5 +127,5 @@ def gather_sequence(
     if sizes is None:
         agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
         sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence")
-    _check_gather_sizes(sizes, info, x.shape[dim], x.shape, dim)
-    return _GatherSequence.apply(x, dim, group, list(sizes))
+    sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
+    return _GatherSequence.apply(x, dim, group, sizes)

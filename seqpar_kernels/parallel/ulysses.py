@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
-from seqpar_kernels.parallel.exchange import exchange_blocks, gather_local_sizes
+from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -139,12 +139,7 @@ def ulysses_attention(
     if seq_lens is None:
         agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, softmax_scale)
         seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention")
-    if len(seq_lens) != info.world_size or seq_lens[info.rank] != local_len:
-        raise ValueError(
-            f"seq_lens={list(seq_lens)} must list {info.world_size} ranks' local lengths, this "
-            f"rank's ({info.rank}) being {local_len} (q {tuple(q.shape)})"
-        )
-    seq_lens = list(seq_lens)
+    seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
     total_len = sum(seq_lens)
     seq_starts = offsets(seq_lens)
     head_starts, head_counts = tensor_split_ranges(num_heads, info.world_size)

@@ -62,14 +62,12 @@ class Ring:
         self.tag = tag
         if group_name == SINGLE_PROCESS:
             self.group, self.rank, self.world_size = None, 0, 1
-            if _replacement is not None:
-                _replacement.resize(self)
-            return
-        self.group = group_from_name(group_name)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.send_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
-        self.recv_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
+        else:
+            self.group = group_from_name(group_name)
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.send_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
+            self.recv_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
         if _replacement is not None:
             _replacement.resize(self)
 

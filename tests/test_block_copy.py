@@ -130,6 +130,37 @@ def test_unpack_sums_overlapping_ranges_and_zeroes_gaps(device, dtype):
     assert torch.count_nonzero(out[:, :, 2]) == 0
 
 
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"threads{n}")
+def cpu_threads(request):
+    """The CPU kernels split rows across torch's intra-op threads: task boundaries fall
+    inside blocks and inside the outer dims, and 3 threads cut them unevenly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("destinations", [3, 4, 70])
+@pytest.mark.parametrize("k_layout", ["contiguous", "transposed"])
+def test_ulysses_sized_pack_and_unpack_on_threads(cpu_threads, destinations, k_layout):
+    # Big enough for several tasks per thread. With contiguous q and k, 3 and 4
+    # destinations copy the rows of all blocks token by token (the heads split inside
+    # rows); 70 destinations x (q, k) is past the interleaving limit, and a transposed k
+    # has rows of one element: those copy block by block.
+    heads = 70 if destinations == 70 else 12
+    q = make((2, 1001, heads, 40), torch.bfloat16, "cpu", 7)
+    k = views(make((2, 1001, heads, 40), torch.bfloat16, "cpu", 8), k_layout)
+    sizes = [len(piece) for piece in torch.arange(heads).tensor_split(destinations)]
+    head_starts = [sum(sizes[:rank]) for rank in range(destinations)]
+    starts = [s for s in head_starts for _ in range(2)]
+    lengths = [n for n in sizes for _ in range(2)]
+    packed = pack_blocks([q, k], [2, 2], starts, lengths)
+    assert torch.equal(packed, reference_pack([q, k], [2, 2], starts, lengths))
+    shapes = [tuple(q.shape), tuple(k.shape)]
+    unpacked = unpack_blocks(packed, shapes, [2, 2], starts, lengths, [(0, 1, 2, 3), (0, 2, 1, 3)])
+    assert torch.equal(unpacked[0], q) and torch.equal(unpacked[1], k)
+
+
 def test_unpack_rejects_wrong_buffer_size():
     with pytest.raises(RuntimeError, match="blocks hold"):
         unpack_blocks(torch.zeros(10), [(2, 3)], [0], [0, 1], [1, 1])

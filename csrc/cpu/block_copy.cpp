@@ -30,6 +30,12 @@ void copy_strided_row(char* strided, int64_t stride, char* flat, int64_t count, 
   }
 }
 
+// Rows up to this size are copied by an inlined loop of 16-byte moves rather than a
+// memcpy call: Ulysses with many ranks cuts rows of one head (128 bytes for D=64 in
+// bf16), where the call costs as much as the copy. Measured on a 2-core Xeon, pack of
+// 32 destinations x (q, k, v) with 128-byte rows, one thread: 2.6 ms -> 2.0 ms.
+constexpr size_t kInlineCopyBytes = 512;
+
 struct alignas(16) Bytes16 {
   char bytes[16];
 };
@@ -38,8 +44,13 @@ void copy_row(char* strided, int64_t stride, char* flat, int64_t count, int64_t 
               bool to_flat) {
   if (stride == 1) {
     const size_t bytes = static_cast<size_t>(count * element_size);
-    if (to_flat) std::memcpy(flat, strided, bytes);
-    else std::memcpy(strided, flat, bytes);
+    char* destination = to_flat ? flat : strided;
+    const char* source = to_flat ? strided : flat;
+    if (bytes <= kInlineCopyBytes && bytes % 16 == 0) {
+      for (size_t i = 0; i < bytes; i += 16) std::memcpy(destination + i, source + i, 16);
+    } else {
+      std::memcpy(destination, source, bytes);
+    }
     return;
   }
   switch (element_size) {
@@ -97,6 +108,88 @@ BlockRows block_rows(const StridedLayout& layout, const BlockDescriptor& block) 
   return rows;
 }
 
+// Row-interleaved traversal: when every block's split dim lies inside its rows (the
+// blocks of a tensor then share their outer dims, e.g. Ulysses' per-destination head
+// groups of one token), walk the outer index once and copy that row of every block.
+// The strided side is then read (or written) in its own memory order, and the flat
+// side as one sequential stream per block. Measured on a 2-core Xeon, one thread, pack
+// of Ulysses' q, k, v (bf16, 1024-2048 tokens) against permute().contiguous():
+//   P=4 H=16 D=128 (12 blocks)        1.36x (block by block: 0.86x)
+//   P=8 H=32/8 D=128 (24 blocks)      1.17x (0.86x)
+//   P=16 H=32/8 D=64 (48 blocks)      2.3x  (1.1x)
+//   P=32 H=32 D=64 (96 blocks)        0.55x (0.68x)
+//   P=64 H=64/8 D=64 (192 blocks)     0.83x (1.38x)
+// With many blocks the streams outnumber what the prefetchers and TLB keep track of,
+// so block-by-block order takes over above kMaxInterleavedBlocks.
+constexpr size_t kMaxInterleavedBlocks = 64;
+
+bool rows_interleave(const BlockCopyPlan& plan, const std::vector<BlockRows>& shapes) {
+  if (shapes.size() > kMaxInterleavedBlocks) return false;
+  int outer_ndim[kMaxTensors];
+  std::fill(outer_ndim, outer_ndim + kMaxTensors, -1);
+  for (size_t b = 0; b < shapes.size(); ++b) {
+    const int64_t t = plan.blocks[b].tensor_index;
+    if (plan.layouts[t].split_dim < shapes[b].outer_ndim || shapes[b].rows != shapes[0].rows) {
+      return false;
+    }
+    // The blocks of one tensor then share its outer dims (all before the split dim).
+    if (outer_ndim[t] < 0) outer_ndim[t] = shapes[b].outer_ndim;
+    if (outer_ndim[t] != shapes[b].outer_ndim) return false;
+  }
+  return true;
+}
+
+void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRows>& shapes,
+                            char* flat, bool to_flat) {
+  const int64_t num_blocks = static_cast<int64_t>(plan.blocks.size());
+  const int64_t element_size = plan.element_size;
+  const int64_t rows = shapes[0].rows;
+  int64_t row_bytes_all = 0;
+  for (const BlockRows& shape : shapes) row_bytes_all += shape.row_length * element_size;
+  const int64_t grain = std::max<int64_t>(1, kBytesPerTask / std::max<int64_t>(1, row_bytes_all));
+  // The first block of each tensor carries its outer dims.
+  std::vector<int64_t> first_block(plan.num_tensors, -1);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    auto& first = first_block[plan.blocks[b].tensor_index];
+    if (first < 0) first = b;
+  }
+  at::parallel_for(0, rows, grain, [&](int64_t row_begin, int64_t row_end) {
+    int64_t index[kMaxTensors][kMaxDims];
+    int64_t outer_offset[kMaxTensors];
+    for (int64_t t = 0; t < plan.num_tensors; ++t) {
+      outer_offset[t] = 0;
+      if (first_block[t] < 0) continue;
+      const BlockRows& shape = shapes[first_block[t]];
+      int64_t remainder = row_begin;
+      for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+        index[t][d] = remainder % shape.outer_extents[d];
+        remainder /= shape.outer_extents[d];
+        outer_offset[t] += index[t][d] * shape.outer_strides[d];
+      }
+    }
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const BlockDescriptor& block = plan.blocks[b];
+        const BlockRows& shape = shapes[b];
+        char* strided = plan.bases[block.tensor_index] +
+                        (shape.start_offset + outer_offset[block.tensor_index]) * element_size;
+        char* packed = flat + (block.flat_offset + row * shape.row_length) * element_size;
+        copy_row(strided, shape.inner_stride, packed, shape.row_length, element_size, to_flat);
+      }
+      for (int64_t t = 0; t < plan.num_tensors; ++t) {
+        if (first_block[t] < 0) continue;
+        const BlockRows& shape = shapes[first_block[t]];
+        for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+          outer_offset[t] += shape.outer_strides[d];
+          if (++index[t][d] < shape.outer_extents[d]) break;
+          outer_offset[t] -= index[t][d] * shape.outer_strides[d];
+          index[t][d] = 0;
+        }
+      }
+    }
+  });
+}
+
 void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
   const int64_t num_blocks = static_cast<int64_t>(plan.blocks.size());
   const int64_t element_size = plan.element_size;
@@ -107,6 +200,7 @@ void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
     shapes[b] = block_rows(plan.layouts[plan.blocks[b].tensor_index], plan.blocks[b]);
     rows_before[b + 1] = rows_before[b] + shapes[b].rows;
   }
+  if (rows_interleave(plan, shapes)) return block_copy_interleaved(plan, shapes, flat, to_flat);
   int64_t total_units = 0;
   for (const BlockDescriptor& block : plan.blocks) total_units += block.numel;
   const int64_t total_rows = rows_before[num_blocks];

@@ -24,4 +24,5 @@ spatial_sharded = sp.all_to_all_reshard(video, scatter_dim=2, gather_dim=1)     
 
 # Leave the sharded world.
 full_out = sp.gather_sequence(out, dim=1)                     # (2, 512, 16, 64)
+dist.barrier()                # no rank closes its connections while a peer still uses them
 dist.destroy_process_group()

@@ -16,7 +16,9 @@ def test_readme_example_is_quickstart():
 
 
 def test_quickstart_runs_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # PYTHONFAULTHANDLER: a rank killed by a signal prints every thread's Python stack,
+    # so a crash at teardown says where it happened.
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(ROOT / "examples" / "quickstart.py")],

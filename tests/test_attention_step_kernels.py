@@ -307,7 +307,28 @@ def test_backward_preprocess():
 )
 def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
     torch.manual_seed(8)
-    b, sq = 2, 17
+    _check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
+
+
+def _cuda_tiles():
+    tables = (ast._FORWARD_TILES, ast._BACKWARD_DQ_TILES, ast._BACKWARD_DQ_TILES_BEFORE_HOPPER,
+              ast._BACKWARD_DKDV_TILES)
+    return sorted({tiles for table in tables for tiles in table.values()})
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the CUDA tiles in every test")
+@pytest.mark.parametrize("tiles", _cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles[:2])))
+def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
+    # The CUDA tile shapes, run by the interpreter: q and k lengths that leave
+    # partial tiles at both ends of the sweep, and (for the small tiles) several.
+    monkeypatch.setattr(ast, "_INTERPRETER_TILES", tiles)
+    torch.manual_seed(10)
+    _check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
+
+
+def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
+    """Forward over a causal diagonal block and full blocks, then the backward of
+    every step, against fp64 autograd of the whole attention."""
     steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=full_lens)
     q = _randn(b, sq, h, d)
     scale = d ** -0.5

@@ -39,6 +39,7 @@ as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
 
 import math
 import os
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -417,6 +418,26 @@ def _attention_step_bwd_dkdv_kernel(
 # ----------------------------------------------------------------------------
 
 
+class KernelLaunch(NamedTuple):
+    """How a launcher starts one kernel: which kernel, its compile-time
+    (``tl.constexpr``) arguments, and the launch options Triton compiles with.
+
+    The launchers build these with the ``*_launch`` functions below, through
+    the same ``_*_call`` functions that cuda_kernel_calls uses, so what
+    kernels/ahead_of_time.py compiles for GPU targets in CI is what the
+    launchers run.
+    """
+
+    kernel: Any  # the @triton.jit function
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def __call__(self, grid, *args):
+        """Launch the kernel on ``grid`` with the runtime arguments ``args``."""
+        self.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
 def _block_d(headdim):
     # tl.arange needs a power of two and tl.dot wants every dim >= 16.
     return max(16, triton.next_power_of_2(headdim))
@@ -429,12 +450,14 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _dot_upcast(t):
+def _dot_upcast(dtype, interpreted):
     # bf16 tl.dot is wrong in the Triton interpreter (see _dot): widen there.
-    # CPU tensors can only be run by the interpreter; with CUDA tensors it is
-    # used when TRITON_INTERPRET=1.
-    if t.dtype != torch.bfloat16:
-        return False
+    return dtype == torch.bfloat16 and interpreted
+
+
+def _runs_in_interpreter(t):
+    # CPU tensors can only be run by the interpreter; CUDA tensors are run by
+    # it when TRITON_INTERPRET=1.
     if not t.is_cuda:
         return True
     knobs = getattr(triton, "knobs", None)
@@ -443,35 +466,170 @@ def _dot_upcast(t):
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _fwd_config(q, block_d):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward kernel."""
-    if not q.is_cuda:
-        # Interpreter: small tiles keep numpy work cheap and still exercise
-        # multi-tile loops and edge masks on short test sequences.
-        return 16, 32, 4, 1
-    big = q.element_size() * block_d  # bytes per row of a q/k/v tile
-    if big <= 2 * 64:  # fp16/bf16 d<=64
-        return 128, 64, 4, 3
-    if big <= 2 * 128:  # fp16/bf16 d<=128, fp32 d<=64
-        return 128, 64, 8, 2
-    # d=256 (or fp32 d>64): smaller tiles keep K/V stages within the 228 KB
-    # of shared memory of an H100, and 8 warps spread the wide fp32 acc
-    # (64 x 256) over more registers.
-    return 64, 32, 8, 2
+# CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by (bytes per element,
+# BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.
+#
+# fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
+# in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
+# warpgroup is what lets Triton use wgmma).  fp32 asks for exact ("ieee")
+# products, which run as FMAs on registers, not on tensor cores: small tiles.
+#
+# Chosen by compiling every entry ahead of time (python -m
+# seqpar_kernels.kernels.ahead_of_time lists them; the test
+# tests/test_attention_step_ahead_of_time.py holds them to it): each fits the
+# shared memory of sm_90 and sm_80 and has no register spill inside its K/V or
+# Q sweep on either.  What that replaced (compiled 2026-11-22, spill accesses
+# inside the loop on sm_90): fp32 used the fp16 tiles, (128|32, 64|32|128, 8, 2)
+# with 159 to 15000 spill accesses per kernel; bf16/fp16 dk/dv at d256 was
+# (32, 64, 8, 1) with 9 to 25; bf16/fp16 dq at d256 keeps (64, 32, 8, 1) on
+# sm_90 (no spill) but spills 365 on sm_80, which gets (32, 64, 8, 1).
+# No GPU has timed these yet: the ring-step-fwd/bwd rows of `python -m bench`
+# (bench/bench_ring.py) time them against SDPA on one.
+_FP32_TILES = (16, 32, 8, 2)
+_FORWARD_TILES = {
+    (2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
+    (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES,
+}
+_BACKWARD_DQ_TILES = {
+    (2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (64, 32, 8, 1),
+    (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES,
+}
+_BACKWARD_DQ_TILES_BEFORE_HOPPER = {(2, 256): (32, 64, 8, 1)}
+# fp32 dk/dv: (16, 32, 8, 2) spills 3 accesses inside the loop at d128 with GQA
+# (sm_90), (16, 32, 4, 2) up to 294 at d256; (16, 16, 8, 2) none anywhere.
+_FP32_DKDV_TILES = (16, 16, 8, 2)
+_BACKWARD_DKDV_TILES = {
+    (2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
+    (4, 64): _FP32_DKDV_TILES, (4, 128): _FP32_DKDV_TILES, (4, 256): _FP32_DKDV_TILES,
+}
+# The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
+# numpy work cheap and still exercise multi-tile loops and edge masks on short
+# test sequences.
+_INTERPRETER_TILES = (16, 32, 4, 1)
 
 
-def _bwd_config(q, block_d):
-    """((dq BLOCK_M, BLOCK_N), (dkdv BLOCK_M, BLOCK_N), num_warps, num_stages)."""
-    if not q.is_cuda:
-        return (16, 32), (16, 32), 4, 1
-    big = q.element_size() * block_d
-    if big <= 2 * 128:
-        # dq: wide q tile, narrow k sweep; dkdv: wide k tile, narrow q sweep
-        # (as in the Triton fused-attention tutorial).
-        return (128, 32), (32, 128), 8, 2
-    # d=256 or fp32 d>64: two fp32 (BLOCK_N x 256) accumulators (dk, dv) per
-    # program; 8 warps keep them in registers.
-    return (64, 32), (32, 64), 8, 1
+def _tiles(table, dtype, block_d, capability, before_hopper=None):
+    # capability: the CUDA device's compute capability as an int (90 for sm_90),
+    # None for CPU tensors.
+    if capability is None:
+        return _INTERPRETER_TILES
+    key = (dtype.itemsize, max(64, block_d))
+    if capability < 90 and before_hopper and key in before_hopper:
+        return before_hopper[key]
+    return table[key]
+
+
+def cuda_capability(t):
+    """Compute capability of ``t``'s CUDA device as an int (90 for sm_90), or None
+    for a tensor that is not on a CUDA device."""
+    if not t.is_cuda:
+        return None
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return 10 * major + minor
+
+
+def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted):
+    block_m, block_n, num_warps, num_stages = tiles
+    constexprs = dict(CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted))
+    return KernelLaunch(kernel, constexprs, num_warps, num_stages)
+
+
+def forward_launch(dtype, headdim, causal, *, capability=90, interpreted=False):
+    """The KernelLaunch of ``_attention_step_fwd_kernel``.
+
+    ``capability`` (90 for sm_90) picks the GPU tiles; None picks the small tiles
+    used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
+    whether the Triton interpreter runs the kernel.  The defaults describe a
+    compiled launch on an H100.
+    """
+    block_d = _block_d(headdim)
+    return _step_launch(_attention_step_fwd_kernel, _tiles(_FORWARD_TILES, dtype, block_d, capability),
+                        dtype, block_d, causal, interpreted)
+
+
+def backward_preprocess_launch(headdim, *, capability=90):
+    """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
+    the kernel widens out and dout to fp32 before it multiplies)."""
+    # num_warps / num_stages are Triton's defaults, written out so that the
+    # ahead-of-time compile test builds exactly the kernel the launcher runs.
+    return KernelLaunch(_attention_bwd_preprocess_kernel,
+                        dict(BLOCK_M=16 if capability is None else 64, BLOCK_D=_block_d(headdim)),
+                        num_warps=4, num_stages=3)
+
+
+def backward_launches(dtype, headdim, causal, *, capability=90, interpreted=False):
+    """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
+    ``capability`` and ``interpreted`` as in forward_launch."""
+    block_d = _block_d(headdim)
+    return (
+        _step_launch(_attention_step_bwd_dq_kernel, _tiles(_BACKWARD_DQ_TILES, dtype, block_d, capability,
+                            _BACKWARD_DQ_TILES_BEFORE_HOPPER),
+                     dtype, block_d, causal, interpreted),
+        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles(_BACKWARD_DKDV_TILES, dtype, block_d, capability),
+                     dtype, block_d, causal, interpreted),
+    )
+
+
+def _forward_call(q, k, v, out, lse, scale, causal, *, capability, interpreted):
+    """(KernelLaunch, grid, positional arguments) of the forward step kernel."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    launch = forward_launch(q.dtype, headdim, causal, capability=capability, interpreted=interpreted)
+    grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
+    args = (q, k, v, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
+            scale * _LOG2E)
+    return launch, grid, args
+
+
+def _backward_preprocess_call(out, dout, delta, *, capability):
+    """(KernelLaunch, grid, positional arguments) of the delta = rowsum(dout * out) kernel."""
+    batch, seqlen_q, nheads, headdim = out.shape
+    launch = backward_preprocess_launch(headdim, capability=capability)
+    grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
+    args = (out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), seqlen_q, headdim)
+    return launch, grid, args
+
+
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, capability, interpreted):
+    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal,
+                                               capability=capability, interpreted=interpreted)
+    inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
+    return [
+        (dq_launch, (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch),
+         (q, k, v, dout, lse, delta, dq, *inputs, *dq.stride(), *sizes_and_scales)),
+        (dkdv_launch, (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch),
+         (q, k, v, dout, lse, delta, dk, dv, *inputs, *dk.stride(), *dv.stride(), *sizes_and_scales)),
+    ]
+
+
+def cuda_kernel_calls(q, k, v, causal, capability):
+    """Every kernel launch that one forward and one backward ring step run on CUDA
+    tensors shaped and strided like ``q``, ``k``, ``v`` (which may live on the
+    meta device) on a GPU of compute ``capability`` (90 for sm_90), as
+    ``[(KernelLaunch, positional arguments)]``.  The running
+    state (out, lse), dout and the gradients are taken contiguous, as the ring
+    allocates them.  kernels/ahead_of_time.py compiles these for GPU targets."""
+    fp32 = torch.float32
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty(q.shape, dtype=fp32, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=fp32, device=q.device)
+    dout = torch.empty_like(q, memory_format=torch.contiguous_format)
+    delta = torch.empty_like(lse)
+    dq = torch.empty_like(out)
+    dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
+    scale = q.shape[-1] ** -0.5
+    calls = [_forward_call(q, k, v, out, lse, scale, causal, capability=capability, interpreted=False),
+             _backward_preprocess_call(out.to(q.dtype), dout, delta, capability=capability),
+             *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal,
+                              capability=capability, interpreted=False)]
+    return [(launch, args) for launch, _grid, args in calls]
 
 
 def _check_qkv(q, k, v):
@@ -566,19 +724,9 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
     if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
         return out, lse  # an empty block changes nothing
 
-    block_d = _block_d(headdim)
-    block_m, block_n, num_warps, num_stages = _fwd_config(q, block_d)
-    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
-    _attention_step_fwd_kernel[grid](
-        q, k, v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
-        scale * _LOG2E,
-        CAUSAL=mask_mode == MASK_CAUSAL,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    launch, grid, args = _forward_call(q, k, v, out, lse, scale, mask_mode == MASK_CAUSAL,
+                                       capability=cuda_capability(q), interpreted=_runs_in_interpreter(q))
+    launch(grid, *args)
     return out, lse
 
 
@@ -612,15 +760,8 @@ def attention_backward_preprocess(out, dout):
         return delta
     if headdim == 0:
         return delta.zero_()
-    block_d = _block_d(headdim)
-    block_m = 16 if not out.is_cuda else 64
-    grid = (triton.cdiv(seqlen_q, block_m), nheads, batch)
-    _attention_bwd_preprocess_kernel[grid](
-        out, dout, delta,
-        *out.stride(), *dout.stride(), *delta.stride(),
-        seqlen_q, headdim,
-        BLOCK_M=block_m, BLOCK_D=block_d,
-    )
+    launch, grid, args = _backward_preprocess_call(out, dout, delta, capability=cuda_capability(out))
+    launch(grid, *args)
     return delta
 
 
@@ -666,27 +807,8 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
     if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
         return dq, dk, dv
 
-    kv_group = nheads // nheads_kv
-    block_d = _block_d(headdim)
-    (dq_m, dq_n), (kv_m, kv_n), num_warps, num_stages = _bwd_config(q, block_d)
-    common = dict(CAUSAL=mask_mode == MASK_CAUSAL, BLOCK_D=block_d,
-                  DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q),
-                  num_warps=num_warps, num_stages=num_stages)
-    in_strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-                  *lse.stride(), *delta.stride())
-
-    _attention_step_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_m), nheads, batch)](
-        q, k, v, dout, lse, delta, dq,
-        *in_strides, *dq.stride(),
-        seqlen_q, seqlen_k, headdim, kv_group,
-        scale, scale * _LOG2E,
-        BLOCK_M=dq_m, BLOCK_N=dq_n, **common,
-    )
-    _attention_step_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, kv_n), nheads_kv, batch)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *in_strides, *dk.stride(), *dv.stride(),
-        seqlen_q, seqlen_k, headdim, kv_group,
-        scale, scale * _LOG2E,
-        BLOCK_M=kv_m, BLOCK_N=kv_n, **common,
-    )
+    for launch, grid, args in _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale,
+                                              mask_mode == MASK_CAUSAL, capability=cuda_capability(q),
+                                              interpreted=_runs_in_interpreter(q)):
+        launch(grid, *args)
     return dq, dk, dv

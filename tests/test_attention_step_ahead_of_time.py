@@ -1,0 +1,65 @@
+"""The ring-attention step kernels compiled ahead of time for GPUs that are not here.
+
+Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
+64/128/256, causal or not, MHA or GQA) is compiled for sm_90 (H100/H200) and
+sm_80 (A100) by seqpar_kernels.kernels.ahead_of_time, with the same tiles and
+the same argument specialization as a real launch.  Without a GPU this is how CI
+knows that the kernels compile for the GPUs users have, that their shared memory
+fits (a launch that does not would fail with OutOfResources), and that no
+register spills land inside the K/V or Q sweep (a spilling kernel is still
+correct, only slow, so no correctness test would notice).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+from seqpar_kernels.kernels.ahead_of_time import MAX_SHARED_MEMORY_BYTES  # noqa: E402
+
+KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
+           "_attention_step_bwd_dq_kernel", "_attention_step_bwd_dkdv_kernel"}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    # The compile runs in its own process: conftest sets TRITON_INTERPRET=1 on
+    # machines without a GPU, and interpreted kernels cannot be compiled.
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "seqpar_kernels.kernels.ahead_of_time", "--json", "--capability", "90", "80"],
+        capture_output=True, text=True, env=env, timeout=1500,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)
+
+
+def _describe(row):
+    return (f"sm_{row['capability']} {row['description']} {row['constexprs']} warps {row['num_warps']} "
+            f"stages {row['num_stages']}")
+
+
+def test_every_kernel_compiles_for_sm90_and_sm80(compiled):
+    for capability in (90, 80):
+        rows = [row for row in compiled if row["capability"] == capability]
+        assert {row["kernel"] for row in rows} == KERNELS
+        for dtype in ("bfloat16", "float16", "float32"):
+            for headdim in (64, 128, 256):
+                assert any(f" {dtype} d{headdim} " in row["description"] for row in rows), (capability, dtype, headdim)
+
+
+def test_shared_memory_fits_the_target(compiled):
+    too_big = [f"{_describe(row)}: {row['shared_memory_bytes']} B > {MAX_SHARED_MEMORY_BYTES[row['capability']]} B"
+               for row in compiled if row["shared_memory_bytes"] > MAX_SHARED_MEMORY_BYTES[row["capability"]]]
+    assert not too_big, "\n".join(too_big)
+
+
+def test_no_register_spills_inside_loops(compiled):
+    spilling = [f"{_describe(row)}: {row['spills_in_loops']} spill accesses in loops "
+                f"({row['registers']} registers, {row['spill_bytes']} B spilled)"
+                for row in compiled if row["spills_in_loops"] > 0]
+    assert not spilling, "\n".join(spilling)

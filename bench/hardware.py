@@ -3,6 +3,7 @@ TFLOP/s, git commit."""
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import subprocess
@@ -115,7 +116,10 @@ def peak_memory_bandwidth(device: torch.device, name: str) -> tuple[float, str]:
 def git_commit() -> str:
     """Short hash of HEAD (read only: `git rev-parse`), "+dirty" when the package, its C++
     or the bench have uncommitted changes (the results then do not describe HEAD exactly),
-    or "unknown"."""
+    or "unknown". SEQPAR_GIT_COMMIT overrides it, for copies of the tree made without
+    .git (a lent GPU machine gets the working tree only: scripts/gpu_session.sh)."""
+    if os.environ.get("SEQPAR_GIT_COMMIT"):
+        return os.environ["SEQPAR_GIT_COMMIT"]
 
     def git(*args: str) -> str:
         return subprocess.run(

@@ -82,6 +82,53 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _attention_fwd_sweep(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
+    offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # Folds the keys [lo, hi) into the online-softmax state (acc, l_i, m_i);
+    # k_ptrs/v_ptrs point at key lo and come back pointing at key hi (rounded
+    # up to a whole tile).  MASKED=False: every key of every tile is valid for
+    # every row, so no key mask and no causal test.
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            cols = start_n + offs_n
+            mask_n = cols < seqlen_k
+            kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        if MASKED:
+            valid = mask_n[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no valid key so far has m_new == -inf; subtracting it
+        # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2 below
+        # then sees -inf and yields exactly 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        if MASKED:
+            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        # p goes to the input dtype so that fp16/bf16 use tensor cores; the
+        # accumulation itself stays fp32.
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i, k_ptrs, v_ptrs
+
+
+@triton.jit
 def _attention_step_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -129,40 +176,29 @@ def _attention_step_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Causal (diagonal) block: keys beyond the last row of this q tile are
-    # masked for every row, so the sweep stops there.
+    # masked for every row, so the sweep stops there.  Keys before the tile's
+    # first row are visible to all of its rows.
     if CAUSAL:
         hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        all_visible = tl.minimum(start_m, seqlen_k)
     else:
         hi = seqlen_k
+        all_visible = seqlen_k
+    # Two sweeps, as in the Triton fused-attention tutorial: the whole k tiles
+    # that every row sees go without a key mask or a causal test, the rest
+    # (the diagonal tiles, a partial last tile) with them.
+    unmasked_end = (all_visible // BLOCK_N) * BLOCK_N
 
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        mask_n = cols < seqlen_k
-        kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * qk_scale
-        valid = mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no valid key so far has m_new == -inf; subtracting it
-        # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2 below
-        # then sees -inf and yields exactly 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        # p goes to the input dtype so that fp16/bf16 use tensor cores; the
-        # accumulation itself stays fp32.
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, unmasked_end,
+        offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+        False, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+    acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, unmasked_end, hi,
+        offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+        True, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
 
     # ---- merge this block into the running (out, lse), in place ----
     # Rows that saw no valid key in this block (l_i == 0) are not written at

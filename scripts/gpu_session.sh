@@ -7,12 +7,12 @@
 # log to $OUT and goes on to the next even when one fails; the exit status is the
 # first failure's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder the results go to}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the next line changes directory
+cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stage=${1:-all}
 shift || true
-mkdir -p "$OUT"
 status=0
 
 run_stage() {

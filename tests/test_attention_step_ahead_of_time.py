@@ -64,6 +64,14 @@ def test_shared_memory_fits_the_target(compiled):
     assert not too_big, "\n".join(too_big)
 
 
+def test_the_sass_parse_finds_the_loops(compiled):
+    # Every step kernel sweeps K/V or Q in a loop; a SASS listing in which the parse
+    # finds none would make the spill check below pass without looking.
+    loopless = [_describe(row) for row in compiled
+                if row["kernel"] != "_attention_bwd_preprocess_kernel" and row["loops"] == 0]
+    assert not loopless, "\n".join(loopless)
+
+
 def test_no_register_spills_inside_loops(compiled):
     spilling = [f"{_describe(row)}: {row['spills_in_loops']} spill accesses in loops "
                 f"({row['registers']} registers, {row['spill_bytes']} B spilled)"

@@ -312,7 +312,7 @@ def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
 
 def _cuda_tiles():
     tables = (ast._FORWARD_TILES, ast._BACKWARD_DQ_TILES, ast._BACKWARD_DQ_TILES_BEFORE_HOPPER,
-              ast._BACKWARD_DKDV_TILES)
+              ast._BACKWARD_DKDV_TILES, ast._BACKWARD_DKDV_TILES_BEFORE_HOPPER)
     return sorted({tiles for table in tables for tiles in table.values()})
 
 

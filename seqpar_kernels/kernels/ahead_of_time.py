@@ -47,6 +47,7 @@ class KernelResources:
     registers: int  # per thread; 255 is the hardware maximum
     spill_bytes: int  # per-thread stack + local memory: 0 means nothing spilled
     spills_in_loops: int  # local-memory loads/stores (STL/LDL) inside a loop of the SASS
+    loops: int  # loops found in the SASS (backward branches): a check that the parse saw them
     num_warps: int
 
 
@@ -94,21 +95,24 @@ def _cuobjdump() -> str:
     raise RuntimeError("cuobjdump not found (neither bundled with triton nor in CUDA_HOME/bin)")
 
 
-def _spills_in_loops(sass: str) -> int:
-    """How many local-memory accesses (spill stores STL, reloads LDL) of the SASS
-    listing ``sass`` lie inside a loop.  A spill in the prologue or the epilogue
-    costs a few cycles once per program; one inside the K/V sweep costs every
-    iteration.  Loops are found as backward branches: ``BRA 0x2520`` at 0x4ee0."""
+def _spills_in_loops(sass: str) -> tuple[int, int]:
+    """(spill accesses inside loops, loops) of the SASS listing ``sass``: how many
+    local-memory accesses (spill stores STL, reloads LDL) lie inside a loop, and
+    how many loops there are.  A spill in the prologue or the epilogue costs a few
+    cycles once per program; one inside the K/V sweep costs every iteration.
+    Loops are found as backward branches, e.g. ``@!P4 BRA 0x2520`` at 0x4ee0 (any
+    BRA/BRX/JMP variant, optionally with a uniform predicate operand)."""
     instructions = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     loops, spills = [], []
     for address_hex, text in instructions:
         address = int(address_hex, 16)
-        branch = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        branch = re.search(r"\b(?:BRA|BRX|JMP)(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             loops.append((int(branch.group(1), 16), address))
         if re.search(r"\b(STL|LDL)(\.|\s)", text):
             spills.append(address)
-    return sum(any(start <= address <= end for start, end in loops) for address in spills)
+    inside = sum(any(start <= address <= end for start, end in loops) for address in spills)
+    return inside, len(loops)
 
 
 def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> KernelResources:
@@ -133,6 +137,7 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
     # e.g. "REG:255 STACK:904 SHARED:1024 LOCAL:0 CONSTANT[0]:752 ..." (SHARED is the
     # static part only; Triton's dynamic shared memory is in the metadata).
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    spills_in_loops, loops = _spills_in_loops(sass)
     assert "REG" in fields, f"no resource usage for {launch.kernel.__name__}:\n{usage}"
     return KernelResources(
         kernel=launch.kernel.__name__,
@@ -140,7 +145,8 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
         shared_memory_bytes=int(compiled.metadata.shared),
         registers=int(fields["REG"]),
         spill_bytes=int(fields.get("STACK", 0)) + int(fields.get("LOCAL", 0)),
-        spills_in_loops=_spills_in_loops(sass),
+        spills_in_loops=spills_in_loops,
+        loops=loops,
         num_warps=launch.num_warps,
     )
 
@@ -150,7 +156,9 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
 # ----------------------------------------------------------------------------
 
 TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TABLE_HEAD_DIMS = (64, 128, 256)  # 80 and 96 compile like 128, 32 like 64
+# 80 and 96 compile like 128.  Head dims up to 32 take the 64 tiles with a narrower
+# BLOCK_D (16 or 32): not compiled here.
+TABLE_HEAD_DIMS = (64, 128, 256)
 TABLE_HEADS, TABLE_SEQLEN = 16, 4096
 
 
@@ -160,9 +168,8 @@ def step_kernel_cases(capability: int):
 
     Inputs are contiguous (batch 2, seqlen 4096, 16 heads), the layout the ring
     passes; kv heads 16 (MHA: the GQA group size 1 is a compile-time constant)
-    and 4 (GQA).  sm_90 gets every case; sm_80, which only needs the shared
-    memory check, gets the non-causal MHA ones (causality and GQA change the
-    masking code, not the tiles in shared memory).
+    and 4 (GQA), for both targets: register use differs between them (GQA dk/dv
+    at d128 spills on sm_80 with the sm_90 tiles).
     """
     from .attention_step import cuda_kernel_calls
 
@@ -171,8 +178,6 @@ def step_kernel_cases(capability: int):
         for headdim in TABLE_HEAD_DIMS:
             for causal in (False, True):
                 for kv_heads in (TABLE_HEADS, 4):
-                    if capability < 90 and (causal or kv_heads != TABLE_HEADS):
-                        continue
                     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, headdim, dtype=dtype, device="meta")
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
                     for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), causal, capability):

@@ -518,7 +518,9 @@ def _runs_in_interpreter(t):
 # inside the loop on sm_90): fp32 used the fp16 tiles, (128|32, 64|32|128, 8, 2)
 # with 159 to 15000 spill accesses per kernel; bf16/fp16 dk/dv at d256 was
 # (32, 64, 8, 1) with 9 to 25; bf16/fp16 dq at d256 keeps (64, 32, 8, 1) on
-# sm_90 (no spill) but spills 365 on sm_80, which gets (32, 64, 8, 1).
+# sm_90 (no spill) but spills 365 on sm_80, which gets (32, 64, 8, 1); bf16/fp16
+# dk/dv at d128 with GQA keeps (32, 128, 8, 2) on sm_90 but spills 12-13 on
+# sm_80, which gets (32, 64, 8, 2).
 # No GPU has timed these yet: the ring-step-fwd/bwd rows of `python -m bench`
 # (bench/bench_ring.py) time them against SDPA on one.
 _FP32_TILES = (16, 32, 8, 2)
@@ -538,6 +540,7 @@ _BACKWARD_DKDV_TILES = {
     (2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
     (4, 64): _FP32_DKDV_TILES, (4, 128): _FP32_DKDV_TILES, (4, 256): _FP32_DKDV_TILES,
 }
+_BACKWARD_DKDV_TILES_BEFORE_HOPPER = {(2, 128): (32, 64, 8, 2)}
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
 # test sequences.
@@ -602,7 +605,8 @@ def backward_launches(dtype, headdim, causal, *, capability=90, interpreted=Fals
         _step_launch(_attention_step_bwd_dq_kernel, _tiles(_BACKWARD_DQ_TILES, dtype, block_d, capability,
                             _BACKWARD_DQ_TILES_BEFORE_HOPPER),
                      dtype, block_d, causal, interpreted),
-        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles(_BACKWARD_DKDV_TILES, dtype, block_d, capability),
+        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles(_BACKWARD_DKDV_TILES, dtype, block_d, capability,
+                            _BACKWARD_DKDV_TILES_BEFORE_HOPPER),
                      dtype, block_d, causal, interpreted),
     )
 

@@ -18,6 +18,7 @@ seqpar_kernels.kernels.ahead_of_time` prints the table of every launch.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -162,6 +163,7 @@ TABLE_HEAD_DIMS = (64, 128, 256)
 TABLE_HEADS, TABLE_SEQLEN = 16, 4096
 
 
+@functools.lru_cache(maxsize=None)  # each worker process builds the list once, not per case
 def step_kernel_cases(capability: int):
     """The ring-attention step kernel launches worth compiling for ``capability``,
     one per distinct compiled kernel: ``[(description, KernelLaunch, args)]``.

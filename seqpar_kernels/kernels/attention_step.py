@@ -37,6 +37,7 @@ Rows that see no valid key are never written by the forward (they stay exactly
 as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
 """
 
+import functools
 import math
 import os
 from typing import Any, NamedTuple
@@ -563,7 +564,13 @@ def cuda_capability(t):
     for a tensor that is not on a CUDA device."""
     if not t.is_cuda:
         return None
-    major, minor = torch.cuda.get_device_capability(t.device)
+    return _device_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(device_index):
+    # Asked once per device, not at every ring step's launch.
+    major, minor = torch.cuda.get_device_capability(device_index)
     return 10 * major + minor
 
 
@@ -574,20 +581,19 @@ def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted):
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, capability=90, interpreted=False):
+def forward_launch(dtype, headdim, causal, *, capability, interpreted):
     """The KernelLaunch of ``_attention_step_fwd_kernel``.
 
     ``capability`` (90 for sm_90) picks the GPU tiles; None picks the small tiles
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
-    whether the Triton interpreter runs the kernel.  The defaults describe a
-    compiled launch on an H100.
+    whether the Triton interpreter runs the kernel.
     """
     block_d = _block_d(headdim)
     return _step_launch(_attention_step_fwd_kernel, _tiles(_FORWARD_TILES, dtype, block_d, capability),
                         dtype, block_d, causal, interpreted)
 
 
-def backward_preprocess_launch(headdim, *, capability=90):
+def backward_preprocess_launch(headdim, *, capability):
     """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
     the kernel widens out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
@@ -597,7 +603,7 @@ def backward_preprocess_launch(headdim, *, capability=90):
                         num_warps=4, num_stages=3)
 
 
-def backward_launches(dtype, headdim, causal, *, capability=90, interpreted=False):
+def backward_launches(dtype, headdim, causal, *, capability, interpreted):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
     ``capability`` and ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)

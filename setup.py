@@ -3,7 +3,7 @@
 CPU kernels are always compiled. CUDA kernels are compiled when torch is a CUDA build
 and a CUDA toolkit is found (CUDA_HOME, CUDA_PATH, /usr/local/cuda, or nvcc on PATH);
 otherwise the build is CPU-only and says why. Environment knobs:
-  SEQPAR_CUDA_ARCHS   CUDA architectures, e.g. "8.0;9.0a" (the default)
+  SEQPAR_CUDA_ARCHS   CUDA architectures, e.g. "8.0+PTX;9.0a" (the default)
   SEQPAR_FORCE_CPU=1  skip the CUDA kernels even when CUDA is available
   MAX_JOBS            parallel compile jobs
 """
@@ -18,7 +18,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+# Native code for sm_80 (which sm_86/sm_89 also run) and sm_90a, and compute_80 PTX that
+# the driver compiles at first use on GPUs newer than both (Blackwell: sm_100, sm_120):
+# without it the kernels would fail there with "no kernel image is available".
+DEFAULT_CUDA_ARCHS = "8.0+PTX;9.0a"
 
 
 def log(message: str) -> None:

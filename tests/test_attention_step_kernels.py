@@ -310,16 +310,8 @@ def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
     _check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
 
 
-def _cuda_tiles():
-    # Every tile table of the module (forward, dq, dk/dv, and their pre-Hopper
-    # overrides), found by name so that a new table cannot be left out.
-    tables = [table for name, table in vars(ast).items() if "_TILES" in name and isinstance(table, dict)]
-    assert len(tables) >= 5, tables
-    return sorted({tiles for table in tables for tiles in table.values()})
-
-
 @pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the CUDA tiles in every test")
-@pytest.mark.parametrize("tiles", _cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles[:2])))
+@pytest.mark.parametrize("tiles", ast.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
 def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     # The CUDA tile shapes, run by the interpreter: q and k lengths that leave
     # partial tiles at both ends of the sweep, and (for the small tiles) several.
@@ -386,6 +378,52 @@ def test_backward_bf16_single_causal_step():
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         err = (got.double() - want).abs().max().item()
         assert err <= 3e-2 * want.abs().max().item(), err
+
+
+# ----------------------------------------------------------------------------
+# which tiles a GPU gets
+# ----------------------------------------------------------------------------
+
+
+def _properties(major, minor, **extra):
+    from types import SimpleNamespace
+    return SimpleNamespace(major=major, minor=minor, name=f"a GPU of sm_{major}{minor}", **extra)
+
+
+def test_device_target_reads_the_shared_memory_and_refuses_old_gpus(monkeypatch):
+    target_of = ast._device_target.__wrapped__  # the uncached function: no real device is asked
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: _properties(9, 0, shared_memory_per_block_optin=232448))
+    assert target_of(0) == ast.GpuTarget(90, 232448)
+    # A torch without shared_memory_per_block_optin: the table, and the smallest
+    # size on record for a capability the table does not know.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _properties(12, 0))
+    assert target_of(0) == ast.GpuTarget(120, 101376)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _properties(11, 0))
+    assert target_of(0) == ast.GpuTarget(110, 101376)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: _properties(7, 5, shared_memory_per_block_optin=65536))
+    with pytest.raises(ValueError, match="sm_75"):
+        target_of(0)
+
+
+def test_tiles_follow_the_target_family():
+    # The sm_90 tiles, replaced where the ahead-of-time compile found a spill or an
+    # overflow (see _TILE_OVERRIDES): GQA dk/dv at d128 spills with (32, 128) on
+    # every target but sm_90; fp32 dq at d256 overflows 99 KiB of shared memory.
+    bf16, fp32 = torch.bfloat16, torch.float32
+    target = ast.GpuTarget.of_capability
+    assert ast._tiles("dkdv", bf16, 128, target(90)) == (32, 128, 8, 2)
+    for capability in (80, 86, 89, 100, 120):
+        assert ast._tiles("dkdv", bf16, 128, target(capability)) == (32, 64, 8, 2), capability
+    assert ast._tiles("dq", fp32, 256, target(80)) == (16, 32, 8, 2)
+    for capability in (86, 89, 120, 121):
+        assert ast._tiles("dq", fp32, 256, target(capability)) == (16, 16, 8, 2), capability
+    assert ast._tiles("dq", fp32, 256, ast.GpuTarget(110, 101376)) == (16, 16, 8, 2)
+    assert ast._tiles("forward", bf16, 64, target(100)) == (128, 64, 8, 3)
+    assert ast._tiles("forward", bf16, 64, None) == ast._INTERPRETER_TILES
+    with pytest.raises(ValueError, match="sm_75"):
+        target(75)
 
 
 # ----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ for an H100) it produces the cubin a launch would, and the cubin records the
 resources the kernel takes.  That lets a machine without a GPU check what would
 otherwise only show on one:
 
-- that every launch configuration compiles for sm_80 and sm_90;
+- that every launch configuration compiles for each target (sm_80, sm_86,
+  sm_90, sm_100, sm_120 by default);
 - that its shared memory fits the target (Triton would refuse the launch with
   ``OutOfResources``);
 - that its registers do not spill.  A spilling attention kernel still runs and
@@ -29,10 +30,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_step import KernelLaunch
+from .attention_step import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch
 
-# Largest dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin).
-MAX_SHARED_MEMORY_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# One target per family of tile choices (attention_step._TILE_OVERRIDES): H100
+# (wgmma), A100 (mma.sync, 163 KiB of shared memory per block), RTX 30xx/40xx
+# (mma.sync, 99 KiB; sm_89 compiles like sm_86), B200 (tcgen05), RTX 50xx
+# (mma.sync, 99 KiB).
+DEFAULT_CAPABILITIES = (90, 80, 86, 100, 120)
 
 _TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                 torch.int32: "i32", torch.int64: "i64"}
@@ -119,7 +123,8 @@ def _spills_in_loops(sass: str) -> tuple[int, int]:
 def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> KernelResources:
     """Compile ``launch`` as a call with the runtime arguments ``args`` would, for
     an NVIDIA GPU of compute capability ``capability`` (90: H100/H200, 80: A100),
-    and report what the cubin takes."""
+    and report what the cubin takes.  The target must be one the ptxas bundled
+    with Triton knows (sm_100 and sm_120 need CUDA 12.8's or newer)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -165,16 +170,18 @@ TABLE_HEADS, TABLE_SEQLEN = 16, 4096
 
 @functools.lru_cache(maxsize=None)  # each worker process builds the list once, not per case
 def step_kernel_cases(capability: int):
-    """The ring-attention step kernel launches worth compiling for ``capability``,
+    """The ring-attention step kernel launches worth compiling for ``capability``
+    (with the shared memory attention_step.SHARED_MEMORY_PER_BLOCK gives it),
     one per distinct compiled kernel: ``[(description, KernelLaunch, args)]``.
 
     Inputs are contiguous (batch 2, seqlen 4096, 16 heads), the layout the ring
     passes; kv heads 16 (MHA: the GQA group size 1 is a compile-time constant)
-    and 4 (GQA), for both targets: register use differs between them (GQA dk/dv
+    and 4 (GQA) on every target: register use differs between them (GQA dk/dv
     at d128 spills on sm_80 with the sm_90 tiles).
     """
     from .attention_step import cuda_kernel_calls
 
+    target = GpuTarget.of_capability(capability)
     cases, seen = [], set()
     for dtype in TABLE_DTYPES:
         for headdim in TABLE_HEAD_DIMS:
@@ -182,7 +189,7 @@ def step_kernel_cases(capability: int):
                 for kv_heads in (TABLE_HEADS, 4):
                     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, headdim, dtype=dtype, device="meta")
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
-                    for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), causal, capability):
+                    for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), causal, target):
                         key = (launch.kernel.__name__, repr(_specialize(launch, args)),
                                launch.num_warps, launch.num_stages)
                         if key in seen:
@@ -206,7 +213,7 @@ def _compile_case(capability_and_index):
 
 
 def main(argv=None):
-    """python -m seqpar_kernels.kernels.ahead_of_time [--capability 90 80] [--json]:
+    """python -m seqpar_kernels.kernels.ahead_of_time [--capability 90 80 ...] [--json]:
     compile every step kernel launch for each capability and list what it takes."""
     import argparse
     import json
@@ -214,7 +221,8 @@ def main(argv=None):
     from concurrent.futures import ProcessPoolExecutor
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--capability", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--capability", type=int, nargs="+", default=list(DEFAULT_CAPABILITIES),
+                        choices=sorted(SHARED_MEMORY_PER_BLOCK))
     parser.add_argument("--json", action="store_true", help="one JSON list on stdout")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     options = parser.parse_args(argv)
@@ -229,7 +237,7 @@ def main(argv=None):
             if not options.json:
                 print(f"sm_{row['capability']} {row['description']:<52} {row['constexprs']} "
                       f"warps {row['num_warps']} stages {row['num_stages']}: shared "
-                      f"{row['shared_memory_bytes']} B (max {MAX_SHARED_MEMORY_BYTES[row['capability']]}), "
+                      f"{row['shared_memory_bytes']} B (max {SHARED_MEMORY_PER_BLOCK[row['capability']]}), "
                       f"{row['registers']} registers, spill {row['spill_bytes']} B, "
                       f"{row['spills_in_loops']} spill accesses in loops", flush=True)
     if options.json:

@@ -503,8 +503,44 @@ def _runs_in_interpreter(t):
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by (bytes per element,
-# BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.
+class GpuTarget(NamedTuple):
+    """The two properties of a CUDA GPU that decide the step kernels' tiles."""
+
+    capability: int  # 10 * major + minor: 90 for sm_90 (H100/H200)
+    shared_memory_per_block: int  # bytes one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+    @classmethod
+    def of_capability(cls, capability):
+        """The target of a GPU known only by its compute capability (ahead-of-time
+        compiles, tests), with the shared memory that capability has."""
+        if capability not in SHARED_MEMORY_PER_BLOCK:
+            raise ValueError(f"no shared-memory size on record for sm_{capability}; "
+                             f"known: {sorted(SHARED_MEMORY_PER_BLOCK)}")
+        return cls(capability, SHARED_MEMORY_PER_BLOCK[capability])
+
+    @property
+    def matrix_instruction(self):
+        """How Triton drives this GPU's tensor cores: 'mma.sync' (per warp,
+        accumulators in registers: sm_8x and the sm_12x GeForce/workstation
+        Blackwells) or 'warpgroup' (wgmma on sm_90, tcgen05 on sm_100-sm_11x)."""
+        return "warpgroup" if 90 <= self.capability < 120 else "mma.sync"
+
+
+# Largest dynamic shared memory one block may use, by compute capability (CUDA
+# programming guide, "Technical Specifications per Compute Capability").
+SHARED_MEMORY_PER_BLOCK = {
+    80: 166912, 87: 166912,  # A100, A30; Jetson Orin
+    86: 101376, 89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
+    90: 232448, 100: 232448, 103: 232448,  # H100, H200; B200; B300
+    120: 101376, 121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
+}
+# The 99 KiB parts: a tile must fit there on its own (fp32 dq at d256 with the
+# sm_90 tile takes 133120 B).
+_SMALL_SHARED_MEMORY = 101376
+
+# CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by kernel and by (bytes
+# per element, BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.  _TILES holds the
+# sm_90 choice; _TILE_OVERRIDES replace entries for other targets.
 #
 # fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
 # in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
@@ -513,65 +549,98 @@ def _runs_in_interpreter(t):
 #
 # Chosen by compiling every entry ahead of time (python -m
 # seqpar_kernels.kernels.ahead_of_time lists them; the test
-# tests/test_attention_step_ahead_of_time.py holds them to it): each fits the
-# shared memory of sm_90 and sm_80 and has no register spill inside its K/V or
-# Q sweep on either.  What that replaced (compiled 2026-11-22, spill accesses
-# inside the loop on sm_90): fp32 used the fp16 tiles, (128|32, 64|32|128, 8, 2)
-# with 159 to 15000 spill accesses per kernel; bf16/fp16 dk/dv at d256 was
-# (32, 64, 8, 1) with 9 to 25; bf16/fp16 dq at d256 keeps (64, 32, 8, 1) on
-# sm_90 (no spill) but spills 365 on sm_80, which gets (32, 64, 8, 1); bf16/fp16
-# dk/dv at d128 with GQA keeps (32, 128, 8, 2) on sm_90 but spills 12-13 on
-# sm_80, which gets (32, 64, 8, 2).
+# tests/test_attention_step_ahead_of_time.py holds them to it): on every target
+# of that test (sm_80, sm_86, sm_90, sm_100, sm_120) each fits the shared memory
+# and has no register spill inside its K/V or Q sweep.  Spill accesses inside the
+# loop of what the tiles replaced (compiled 2026-11-22, sm_90 unless named):
+# - fp32 used the fp16 tiles, (128|32, 64|32|128, 8, 2): 159 to 15000 per kernel;
+#   fp32 dk/dv (16, 32, 8, 2) 3 at d128 with GQA, (16, 32, 4, 2) up to 294 at d256
+#   and 1 at d64 on sm_80, (16, 16, 8, 2) 2 at d128 on sm_120 (GQA);
+# - bf16/fp16 dk/dv at d256 was (32, 64, 8, 1): 9 to 25;
+# - bf16/fp16 dq at d256, (64, 32, 8, 1): none on sm_90; 365 on sm_80, 238 on sm_120;
+# - bf16/fp16 dk/dv at d128, (32, 128, 8, 2): none on sm_90; with GQA 12-13 on
+#   sm_80, 37-55 on sm_100; 6-24 on sm_120;
+# - bf16/fp16 forward at d64, (128, 64, 4, 3): none on sm_90; 1 on sm_100 (causal GQA);
+# - fp32 dq at d256, (16, 32, 8, 2), does not fit sm_86/sm_120 (133120 B); with
+#   one stage, (16, 32, 8, 1), it spills 800-860.
 # No GPU has timed these yet: the ring-step-fwd/bwd rows of `python -m bench`
 # (bench/bench_ring.py) time them against SDPA on one.
 _FP32_TILES = (16, 32, 8, 2)
-_FORWARD_TILES = {
-    (2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
-    (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES,
+_FP32_NARROW_TILES = (16, 16, 8, 2)
+_TILES = {
+    "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
+                (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (64, 32, 8, 1),
+           (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
+             (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
 }
-_BACKWARD_DQ_TILES = {
-    (2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (64, 32, 8, 1),
-    (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES,
-}
-_BACKWARD_DQ_TILES_BEFORE_HOPPER = {(2, 256): (32, 64, 8, 1)}
-# fp32 dk/dv: (16, 32, 8, 2) spills 3 accesses inside the loop at d128 with GQA
-# (sm_90), (16, 32, 4, 2) up to 294 at d256; (16, 16, 8, 2) none anywhere.
-_FP32_DKDV_TILES = (16, 16, 8, 2)
-_BACKWARD_DKDV_TILES = {
-    (2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
-    (4, 64): _FP32_DKDV_TILES, (4, 128): _FP32_DKDV_TILES, (4, 256): _FP32_DKDV_TILES,
-}
-_BACKWARD_DKDV_TILES_BEFORE_HOPPER = {(2, 128): (32, 64, 8, 2)}
+
+
+def _uses_mma_sync(target):
+    return target.matrix_instruction == "mma.sync"
+
+
+def _is_datacenter_blackwell(target):
+    return 100 <= target.capability < 120
+
+
+def _has_small_shared_memory(target):
+    return target.shared_memory_per_block <= _SMALL_SHARED_MEMORY
+
+
+# (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
+_TILE_OVERRIDES = (
+    (_uses_mma_sync, {"dq": {(2, 256): (32, 64, 8, 1)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES}}),
+)
+
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
 # test sequences.
 _INTERPRETER_TILES = (16, 32, 4, 1)
 
 
-def _tiles(table, dtype, block_d, capability, before_hopper=None):
-    # capability: the CUDA device's compute capability as an int (90 for sm_90),
-    # None for CPU tensors.
-    if capability is None:
+def all_cuda_tiles():
+    """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
+    tables = [*_TILES.values()] + [table for _, overrides in _TILE_OVERRIDES for table in overrides.values()]
+    return sorted({tiles for table in tables for tiles in table.values()})
+
+
+def _tiles(kernel, dtype, block_d, target):
+    # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors.
+    if target is None:
         return _INTERPRETER_TILES
     key = (dtype.itemsize, max(64, block_d))
-    if capability < 90 and before_hopper and key in before_hopper:
-        return before_hopper[key]
-    return table[key]
+    tiles = _TILES[kernel][key]
+    for applies, overrides in _TILE_OVERRIDES:
+        if applies(target) and key in overrides.get(kernel, {}):
+            tiles = overrides[kernel][key]
+    return tiles
 
 
-def cuda_capability(t):
-    """Compute capability of ``t``'s CUDA device as an int (90 for sm_90), or None
-    for a tensor that is not on a CUDA device."""
+def cuda_target(t):
+    """The GpuTarget of ``t``'s CUDA device, or None for a tensor that is not on
+    a CUDA device.  Raises ValueError for GPUs older than sm_80."""
     if not t.is_cuda:
         return None
-    return _device_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _device_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _device_capability(device_index):
+def _device_target(device_index):
     # Asked once per device, not at every ring step's launch.
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
+    properties = torch.cuda.get_device_properties(device_index)
+    capability = 10 * properties.major + properties.minor
+    if capability < 80:
+        raise ValueError(f"ring attention's Triton kernels need a GPU of compute capability 8.0 or newer "
+                         f"(bf16 tensor cores); cuda:{device_index} ({properties.name}) is sm_{capability}")
+    # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
+    # and to the smallest size on record for a GPU not in it.
+    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
+        SHARED_MEMORY_PER_BLOCK.get(capability, min(SHARED_MEMORY_PER_BLOCK.values()))
+    return GpuTarget(capability, shared_memory)
 
 
 def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted):
@@ -581,47 +650,45 @@ def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted):
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, capability, interpreted):
+def forward_launch(dtype, headdim, causal, *, target, interpreted):
     """The KernelLaunch of ``_attention_step_fwd_kernel``.
 
-    ``capability`` (90 for sm_90) picks the GPU tiles; None picks the small tiles
+    ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
     whether the Triton interpreter runs the kernel.
     """
     block_d = _block_d(headdim)
-    return _step_launch(_attention_step_fwd_kernel, _tiles(_FORWARD_TILES, dtype, block_d, capability),
+    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target),
                         dtype, block_d, causal, interpreted)
 
 
-def backward_preprocess_launch(headdim, *, capability):
+def backward_preprocess_launch(headdim, *, target):
     """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
     the kernel widens out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
     return KernelLaunch(_attention_bwd_preprocess_kernel,
-                        dict(BLOCK_M=16 if capability is None else 64, BLOCK_D=_block_d(headdim)),
+                        dict(BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
                         num_warps=4, num_stages=3)
 
 
-def backward_launches(dtype, headdim, causal, *, capability, interpreted):
+def backward_launches(dtype, headdim, causal, *, target, interpreted):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
-    ``capability`` and ``interpreted`` as in forward_launch."""
+    ``target`` and ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(_attention_step_bwd_dq_kernel, _tiles(_BACKWARD_DQ_TILES, dtype, block_d, capability,
-                            _BACKWARD_DQ_TILES_BEFORE_HOPPER),
+        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target),
                      dtype, block_d, causal, interpreted),
-        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles(_BACKWARD_DKDV_TILES, dtype, block_d, capability,
-                            _BACKWARD_DKDV_TILES_BEFORE_HOPPER),
+        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target),
                      dtype, block_d, causal, interpreted),
     )
 
 
-def _forward_call(q, k, v, out, lse, scale, causal, *, capability, interpreted):
+def _forward_call(q, k, v, out, lse, scale, causal, *, target, interpreted):
     """(KernelLaunch, grid, positional arguments) of the forward step kernel."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    launch = forward_launch(q.dtype, headdim, causal, capability=capability, interpreted=interpreted)
+    launch = forward_launch(q.dtype, headdim, causal, target=target, interpreted=interpreted)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
     args = (q, k, v, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
@@ -630,21 +697,21 @@ def _forward_call(q, k, v, out, lse, scale, causal, *, capability, interpreted):
     return launch, grid, args
 
 
-def _backward_preprocess_call(out, dout, delta, *, capability):
+def _backward_preprocess_call(out, dout, delta, *, target):
     """(KernelLaunch, grid, positional arguments) of the delta = rowsum(dout * out) kernel."""
     batch, seqlen_q, nheads, headdim = out.shape
-    launch = backward_preprocess_launch(headdim, capability=capability)
+    launch = backward_preprocess_launch(headdim, target=target)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
     args = (out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), seqlen_q, headdim)
     return launch, grid, args
 
 
-def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, capability, interpreted):
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, target, interpreted):
     """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal,
-                                               capability=capability, interpreted=interpreted)
+                                               target=target, interpreted=interpreted)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
     sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
     return [
@@ -655,10 +722,10 @@ def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, cap
     ]
 
 
-def cuda_kernel_calls(q, k, v, causal, capability):
+def cuda_kernel_calls(q, k, v, causal, target):
     """Every kernel launch that one forward and one backward ring step run on CUDA
     tensors shaped and strided like ``q``, ``k``, ``v`` (which may live on the
-    meta device) on a GPU of compute ``capability`` (90 for sm_90), as
+    meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running
     state (out, lse), dout and the gradients are taken contiguous, as the ring
     allocates them.  kernels/ahead_of_time.py compiles these for GPU targets."""
@@ -671,10 +738,10 @@ def cuda_kernel_calls(q, k, v, causal, capability):
     dq = torch.empty_like(out)
     dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
     scale = q.shape[-1] ** -0.5
-    calls = [_forward_call(q, k, v, out, lse, scale, causal, capability=capability, interpreted=False),
-             _backward_preprocess_call(out.to(q.dtype), dout, delta, capability=capability),
+    calls = [_forward_call(q, k, v, out, lse, scale, causal, target=target, interpreted=False),
+             _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
              *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal,
-                              capability=capability, interpreted=False)]
+                              target=target, interpreted=False)]
     return [(launch, args) for launch, _grid, args in calls]
 
 
@@ -771,7 +838,7 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
         return out, lse  # an empty block changes nothing
 
     launch, grid, args = _forward_call(q, k, v, out, lse, scale, mask_mode == MASK_CAUSAL,
-                                       capability=cuda_capability(q), interpreted=_runs_in_interpreter(q))
+                                       target=cuda_target(q), interpreted=_runs_in_interpreter(q))
     launch(grid, *args)
     return out, lse
 
@@ -806,7 +873,7 @@ def attention_backward_preprocess(out, dout):
         return delta
     if headdim == 0:
         return delta.zero_()
-    launch, grid, args = _backward_preprocess_call(out, dout, delta, capability=cuda_capability(out))
+    launch, grid, args = _backward_preprocess_call(out, dout, delta, target=cuda_target(out))
     launch(grid, *args)
     return delta
 
@@ -854,7 +921,7 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
         return dq, dk, dv
 
     for launch, grid, args in _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale,
-                                              mask_mode == MASK_CAUSAL, capability=cuda_capability(q),
+                                              mask_mode == MASK_CAUSAL, target=cuda_target(q),
                                               interpreted=_runs_in_interpreter(q)):
         launch(grid, *args)
     return dq, dk, dv

@@ -567,7 +567,7 @@ _SMALL_SHARED_MEMORY = 101376
 # variants (no divisibility hint on lengths and lse strides); at length 1170, 4 of
 # 240 (bf16 and fp32, d64/128/256, all five targets) have 1-4 spill accesses in a
 # loop: sm_80 bf16 dq d256 causal, and fp32 dk/dv.  Head dims 16 and 32 (BLOCK_D
-# 16/32): 1 of 120, sm_100 bf16 dk/dv d16 causal, 3.
+# 16/32): 1 of 160, sm_100 bf16 dk/dv d16 causal, 3.
 # No GPU has timed these yet: the ring-step-fwd/bwd rows of `python -m bench`
 # (bench/bench_ring.py) time them against SDPA on one.
 _FP32_TILES = (16, 32, 8, 2)

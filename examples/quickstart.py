@@ -1,10 +1,16 @@
+import os
 import torch
 import torch.distributed as dist
 import seqpar_kernels as sp
 
 # examples/quickstart.py: torchrun --nproc-per-node=4 examples/quickstart.py (gloo on CPU)
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
+if torch.cuda.is_available():                                 # one GPU per rank, NCCL
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
 torch.manual_seed(0)
 
 # Enter the sharded world: this rank's piece of the sequence (torch.tensor_split sizes).

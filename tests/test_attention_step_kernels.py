@@ -380,6 +380,50 @@ def test_backward_bf16_single_causal_step():
         assert err <= 3e-2 * want.abs().max().item(), err
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU tiles; without a GPU the interpreter runs them "
+                    "in test_cuda_tiles_compute_the_same_in_the_interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_gpu_tiles_over_several_whole_tiles(dtype, d):
+    # The other tests use at most 40 keys: with the GPU tiles (up to 128 x 128) every k
+    # tile there is partial, so the forward's unmasked sweep and the loops over several
+    # tiles would run first in the benchmark.  A causal diagonal block of 333 rows and
+    # full blocks of 700 and 260 keys, forward and backward, against fp64 autograd, with
+    # at most twice the error of plain PyTorch attention in dtype (plus about one ulp).
+    torch.manual_seed(11)
+    b, sq, h, hk = 1, 333, 4, 2
+    full_lens = [700, 260]
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens, dtype=dtype)
+    q = _randn(b, sq, h, d, dtype=dtype)
+    dout = _randn(b, sq, h, d, dtype=dtype)
+    scale = d ** -0.5
+    out, lse = _fresh_state(b, sq, h, d)
+    for k, v, mode in steps:
+        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    delta = ast.attention_backward_preprocess(out, dout)
+    dq = _zeros(b, sq, h, d)
+    dk_all, dv_all = _zeros(*k_all.shape), _zeros(*v_all.shape)
+    n_full = sum(full_lens)
+    bounds = [(n_full, n_full + sq), (0, full_lens[0]), (full_lens[0], n_full)]
+    for (k, v, mode), (lo, hi) in zip(steps, bounds):
+        ast.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
+                                    softmax_scale=scale, mask_mode=mode)
+
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
+    exact, exact_lse = _reference(qr, kr, vr, scale, keep)
+    exact.backward(dout.double())
+    qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k_all, v_all))
+    plain = _torch_attention_in_dtype(qp, kp, vp, scale, keep)
+    plain.backward(dout)
+    slack = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
+    torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3 if dtype != torch.float32 else 2e-5, rtol=0)
+    for name, ours, yardstick, want in (("out", out, plain, exact), ("dq", dq, qp.grad, qr.grad),
+                                        ("dk", dk_all, kp.grad, kr.grad), ("dv", dv_all, vp.grad, vr.grad)):
+        err = (ours.double() - want).abs().max().item()
+        plain_err = (yardstick.double() - want).abs().max().item()
+        assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
+
+
 # ----------------------------------------------------------------------------
 # which tiles a GPU gets
 # ----------------------------------------------------------------------------

@@ -215,3 +215,13 @@ def test_cuda_kernels_match_cpu_kernels(dtype):
         actual = unpack_blocks(buffer.cuda(), shapes, [1, 1], seq_starts, seq_lengths, orders)
         for want, got in zip(expected, actual):
             assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+    # The first output's ranges overlap along its innermost dim, so it is summed outside
+    # the kernel; its blocks (6 elements) still take room in the buffer, and the second
+    # output's blocks then start at element 6 and 20: not whole 16-byte units.
+    buffer = make((2 * (2 * 3 + 8),), dtype, "cpu", 7)
+    arguments = ([(2, 8), (2, 8)], [1, 0], [0, 0, 2, 1], [3, 1, 3, 1], [(0, 1), (0, 1)])
+    expected = unpack_blocks(buffer, *arguments)
+    actual = unpack_blocks(buffer.cuda(), *arguments)
+    assert torch.equal(expected[1], buffer.view(2, 14)[:, 6:])
+    for want, got in zip(expected, actual):
+        assert torch.equal(got.cpu(), want)

@@ -415,3 +415,62 @@ def test_zigzag_split_and_gather(ranks):
     for rank, results in enumerate(ranks.run(zigzag_round_trip)):
         failed = [name for name, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
+
+
+# ----------------------------------------------------------------------------------
+# on one GPU (skipped without one): the CUDA ring driver, its streams and the step
+# kernels at the GPU tiles, which the gloo ranks above never run
+# ----------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_gpu_matches_reference(dtype, causal):
+    # A world of one on CUDA, at lengths that give the GPU tiles several whole tiles.
+    # Plain attention in dtype (the yardstick of the 2x rule) runs on the CPU.
+    gen = torch.Generator().manual_seed(21)
+    inputs = [torch.randn(2, 1000, heads, 128, generator=gen, dtype=torch.float64).to(dtype)
+              for heads in (8, 2, 2, 8)]
+    scale = 128**-0.5
+    exact = attention_with_grads(lambda q, k, v: reference_attention(q, k, v, causal, scale),
+                                 *(t.double() for t in inputs))
+    plain = attention_with_grads(lambda q, k, v: reference_attention(q, k, v, causal, scale), *inputs)
+    ours = attention_with_grads(lambda q, k, v: sp.ring_attention(q, k, v, causal=causal, return_lse=True),
+                                *(t.cuda() for t in inputs))
+    slack = FP32_TOL if dtype == torch.float32 else SLACK[dtype]
+    for name, got, want, yardstick in zip(NAMES, ours, exact, plain):
+        assert got.is_cuda and torch.isfinite(got).all(), name
+        err, plain_err = max_err(got.cpu(), want), max_err(yardstick, want)
+        assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(layout):
+    # The ring driver of P GPUs on one (comm/ring.py replaced_exchange): the exchange is
+    # a device-to-device copy on a side stream ("copy", overlapped as NCCL's would be)
+    # or on the compute stream ("serial_copy"). The copies deliver this rank's own K|V,
+    # so both must agree bit for bit, and with no exchange at all ("none") for out and
+    # dq: a block read before its copy landed, or overwritten while still read, would not.
+    from seqpar_kernels.comm.ring import replaced_exchange
+    from seqpar_kernels.ops.ring_attention import ring_attention_forward
+
+    gen = torch.Generator().manual_seed(22)
+    q, k, v, dout = (torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16)
+                     for heads in (8, 2, 2, 8))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def ring(mode, rank):
+        with replaced_exchange(mode, virtual_world_size=4, virtual_rank=rank):
+            out, _ = ring_attention_forward(q, k, v, True, 128**-0.5, layout == "zigzag", "")
+            return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+    for rank in (0, 3):
+        overlapped, serial, alone = ring("copy", rank), ring("serial_copy", rank), ring("none", rank)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), overlapped, serial):
+            assert torch.equal(a, b), f"rank {rank} {name}: overlapped copies differ from serial ones"
+        for name, a, b in zip(("out", "dq"), overlapped, alone):
+            assert torch.equal(a, b), f"rank {rank} {name}: overlapped copies differ from no exchange"

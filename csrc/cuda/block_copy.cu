@@ -45,8 +45,8 @@ __global__ void block_copy_kernel(KernelLayouts layouts, const BlockDescriptor* 
   }
 }
 
-// The widest unit (in bytes, up to 16) that divides every stride, inner extent, range
-// and pointer of the plan, given that each innermost dim has stride 1.
+// The widest unit (in bytes, up to 16) that divides every stride, inner extent, range,
+// flat offset and pointer of the plan, given that each innermost dim has stride 1.
 int64_t widest_unit(const BlockCopyPlan& plan, const char* flat) {
   for (int64_t unit = 16; unit > plan.element_size; unit /= 2) {
     if (unit % plan.element_size != 0) continue;
@@ -61,8 +61,11 @@ int64_t widest_unit(const BlockCopyPlan& plan, const char* flat) {
     }
     for (const BlockDescriptor& block : plan.blocks) {
       if (!fits) break;
+      // Flat offsets count every block of the buffer, also those the plan leaves to
+      // other code (overlapping ranges), whose sizes need not be whole units.
+      fits = block.flat_offset % per_unit == 0 && block.numel % per_unit == 0;
       const StridedLayout& layout = plan.layouts[block.tensor_index];
-      if (layout.ndim - 1 == layout.split_dim) {
+      if (fits && layout.ndim - 1 == layout.split_dim) {
         fits = block.start % per_unit == 0 && block.length % per_unit == 0;
       }
     }

@@ -31,21 +31,27 @@ def group_from_name(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def metadata_device(group: dist.ProcessGroup) -> torch.device:
-    """Where small metadata tensors must live for this group's backend."""
+def metadata_device(group: dist.ProcessGroup, data_device: torch.device | None = None) -> torch.device:
+    """Where small metadata tensors must live for this group's backend: on NCCL, the
+    GPU of the data the collective is about (`data_device`), which is this rank's
+    GPU even when the caller never called torch.cuda.set_device; else the current
+    CUDA device. On other backends, the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
+        if data_device is not None and data_device.type == "cuda":
+            return data_device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def all_gather_ints(values: list[int], group_name: str) -> list[list[int]]:
+def all_gather_ints(values: list[int], group_name: str, data_device: torch.device | None = None) -> list[list[int]]:
     """Every rank's `values` (one list per rank, same length on every rank). One small
-    collective; on NCCL it synchronises the host with the device."""
+    collective; on NCCL it synchronises the host with the device. `data_device`: see
+    metadata_device."""
     if group_name == SINGLE_PROCESS:
         return [list(values)]
     group = group_from_name(group_name)
-    local = torch.tensor(values, dtype=torch.int64, device=metadata_device(group))
+    local = torch.tensor(values, dtype=torch.int64, device=metadata_device(group, data_device))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
     # all_gather_single is the newer name (torch >= 2.14) of all_gather_into_tensor.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

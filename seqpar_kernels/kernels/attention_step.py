@@ -418,9 +418,12 @@ def _attention_step_bwd_dkdv_kernel(
             rows = start_m + offs_m
             mask_m = rows < seqlen_q
             mask_md = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+            # Row offsets in 64 bits: rows * stride_qm in int32 would wrap once
+            # seqlen_q * stride_qm reaches 2**31 (e.g. 256K rows of 64 heads x 128).
+            rows_64 = rows.to(tl.int64)
+            q = tl.load(q_base + rows_64[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                         mask=mask_md, other=0.0)
-            do = tl.load(do_base + rows[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+            do = tl.load(do_base + rows_64[:, None] * stride_gm + offs_d[None, :] * stride_gd,
                          mask=mask_md, other=0.0)
             lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
             delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
@@ -471,7 +474,19 @@ class KernelLaunch(NamedTuple):
     num_stages: int
 
     def __call__(self, grid, *args):
-        """Launch the kernel on ``grid`` with the runtime arguments ``args``."""
+        """Launch the kernel on ``grid`` with the runtime arguments ``args``, on
+        the device of its first tensor argument and that device's current stream."""
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        if device.type != "cuda":
+            self._launch(grid, args)
+            return
+        # Triton launches on the *current* CUDA device; a caller whose tensors
+        # are on cuda:1 while cuda:0 is current would otherwise get cuda:0's
+        # stream and context for cuda:1's pointers.
+        with torch.cuda.device(device):
+            self._launch(grid, args)
+
+    def _launch(self, grid, args):
         self.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 

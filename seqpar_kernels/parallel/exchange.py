@@ -58,17 +58,19 @@ def _fingerprint(value) -> int:
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
-def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str) -> list[int]:
+def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str,
+                       data_device: torch.device) -> list[int]:
     """Every rank's `local_size`, checking on the way that every rank passed equal
     `agreed` metadata (any printable value: shapes, dims, dtype, flags). A mismatch
     raises ValueError on every rank alike, so no rank is left waiting in a later
-    collective. One small all_gather (on NCCL, a host sync).
+    collective. One small all_gather (on NCCL, a host sync, on `data_device`: the
+    input's GPU, see metadata_device).
 
     Under torch.compile the sizes cannot be read at trace time: every rank is assumed
     to hold `local_size` and nothing is checked (pass sizes explicitly when they differ)."""
     if group.world_size == 1 or torch.compiler.is_compiling():
         return [local_size] * group.world_size
-    rows = all_gather_ints([local_size, _fingerprint(agreed)], group.name)
+    rows = all_gather_ints([local_size, _fingerprint(agreed)], group.name, data_device)
     if any(row[1] != rows[0][1] for row in rows):
         raise ValueError(
             f"{describe}: ranks disagree on shapes, dims or dtype; rank {group.rank} passed "

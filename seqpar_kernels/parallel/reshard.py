@@ -60,7 +60,7 @@ def all_to_all_reshard(
     if gather_sizes is None:
         shape_without_gather = shape[:gather] + shape[gather + 1 :]
         agreed = (x.dim(), scatter, gather, x.dtype, shape_without_gather)
-        gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard")
+        gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard", x.device)
     gather_sizes = check_local_sizes(gather_sizes, info, shape[gather], "gather_sizes", x.shape, gather)
 
     # Send: rank j gets x.narrow(scatter, start_j, len_j). Receive: rank i's block is
@@ -126,6 +126,6 @@ def gather_sequence(
     info = resolve_group(group)
     if sizes is None:
         agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
-        sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence")
+        sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence", x.device)
     sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
     return _GatherSequence.apply(x, dim, group, sizes)

@@ -108,7 +108,7 @@ def ring_attention(
     info = resolve_group(group)
     batch, seqlen, heads, head_dim = q.shape
     agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale)
-    lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention")
+    lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention", q.device)
     _check_equal_lengths(lengths, info, "ring_attention", q.shape)
     out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name)
     return (out, lse.detach()) if return_lse else out
@@ -188,6 +188,6 @@ def zigzag_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = N
             f"got shape {tuple(x.shape)}"
         )
     agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
-    lengths = gather_local_sizes(x.shape[dim], agreed, info, "zigzag_gather")
+    lengths = gather_local_sizes(x.shape[dim], agreed, info, "zigzag_gather", x.device)
     _check_equal_lengths(lengths, info, "zigzag_gather", x.shape)
     return _zigzag_gather(x, dim, group, info)

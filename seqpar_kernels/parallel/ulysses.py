@@ -138,7 +138,7 @@ def ulysses_attention(
     num_kv_heads = k.shape[2]
     if seq_lens is None:
         agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, softmax_scale)
-        seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention")
+        seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention", q.device)
     seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
     total_len = sum(seq_lens)
     seq_starts = offsets(seq_lens)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-# Spec-sheet HBM bandwidth in GB/s, matched by substring of torch.cuda.get_device_name,
-# most specific first ("H100 PCIe" before "H100").
+# Spec-sheet HBM bandwidth in GB/s, matched against torch.cuda.get_device_name as whole
+# words (spec_lookup: "H200" is not found in "NVIDIA GH200 480GB", a different product
+# with other peaks, which stays unknown), most specific first ("H100 PCIe" before "H100").
 SPEC_MEMORY_BANDWIDTH_GBPS = (
     ("H200", 4800.0),
     ("H100 NVL", 3900.0),
@@ -24,7 +25,7 @@ SPEC_MEMORY_BANDWIDTH_GBPS = (
     ("A100", 1555.0),  # 40 GB
 )
 
-# Spec-sheet dense (no sparsity) bf16 tensor-core TFLOP/s, matched the same way.
+# Spec-sheet dense (no sparsity) bf16 tensor-core TFLOP/s, looked up the same way.
 SPEC_BF16_DENSE_TFLOPS = (
     ("H200 NVL", 835.0),
     ("H200", 989.0),  # SXM
@@ -60,18 +61,21 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", slug).strip("-") or "device"
 
 
-def spec_memory_bandwidth_gbps(name: str) -> float | None:
-    for key, gbps in SPEC_MEMORY_BANDWIDTH_GBPS:
-        if key.lower() in name.lower():
-            return gbps
+def spec_lookup(table: tuple[tuple[str, float], ...], name: str) -> float | None:
+    """The value of the first key found in the device name as whole words (case
+    insensitive; no letter or digit just before or after it), else None (unknown)."""
+    for key, value in table:
+        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", name.lower()):
+            return value
     return None
+
+
+def spec_memory_bandwidth_gbps(name: str) -> float | None:
+    return spec_lookup(SPEC_MEMORY_BANDWIDTH_GBPS, name)
 
 
 def spec_bf16_tflops(name: str) -> float | None:
-    for key, tflops in SPEC_BF16_DENSE_TFLOPS:
-        if key.lower() in name.lower():
-            return tflops
-    return None
+    return spec_lookup(SPEC_BF16_DENSE_TFLOPS, name)
 
 
 def peak_bf16_tflops(device: torch.device, name: str) -> tuple[float | None, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ FLASH_RULE_FACTOR = 2.0
 CLEARLY_SLOWER_SHARE = 0.25
 # The timing candidate name for ours called without sizes (see Row.ours_default_call_s).
 OURS_DEFAULT_CALL = "ours default call"
+# The check column of a case that raised instead of finishing (failed_row); the error
+# is in the detail column.
+FAILED = "FAILED"
 
 
 @dataclass
@@ -114,6 +118,25 @@ def timed_row(ctx: Context, timings: dict[str, Timing], **fields) -> Row:
         ours_default_call_s=default_call.median_s if default_call else None,
         **fields,
     )
+
+
+def failed_row(ctx: Context, bench: str, case: str, error: BaseException, shape: str = "",
+               dtype: str = "") -> Row:  # fmt: skip
+    """The row of a case that raised: no timings, check "FAILED <error type>", the error
+    message in detail. The other cases go on (bench/suite.py)."""
+    message = " ".join(str(error).split())  # one line: CSV readers and the progress line
+    if len(message) > 500:
+        message = message[:500] + " ..."
+    return Row(
+        bench=bench, case=case, shape=shape, dtype=dtype, world_size=ctx.world_size,
+        backend=ctx.backend, device=ctx.device_name, ours_s=math.nan, baseline_s=math.nan,
+        speedup=math.nan, ours_faster_share=math.nan, noise=math.nan, reps=0,
+        check=f"{FAILED} {type(error).__name__}", detail=f"{type(error).__name__}: {message}",
+    )  # fmt: skip
+
+
+def is_failed(row: Row) -> bool:
+    return row.check.startswith(FAILED)
 
 
 def exchange_row(ctx: Context, timings: dict[str, Timing], volume, baseline_bytes: int, **fields) -> Row:
@@ -209,6 +232,8 @@ def _ring_progress_line(row: Row) -> str:
 
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
+    if is_failed(row):
+        return f"{row.bench:<16} {row.case:<32} {FAILED}: {row.detail}"
     if row.bench in RING_ALL:
         return _ring_progress_line(row)
     parts = [
@@ -295,6 +320,11 @@ def _zigzag_check(rows: list[Row]) -> Check:
     zigzag = [row for row in rows if row.bench in RING_BENCHES and row.layout == "zigzag"]
     if not zigzag:
         return Check(target, "n/a (ring not run)", "")
+    if all(row.world_size == 1 for row in zigzag):
+        # One rank: no ring, no exchange; the row compares the step kernel with SDPA.
+        speed = lambda row: 1 / row.time_ratio  # noqa: E731
+        worst = _worst(zigzag, speed, lambda row: f"ring on one rank at {speed(row):.0%} of SDPA's speed")
+        return Check(target, "n/a (world size 1)", f"not judged; {worst}")
     met = [row for row in zigzag if 1 / row.time_ratio >= ZIGZAG_IDEAL_TARGET]
     detail = f"{_count(met, zigzag)}; " + _worst(
         zigzag, lambda row: 1 / row.time_ratio, lambda row: f"{1 / row.time_ratio:.0%} of ideal"
@@ -344,9 +374,21 @@ def _step_check(rows: list[Row], on_gpu: bool, bench: str) -> Check:
     return Check(target, _status(len(met) == len(steps)), detail)
 
 
+def _completion_check(rows: list[Row]) -> Check:
+    failed = [row for row in rows if is_failed(row)]
+    detail = f"{len(rows) - len(failed)}/{len(rows)} cases ran"
+    if failed:
+        detail += "; failed: " + ", ".join(f"{row.bench} {row.case}" for row in failed)
+    return Check("every selected case ran (no exception)", _status(not failed), detail)
+
+
 def target_checks(rows: list[Row], on_gpu: bool) -> list[Check]:
-    """Issue 2's targets, judged on this run's rows (shown, never asserted)."""
+    """Issue 2's targets, judged on this run's rows (shown, never asserted). Failed
+    cases count only in the first check: the others judge the cases that ran."""
+    completion = _completion_check(rows)
+    rows = [row for row in rows if not is_failed(row)]
     return [
+        completion,
         _volume_check(rows),
         _agreement_check(rows),
         _cpu_speed_check(rows, on_gpu),
@@ -370,6 +412,8 @@ def target_checks(rows: list[Row], on_gpu: bool) -> list[Check]:
 def summary_table(rows: list[Row], checks: list[Check]) -> str:
     lines = ["", "Summary (x = baseline time / ours: above 1 ours is faster; won = share of paired "
              "rounds in which ours was faster)"]  # fmt: skip
+    failed = [row for row in rows if is_failed(row)]
+    rows = [row for row in rows if not is_failed(row)]
     for row in rows:
         if row.bench in RING_ALL:
             continue
@@ -383,6 +427,9 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
         for row in ring:
             sent = f"  {_sent(row)}" if row.bytes_sent_theory is not None else ""
             lines.append(f"  {row.bench:<16} {row.case:<32} {ring_line(row)}{sent}  {row.check}")
+    if failed:
+        lines += ["", f"FAILED ({len(failed)} cases raised; the run goes on and exits non-zero)"]
+        lines += [f"  {row.bench:<16} {row.case:<32} {row.detail}" for row in failed]
     lines += ["", "Targets"]
     width = max(len(check.target) for check in checks)
     for check in checks:
@@ -390,16 +437,27 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def _replace_atomically(path: Path, text: str) -> None:
+    """Writes text to path through a temporary file and a rename, so that a process
+    killed while writing leaves the previous version whole, never half a file."""
+    staging = path.with_name(path.name + ".tmp")
+    with staging.open("w", newline="") as handle:  # as given: the csv module's \r\n stay
+        handle.write(text)
+    staging.replace(path)
+
+
 def write_results(rows: list[Row], checks: list[Check], metadata: dict, stem: Path) -> list[Path]:
     """Writes <stem>.csv (one row per case) and <stem>.json (run metadata: device, torch,
-    git commit, world size, backend; and the targets). Returns the paths written."""
+    git commit, world size, backend; and the targets). Returns the paths written. Called
+    again after every case (bench/suite.py): each call replaces both files whole."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = stem.with_suffix(".csv"), stem.with_suffix(".json")
-    with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: _csv_value(value) for key, value in dataclasses.asdict(row).items()})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: _csv_value(value) for key, value in dataclasses.asdict(row).items()})
+    _replace_atomically(csv_path, table.getvalue())
     document = dict(metadata, csv=csv_path.name, targets=[dataclasses.asdict(check) for check in checks])
-    json_path.write_text(json.dumps(document, indent=2) + "\n")
+    _replace_atomically(json_path, json.dumps(document, indent=2) + "\n")
     return [csv_path, json_path]

@@ -1,12 +1,16 @@
 """The microbenchmark suite runs end to end (tiny shapes) and writes its CSV, JSON and
 plot, with every case computing what its baseline or reference computes and volumes at
-theory."""
+theory; a case that fails, or a run killed partway, loses none of the other rows."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from bench import hardware
+from bench.results import Row, failed_row, is_failed, progress_line, summary_table, target_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +21,7 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     csv_files = list(tmp_path.glob("*.csv"))
@@ -29,3 +33,140 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert all(row["check"] in ("identical", "matches") for row in rows), rows
     assert {row["bench"] for row in rows} >= {"ring", "ring-train"}
     assert all(row["volume_at_theory"] == "True" for row in rows if row["volume_at_theory"]), rows
+
+
+# A run with failures injected (python -c, patches made before the ranks fork): the
+# ulysses bench raises before its first case, one reshard case raises on every rank,
+# and one unpack case raises on rank 0 (kernels run there alone).
+INJECTED_FAILURES = """
+import sys
+from bench import bench_kernels, bench_reshard, bench_ulysses
+from bench.__main__ import parse_options
+from bench.launch import launch
+
+def no_cases(ctx):
+    raise ValueError("injected: ulysses cases")
+
+def reshard(case, ctx, original=bench_reshard.measure):
+    if case.direction == "S->T":
+        raise RuntimeError("injected: reshard S->T")
+    return original(case, ctx)
+
+def unpack(case, ctx, destinations, original=bench_kernels.measure_unpack):
+    if case.kv_heads != case.heads:
+        raise RuntimeError("injected: unpack GQA")
+    return original(case, ctx, destinations)
+
+bench_ulysses.attention_cases = no_cases
+bench_reshard.measure = reshard
+bench_kernels.measure_unpack = unpack
+launch(parse_options(sys.argv[1:]))
+"""
+
+# A run killed partway: the process ends (as at a time limit) in the first unpack case.
+KILLED_PARTWAY = """
+import os, sys
+from bench import bench_kernels
+from bench.__main__ import parse_options
+from bench.launch import launch
+
+def unpack(case, ctx, destinations):
+    os._exit(7)
+
+bench_kernels.measure_unpack = unpack
+launch(parse_options(sys.argv[1:]))
+"""
+
+
+def run_bench_script(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-c", script, "--quick", "--out", str(out), *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False
+    )
+
+
+def read_rows(out: Path) -> list[dict]:
+    csv_files = list(out.glob("*.csv"))
+    assert len(csv_files) == 1, list(out.iterdir())
+    return list(csv.DictReader(csv_files[0].open()))
+
+
+def test_bench_failed_cases_keep_the_other_rows_and_exit_nonzero(tmp_path):
+    result = run_bench_script(
+        INJECTED_FAILURES, tmp_path, "--world-size", "2",
+        "--only", "ulysses", "--only", "reshard", "--only", "kernels",
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    rows = read_rows(tmp_path)
+    verdicts = [(row["bench"], row["case"].split()[0], row["check"]) for row in rows]
+    assert verdicts == [
+        ("ulysses", "(bench", "FAILED ValueError"),
+        ("reshard", "S->T", "FAILED RuntimeError"),
+        ("reshard", "T->S", "identical"),
+        ("pack", "MHA", "identical"),
+        ("unpack", "MHA", "identical"),
+        ("pack", "GQA", "identical"),
+        ("unpack", "GQA", "FAILED RuntimeError"),
+    ], output[-3000:]
+    assert "injected: reshard S->T" in rows[1]["detail"]
+    assert "FAILED: RuntimeError: injected: unpack GQA" in result.stdout  # the progress line
+    document = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert document["complete"] is True and document["failed_cases"] == 3
+    assert document["targets"][0]["status"] == "NOT MET"
+    assert list(tmp_path.glob("*.png"))  # plotted from the cases that ran
+
+
+def test_bench_killed_partway_leaves_the_rows_so_far(tmp_path):
+    result = run_bench_script(KILLED_PARTWAY, tmp_path, "--world-size", "1",
+                              "--only", "reshard", "--only", "kernels")  # fmt: skip
+    assert result.returncode == 7, (result.stdout + result.stderr)[-3000:]
+    rows = read_rows(tmp_path)
+    assert [row["bench"] for row in rows] == ["reshard", "reshard", "pack"]
+    assert all(row["check"] == "identical" for row in rows), rows
+    document = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert document["complete"] is False and len(document["targets"]) > 1
+    assert sorted(path.suffix for path in tmp_path.iterdir()) == [".csv", ".json"]  # no .tmp, no .png
+
+
+def zigzag_row(world_size: int, time_ratio: float) -> Row:
+    return Row(
+        bench="ring", case=f"zigzag causal P={world_size}", shape="", dtype="bf16",
+        world_size=world_size, backend="nccl", device="GPU", ours_s=1.0, baseline_s=1.0,
+        speedup=1.0, ours_faster_share=0.5, noise=0.0, reps=3, check="matches",
+        layout="zigzag", time_ratio=time_ratio, overlap_efficiency=0.95,
+    )  # fmt: skip
+
+
+def zigzag_status(rows: list[Row]) -> str:
+    (check,) = [check for check in target_checks(rows, on_gpu=True) if "zigzag" in check.target]
+    return check.status
+
+
+def test_zigzag_target_not_judged_at_world_size_1():
+    assert zigzag_status([zigzag_row(1, 3.0)]) == "n/a (world size 1)"
+    assert zigzag_status([zigzag_row(8, 1.25)]) == "NOT MET"  # 80% of ideal
+    assert zigzag_status([zigzag_row(8, 1.05)]) == "met"
+
+
+def test_failed_rows_are_left_out_of_the_targets_and_listed():
+    class Ctx:
+        world_size, backend, device_name = 8, "nccl", "GPU"
+
+    failed = failed_row(Ctx(), "ring", "zigzag causal P=8", RuntimeError("out of\nmemory"))
+    rows = [zigzag_row(8, 1.05), failed]
+    assert is_failed(failed) and failed.detail == "RuntimeError: out of memory"
+    assert zigzag_status(rows) == "met"
+    assert "FAILED (1 cases raised" in summary_table(rows, target_checks(rows, on_gpu=True))
+    assert "FAILED: RuntimeError: out of memory" in progress_line(failed)
+
+
+def test_spec_sheet_lookup_matches_whole_names():
+    assert hardware.spec_memory_bandwidth_gbps("NVIDIA H200") == 4800.0
+    assert hardware.spec_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert hardware.spec_memory_bandwidth_gbps("NVIDIA H100 PCIe") == 2000.0
+    assert hardware.spec_memory_bandwidth_gbps("NVIDIA A100-SXM4-80GB") == 2039.0
+    # GH200 (Grace Hopper) has other peaks: unknown, not taken for an H200.
+    assert hardware.spec_memory_bandwidth_gbps("NVIDIA GH200 480GB") is None
+    assert hardware.spec_bf16_tflops("NVIDIA GH200 480GB") is None

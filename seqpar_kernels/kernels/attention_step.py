@@ -552,9 +552,9 @@ SHARED_MEMORY_PER_BLOCK = {
     90: 232448, 100: 232448, 103: 232448,  # H100, H200; B200; B300
     120: 101376, 121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
 }
-# The 99 KiB parts: a tile must fit there on its own (fp32 dq at d256 with the
-# sm_90 tile takes 133120 B).
-_SMALL_SHARED_MEMORY = 101376
+# The 99 KiB parts (sm_86/89/12x): a tile must fit there on its own (fp32 dq at
+# d256 with the sm_90 tile takes 133120 B).
+_SMALLEST_SHARED_MEMORY = min(SHARED_MEMORY_PER_BLOCK.values())
 
 # CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by kernel and by (bytes
 # per element, BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.  _TILES holds the
@@ -609,7 +609,7 @@ def _is_datacenter_blackwell(target):
 
 
 def _has_small_shared_memory(target):
-    return target.shared_memory_per_block <= _SMALL_SHARED_MEMORY
+    return target.shared_memory_per_block <= _SMALLEST_SHARED_MEMORY
 
 
 # (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
@@ -662,7 +662,7 @@ def _device_target(device_index):
     # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
     # and to the smallest size on record for a GPU not in it.
     shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
-        SHARED_MEMORY_PER_BLOCK.get(capability, min(SHARED_MEMORY_PER_BLOCK.values()))
+        SHARED_MEMORY_PER_BLOCK.get(capability, _SMALLEST_SHARED_MEMORY)
     return GpuTarget(capability, shared_memory)
 
 

@@ -28,7 +28,7 @@ from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ra
 
 from bench.baselines import heads_to_front, repeat_kv_heads
 from bench.context import Context
-from bench.results import Row, gbps, progress_line, short_dtype, timed_row
+from bench.results import Row, gbps, short_dtype, timed_row
 from bench.timing import time_side_by_side
 from bench.verify import agreement
 
@@ -165,9 +165,7 @@ def run(ctx: Context) -> list[Row]:
             if not supported(case, destinations):
                 ctx.log(f"skipped {case.label(destinations)}: heads do not split evenly")
                 continue
-            for measure in (measure_pack, measure_unpack):
-                row = measure(case, ctx, destinations)
-                ctx.log(progress_line(row))
-                rows.append(row)
+            for bench, measure in (("pack", measure_pack), ("unpack", measure_unpack)):
+                rows.append(ctx.run_case(bench, measure, case, destinations))
     ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
     return rows

@@ -15,7 +15,7 @@ from seqpar_kernels import all_to_all_reshard
 
 from bench.baselines import SentBytes, unfused_reshard
 from bench.context import Context
-from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, progress_line, short_dtype
+from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -115,7 +115,5 @@ def measure(case: ReshardCase, ctx: Context) -> Row:
 def run(ctx: Context) -> list[Row]:
     rows = []
     for case in cases(ctx):
-        row = measure(case, ctx)
-        ctx.log(progress_line(row))
-        rows.append(row)
+        rows.append(ctx.run_case("reshard", measure, case))
     return rows

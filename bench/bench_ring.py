@@ -56,7 +56,7 @@ from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring, re
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
 
 from bench.context import Context
-from bench.results import Row, progress_line, short_dtype, timed_row
+from bench.results import Row, short_dtype, timed_row
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -717,19 +717,16 @@ def run(ctx: Context) -> list[Row]:
         if reason:
             ctx.log(f"skipped {case.bench} {case.label(ctx.world_size)}: {reason}")
             continue
-        row = measure_ring(case, ctx)
-        ctx.log(progress_line(row))
-        rows.append(row)
+        rows.append(ctx.run_case(None, measure_ring, case))
     if not ctx.on_gpu:
         ctx.log("ring-step-fwd/bwd, ring-probe: GPU only (not run on CPU)")
         return rows
     # One GPU's kernels and streams: rank 0 alone while the other ranks wait.
     if ctx.is_root:
-        for measure, cases in ((measure_step, step_cases(ctx)), (measure_probe, probe_cases(ctx))):
+        for bench, measure, cases in ((None, measure_step, step_cases(ctx)),
+                                      ("ring-probe", measure_probe, probe_cases(ctx))):
             for case in cases:
-                row = measure(case, ctx)
-                ctx.log(progress_line(row))
-                rows.append(row)
+                rows.append(ctx.run_case(bench, measure, case))
     ctx.barrier()
     return rows
 

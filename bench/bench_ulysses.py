@@ -20,7 +20,7 @@ from seqpar_kernels import ulysses_attention
 
 from bench.baselines import SentBytes, unfused_ulysses_attention
 from bench.context import Context
-from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, progress_line, short_dtype, timed_row
+from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, short_dtype, timed_row
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -189,14 +189,12 @@ def measure_exchange(case: UlyssesCase, ctx: Context) -> Row:
 
 def run(ctx: Context) -> list[Row]:
     rows = []
-    plan = [(measure_forward, case) for case in attention_cases(ctx)]
-    plan += [(measure_exchange, case) for case in exchange_cases(ctx)]
-    for measure, case in plan:
+    plan = [("ulysses", measure_forward, case) for case in attention_cases(ctx)]
+    plan += [("ulysses-exchange", measure_exchange, case) for case in exchange_cases(ctx)]
+    for bench, measure, case in plan:
         reason = case.unsupported_by_baseline(ctx.world_size)
         if reason:
             ctx.log(f"skipped {case.label}: {reason}")
             continue
-        row = measure(case, ctx)
-        ctx.log(progress_line(row))
-        rows.append(row)
+        rows.append(ctx.run_case(bench, measure, case))
     return rows

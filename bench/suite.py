@@ -3,22 +3,19 @@
 Results survive a failure or a kill partway: rank 0 rewrites the CSV and JSON after every
 case (the PNG comes at the end), and a case that raises (no cuDNN, out of memory, a
 Triton compile error ...) becomes a row whose check is "FAILED <error type>" (the message
-in detail) while the other cases go on; the run then exits with status 1.
+in detail; Context.run_case, which every bench's case loop calls) while the other cases
+go on; the run then exits with status 1.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
-import gc
 import os
 import platform
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 
@@ -33,7 +30,6 @@ from bench.results import (
     failed_row,
     is_failed,
     progress_line,
-    short_dtype,
     summary_table,
     target_checks,
     write_results,
@@ -46,17 +42,6 @@ BENCHES = {
     "ring": bench_ring.run,
 }
 
-# Per bench, its module's functions that measure one case each (called by its run as
-# function(case, ctx, ...) and returning the case's Row), with the bench column of their
-# rows (None: the case's own .bench). While a bench runs, guarded_cases wraps them: a case
-# that raises becomes a FAILED row, the bench goes on with its next case, and every row
-# reaches the results file as soon as it is made.
-CASE_FUNCTIONS = {
-    "reshard": (bench_reshard, {"measure": "reshard"}),
-    "ulysses": (bench_ulysses, {"measure_forward": "ulysses", "measure_exchange": "ulysses-exchange"}),
-    "kernels": (bench_kernels, {"measure_pack": "pack", "measure_unpack": "unpack"}),
-    "ring": (bench_ring, {"measure_ring": None, "measure_step": None, "measure_probe": "ring-probe"}),
-}
 # The case column of the row recorded when a bench raises outside its cases.
 BENCH_STOPPED = "(bench stopped here)"
 
@@ -112,73 +97,6 @@ def results_stem(ctx: Context, out_dir: Path, started: datetime.datetime) -> Pat
     return out_dir / (name + ("-quick" if ctx.quick else ""))
 
 
-def _case_text(case, attribute: str, ctx: Context, extra: tuple) -> str:
-    """A case's label or shape, whether a property or a method of the case's world size
-    (ring: label(P)) or of the call's extra argument (kernels: label(destinations))."""
-    value = getattr(case, attribute, "")
-    if callable(value):
-        try:
-            value = value(*extra) if extra else value(ctx.world_size)
-        except Exception:  # noqa: BLE001 - only a name for a row that failed anyway
-            value = ""
-    return str(value)
-
-
-def _release_memory(ctx: Context) -> None:
-    """After a failed case: what its tensors held goes back (an out-of-memory error
-    would otherwise fail the next case too)."""
-    gc.collect()
-    if ctx.on_gpu:
-        torch.cuda.empty_cache()
-
-
-def _guarded(function: Callable[..., Row], bench: str | None, ctx: Context,
-             record: Callable[[Row], None]) -> Callable[..., Row]:  # fmt: skip
-    @functools.wraps(function)
-    def measure_case(case, *args):
-        try:
-            row = function(case, *args)
-        except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
-            extra = args[1:]  # args[0] is ctx
-            name = bench or getattr(case, "bench", function.__name__)
-            dtype = short_dtype(case.dtype) if hasattr(case, "dtype") else ""
-            row = failed_row(ctx, name, _case_text(case, "label", ctx, extra), error,
-                             shape=_case_text(case, "shape", ctx, extra), dtype=dtype)  # fmt: skip
-            _report_failure(ctx, f"{name} {row.case}")
-        else:
-            record(row)
-            return row
-        _release_memory(ctx)  # out of the except block: the traceback's frames are gone
-        record(row)
-        return row  # the bench prints its progress line and goes on
-
-    return measure_case
-
-
-def _report_failure(ctx: Context, what: str) -> None:
-    """Inside an except block: rank 0 prints the traceback (the log is all a remote run
-    leaves), other ranks one line."""
-    if ctx.is_root:
-        print(f"FAILED {what}:\n{traceback.format_exc()}", end="", flush=True)
-    else:
-        print(f"[rank {ctx.rank}] FAILED {what}: {traceback.format_exc().splitlines()[-1]}", flush=True)
-
-
-@contextlib.contextmanager
-def guarded_cases(ctx: Context, name: str, record: Callable[[Row], None]):
-    """While bench `name` runs: its case functions (CASE_FUNCTIONS) catch their errors
-    and pass every row to record as it is made."""
-    module, functions = CASE_FUNCTIONS[name]
-    originals = {attribute: getattr(module, attribute) for attribute in functions}
-    try:
-        for attribute, bench in functions.items():
-            setattr(module, attribute, _guarded(originals[attribute], bench, ctx, record))
-        yield
-    finally:
-        for attribute, original in originals.items():
-            setattr(module, attribute, original)
-
-
 @dataclass
 class ResultsFiles:
     """The rows so far; on rank 0, rewritten to <stem>.csv and .json after each one."""
@@ -207,25 +125,18 @@ class ResultsFiles:
 
 
 def run_bench(ctx: Context, name: str, results: ResultsFiles) -> None:
-    """One bench, its rows into results; an error outside its cases stops only this bench."""
-    made: list[Row] = []
-
-    def record(row: Row) -> None:
-        made.append(row)
-        results.add(row)
-
+    """One bench, its rows into results as they are made (a case that raises is a FAILED
+    row: Context.run_case); an error outside its cases stops only this bench."""
+    ctx.record_row = results.add
     try:
-        with guarded_cases(ctx, name, record):
-            returned = BENCHES[name](ctx)
+        BENCHES[name](ctx)
+        return
     except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
         row = failed_row(ctx, name, BENCH_STOPPED, error)
-        _report_failure(ctx, f"{name} (outside a case; its remaining cases did not run)")
-    else:
-        for row in returned:  # rows not made by a CASE_FUNCTIONS function, if any
-            if not any(row is seen for seen in made):
-                results.add(row)
-        return
-    _release_memory(ctx)
+        ctx.report_failure(f"{name} (outside a case; its remaining cases did not run)")
+    finally:
+        ctx.record_row = None
+    ctx.release_memory()
     ctx.log(progress_line(row))
     results.add(row)
     # Where the bench was in a rank-0-only part (kernels; the ring's GPU cases), the other

@@ -320,25 +320,17 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     _check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
 
 
-def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
-    """Forward over a causal diagonal block and full blocks, then the backward of
-    every step, against fp64 autograd of the whole attention."""
-    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=full_lens)
-    q = _randn(b, sq, h, d)
-    scale = d ** -0.5
-
+def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
+    """The ring steps of _ring_blocks through the step kernels: every forward, then
+    every backward, dq accumulated in place.  Returns (out, lse, dk_all, dv_all);
+    dk/dv are slices of one fp32 buffer (like the travelling gradient buffers of the
+    ring), in k_all's order [full blocks..., diagonal]."""
+    b, sq, h, d = q.shape
     out, lse = _fresh_state(b, sq, h, d)
     for k, v, mode in steps:
         ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    dout = _randn(b, sq, h, d)
     delta = ast.attention_backward_preprocess(out, dout)
-
-    # dq starts non-zero to check accumulation (+=); dk/dv are slices of one
-    # buffer (like the travelling gradient buffers of the ring).
-    dq0 = _randn(b, sq, h, d)
-    dq = dq0.clone()
-    dk_all = torch.zeros_like(k_all)
-    dv_all = torch.zeros_like(v_all)
+    dk_all, dv_all = _zeros(*k_all.shape), _zeros(*k_all.shape)
     n_full = sum(full_lens)
     bounds = [(n_full, n_full + sq)]
     start = 0
@@ -348,6 +340,20 @@ def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
     for (k, v, mode), (lo, hi) in zip(steps, bounds):
         ast.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
                                     softmax_scale=scale, mask_mode=mode)
+    return out, lse, dk_all, dv_all
+
+
+def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
+    """Forward over a causal diagonal block and full blocks, then the backward of
+    every step, against fp64 autograd of the whole attention."""
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=full_lens)
+    q = _randn(b, sq, h, d)
+    scale = d ** -0.5
+    dout = _randn(b, sq, h, d)
+    # dq starts non-zero to check accumulation (+=).
+    dq0 = _randn(b, sq, h, d)
+    dq = dq0.clone()
+    _, _, dk_all, dv_all = _run_steps(q, steps, k_all, full_lens, dout, dq, scale)
 
     qr = q.double().requires_grad_()
     kr = k_all.double().requires_grad_()
@@ -397,17 +403,8 @@ def test_gpu_tiles_over_several_whole_tiles(dtype, d):
     q = _randn(b, sq, h, d, dtype=dtype)
     dout = _randn(b, sq, h, d, dtype=dtype)
     scale = d ** -0.5
-    out, lse = _fresh_state(b, sq, h, d)
-    for k, v, mode in steps:
-        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    delta = ast.attention_backward_preprocess(out, dout)
     dq = _zeros(b, sq, h, d)
-    dk_all, dv_all = _zeros(*k_all.shape), _zeros(*v_all.shape)
-    n_full = sum(full_lens)
-    bounds = [(n_full, n_full + sq), (0, full_lens[0]), (full_lens[0], n_full)]
-    for (k, v, mode), (lo, hi) in zip(steps, bounds):
-        ast.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
-                                    softmax_scale=scale, mask_mode=mode)
+    out, lse, dk_all, dv_all = _run_steps(q, steps, k_all, full_lens, dout, dq, scale)
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
     exact, exact_lse = _reference(qr, kr, vr, scale, keep)

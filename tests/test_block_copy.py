@@ -145,8 +145,9 @@ def cpu_threads(request):
 def test_ulysses_sized_pack_and_unpack_on_threads(cpu_threads, destinations, k_layout):
     # Big enough for several tasks per thread. With contiguous q and k, 3 and 4
     # destinations copy the rows of all blocks token by token (the heads split inside
-    # rows); 70 destinations x (q, k) is past the interleaving limit, and a transposed k
-    # has rows of one element: those copy block by block.
+    # rows); 70 destinations x (q, k) copy in visits of 51 rows (80-byte rows, the
+    # last visit of a task partial); a transposed k has rows of one element: those
+    # copy block by block.
     heads = 70 if destinations == 70 else 12
     q = make((2, 1001, heads, 40), torch.bfloat16, "cpu", 7)
     k = views(make((2, 1001, heads, 40), torch.bfloat16, "cpu", 8), k_layout)

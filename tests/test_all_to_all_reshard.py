@@ -93,6 +93,35 @@ def test_reshard_backward_is_reverse_reshard(ranks, dtype):
     assert ranks.run(reshard_backward, dtype) == [[]] * ranks.world_size
 
 
+def batch_one_switch_copies_once():
+    """A DSP switch of a batch-1 video tensor (1, T, S, C): one side of the exchange is
+    the tensor's own memory, so only the other side runs a kernel."""
+    from seqpar_kernels.parallel import exchange
+
+    calls = []
+    for name in ("pack_blocks", "unpack_blocks"):
+        kernel = getattr(exchange, name)
+        setattr(exchange, name, lambda *args, _kernel=kernel, _name=name: calls.append(_name) or _kernel(*args))
+    results = {}
+    full = full_tensor((1, 9, 7, 4), torch.bfloat16, 16)  # T=9: every rank keeps 2+ frames
+    full_grad = full_tensor((1, 9, 7, 4), torch.bfloat16, 17)
+    for name, scatter_dim, gather_dim, kernels in [("S->T", 1, 2, ["unpack_blocks"]),
+                                                   ("T->S", 2, 1, ["pack_blocks"])]:
+        calls.clear()
+        local = piece(full, gather_dim).contiguous().requires_grad_()  # a rank's own tensor
+        out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
+        results[f"{name} kernels {calls}"] = calls == kernels
+        results[f"{name} values"] = out.is_contiguous() and torch.equal(out, piece(full, scatter_dim))
+        out.backward(piece(full_grad, scatter_dim))
+        results[f"{name} gradient"] = torch.equal(local.grad, piece(full_grad, gather_dim))
+    return results
+
+
+def test_batch_one_switch_copies_once(ranks):
+    for results in ranks.run(batch_one_switch_copies_once):
+        assert all(results.values()), results
+
+
 def split_and_gather(dtype):
     rank = dist.get_rank()
     results = {}

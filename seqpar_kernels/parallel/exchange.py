@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from seqpar_kernels.comm.groups import GroupInfo, all_gather_ints
+from seqpar_kernels.comm.plan import offsets
 from seqpar_kernels.ops import all_to_all_single, pack_blocks, unpack_blocks
 from seqpar_kernels.ops.block_copy import block_numel
 
@@ -43,14 +44,44 @@ def exchange_blocks(
     """Sends inputs[t].narrow(send_dims[t], send_starts[r*T+t], send_lengths[r*T+t]) to
     each rank r, and writes what rank r sent for tensor t into
     out[t].narrow(recv_dims[t], recv_starts[r*T+t], recv_lengths[r*T+t]).
-    One pack kernel, one all_to_all_single, one unpack kernel."""
+    One pack kernel, one all_to_all_single, one unpack kernel; a side whose ranges are
+    already the buffer's layout (see _ranges_tile_memory) skips its kernel."""
     world_size = group.world_size
     in_shapes = [list(tensor.shape) for tensor in inputs]
+    out_shapes = [list(shape) for shape in out_shapes]
     send_splits = _rank_split_sizes(in_shapes, send_dims, send_lengths, world_size)
-    recv_splits = _rank_split_sizes([list(s) for s in out_shapes], recv_dims, recv_lengths, world_size)
-    buffer = pack_blocks(inputs, send_dims, send_starts, send_lengths)
+    recv_splits = _rank_split_sizes(out_shapes, recv_dims, recv_lengths, world_size)
+    if (
+        len(inputs) == 1
+        and inputs[0].is_contiguous()
+        and _ranges_tile_memory(in_shapes[0], send_dims[0], send_starts, send_lengths)
+    ):
+        buffer = inputs[0].reshape(-1)  # a view: the input's memory is the send buffer
+    else:
+        buffer = pack_blocks(inputs, send_dims, send_starts, send_lengths)
     received = all_to_all_single(buffer, recv_splits, send_splits, group.name)
+    if (
+        len(out_shapes) == 1
+        and (out_dim_orders is None or list(out_dim_orders[0]) == list(range(len(out_shapes[0]))))
+        and _ranges_tile_memory(out_shapes[0], recv_dims[0], recv_starts, recv_lengths)
+    ):
+        return [received.view(out_shapes[0])]  # the received buffer is the output
     return unpack_blocks(received, out_shapes, recv_dims, recv_starts, recv_lengths, out_dim_orders)
+
+
+def _ranges_tile_memory(
+    shape: Sequence[int], split_dim: int, starts: Sequence[int], lengths: Sequence[int]
+) -> bool:
+    """Whether one C-order tensor's ranges along split_dim, in rank order, are its
+    memory cut in consecutive pieces: every dim before split_dim has size 1 and the
+    ranges cover split_dim end to end. Packing (or unpacking) such ranges is a plain
+    copy, so the exchange sends from (or receives into) the tensor's memory instead.
+    A DSP switch of a batch-1 video tensor (1, T, S, C) is this case on one side:
+    T -> S receives into the output, S -> T sends from the input."""
+    split_dim %= len(shape)
+    if any(size != 1 for size in shape[:split_dim]):
+        return False
+    return list(starts) == offsets(list(lengths)) and sum(lengths) == shape[split_dim]
 
 
 def _fingerprint(value) -> int:

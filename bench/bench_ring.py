@@ -546,9 +546,13 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
     return candidates
 
 
-def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> Accuracy:
-    """Ours against the exact result on the first head, by accuracy_verdict's rule; the
-    SDPA error shown is the first backend's."""
+def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accuracy, list[str], list[str]]:
+    """Every candidate against the exact result on the first head.
+
+    Returns ours' verdict (accuracy_verdict's rule, SDPA error from the first trusted
+    backend), the SDPA backends trusted as baselines, and a note for each one that is
+    not: a backend whose error exceeds ERROR_FACTOR x plain torch's (plus the slack) is
+    not timed against, so a broken baseline cannot make ours look slow or fast."""
     head = slice(0, 1)
     results = {name: [t[:, :, head] for t in fn()] for name, fn in candidates.items()}
     names = ["dq", "dk", "dv"] if case.backward else ["out"]
@@ -558,8 +562,21 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> Accuracy:
     plains = chunked_attention(*subset, case.causal, scale, case.dtype)
     if case.backward:
         exact, plains = exact[1:], plains[1:]
-    torch_name = next(name for name in candidates if name != "ours")
-    return accuracy_verdict(results["ours"], plains, results[torch_name], exact, names, case.dtype)
+    trusted, untrusted = [], []
+    for backend in (name for name in candidates if name != "ours"):
+        errors = [(name, max_error(theirs, truth), max_error(plain, truth))
+                  for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
+        wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
+                 for name, error, plain_error in errors
+                 if not error <= ERROR_FACTOR * plain_error + ERROR_SLACK[case.dtype]]  # NaN too
+        if wrong:
+            untrusted.append(f"{backend} not used as a baseline: {', '.join(wrong)}")
+        else:
+            trusted.append(backend)
+    if not trusted:
+        raise RuntimeError(f"no SDPA backend computes {case.shape} within the error rule: {untrusted}")
+    accuracy = accuracy_verdict(results["ours"], plains, results[trusted[0]], exact, names, case.dtype)
+    return accuracy, trusted, untrusted
 
 
 def measure_step(case: StepCase, ctx: Context) -> Row:
@@ -569,15 +586,18 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     for reason in missing:
         ctx.log(f"WARNING {case.bench} {case.label}: {reason}")
     candidates = step_candidates(case, backends, q, k, v, dout)
-    accuracy = check_step(case, candidates, q, k, v, dout)
+    accuracy, trusted, untrusted = check_step(case, candidates, q, k, v, dout)
+    for note in untrusted:
+        ctx.log(f"WARNING {case.bench} {case.label}: {note}")
+    candidates = {name: fn for name, fn in candidates.items() if name == "ours" or name in trusted}
     timings = time_side_by_side(candidates, ctx, collective=False)
     tflops = {name: case.flops / timing.median_s / 1e12 for name, timing in timings.items()}
-    best = max(backends, key=lambda name: tflops[name])
+    best = max(trusted, key=lambda name: tflops[name])
     timings["baseline"] = timings[best]
     peak, peak_source = ctx.peak_flops
-    rates = ", ".join(f"{name} {tflops[name]:.3g}" for name in backends)
+    rates = ", ".join(f"{name} {tflops[name]:.3g}" for name in trusted)
     detail = "; ".join([f"TFLOP/s: ours {tflops['ours']:.3g}, {rates}; baseline = {best}",
-                        *missing, accuracy.detail])  # fmt: skip
+                        *missing, *untrusted, accuracy.detail])  # fmt: skip
     return timed_row(
         ctx, timings,
         bench=case.bench, case=case.label, shape=case.shape, dtype=short_dtype(case.dtype),

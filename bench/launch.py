@@ -78,6 +78,12 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
     """One rank: join the process group, run the suite, leave."""
     backend = options.resolved_backend()
     if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():  # else torch's "invalid device ordinal"
+            raise SystemExit(
+                f"rank {rank}: LOCAL_RANK {local_rank} has no GPU; this node has "
+                f"{torch.cuda.device_count()}. With nccl, start at most one rank per GPU "
+                f"(torchrun --nproc-per-node {torch.cuda.device_count()}), or use --backend gloo"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -170,3 +170,41 @@ def test_spec_sheet_lookup_matches_whole_names():
     # GH200 (Grace Hopper) has other peaks: unknown, not taken for an H200.
     assert hardware.spec_memory_bandwidth_gbps("NVIDIA GH200 480GB") is None
     assert hardware.spec_bf16_tflops("NVIDIA GH200 480GB") is None
+
+
+def test_step_bench_drops_a_baseline_that_computes_wrong():
+    # The GPU step bench times ours against SDPA backends; one whose result breaks the
+    # error rule must not become the baseline (its speed would mean nothing).
+    import torch
+
+    from bench.bench_ring import StepCase, check_step, sdpa
+
+    case = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=False)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=generator).bfloat16() for _ in range(3))
+
+    def right():
+        return [sdpa(q, k, v, True)]
+
+    def wrong():
+        return [sdpa(q, k, v, False)]  # the causal mask forgotten
+
+    accuracy, trusted, untrusted = check_step(
+        case, {"ours": right, "flash": right, "cudnn": wrong}, q, k, v, None
+    )
+    assert accuracy.check == "matches"
+    assert trusted == ["flash"]
+    assert len(untrusted) == 1 and untrusted[0].startswith("cudnn not used as a baseline")
+
+
+def test_nccl_rank_without_a_gpu_is_told_why(monkeypatch, tmp_path):
+    # torchrun with more ranks per node than GPUs: a clear exit, not "invalid device ordinal".
+    import pytest
+    import torch
+
+    from bench.launch import Options, run_rank
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    options = Options(backend="nccl", world_size=None, quick=True, only=("reshard",), out=tmp_path)
+    with pytest.raises(SystemExit, match="LOCAL_RANK 1 has no GPU; this node has 1"):
+        run_rank(1, 2, 1, 2, "env://", options)

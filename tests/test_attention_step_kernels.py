@@ -248,6 +248,7 @@ def test_fully_masked_rows_stay_untouched():
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *l.stride(),
             sq, 0, d, 1, 0.125 * 1.4426950408889634,
             CAUSAL=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
+            SPLIT_SWEEP=ast.SPLIT_FORWARD_SWEEP,
         )
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
     assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
@@ -320,6 +321,19 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     _check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
 
 
+@pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
+def test_forward_with_and_without_the_split_sweep(monkeypatch, split_sweep):
+    # Triton 3.8+ compiles the forward with its unmasked sweep split off, older
+    # Triton with one masked sweep (ast.SPLIT_FORWARD_SWEEP): both must be exact.
+    # 45 rows in 16-row q tiles and 32-key tiles: the causal diagonal has a whole
+    # tile every row of the last q tile sees, the 70-key block two and a partial one.
+    monkeypatch.setattr(ast, "SPLIT_FORWARD_SWEEP", split_sweep)
+    assert ast.forward_launch(torch.float32, 64, True, target=None, interpreted=True) \
+        .constexprs["SPLIT_SWEEP"] is split_sweep
+    torch.manual_seed(12)
+    _check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
+
+
 def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
     """The ring steps of _ring_blocks through the step kernels: every forward, then
     every backward, dq accumulated in place.  Returns (out, lse, dk_all, dv_all);
@@ -390,12 +404,15 @@ def test_backward_bf16_single_causal_step():
                     "in test_cuda_tiles_compute_the_same_in_the_interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
-def test_gpu_tiles_over_several_whole_tiles(dtype, d):
+@pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
+def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     # The other tests use at most 40 keys: with the GPU tiles (up to 128 x 128) every k
     # tile there is partial, so the forward's unmasked sweep and the loops over several
     # tiles would run first in the benchmark.  A causal diagonal block of 333 rows and
     # full blocks of 700 and 260 keys, forward and backward, against fp64 autograd, with
     # at most twice the error of plain PyTorch attention in dtype (plus about one ulp).
+    # Both forms of the forward's sweep (ast.SPLIT_FORWARD_SWEEP) compile and run.
+    monkeypatch.setattr(ast, "SPLIT_FORWARD_SWEEP", split_sweep)
     torch.manual_seed(11)
     b, sq, h, hk = 1, 333, 4, 2
     full_lens = [700, 260]

@@ -40,6 +40,7 @@ as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
 import functools
 import math
 import os
+import re
 from typing import Any, NamedTuple
 
 import torch
@@ -145,6 +146,7 @@ def _attention_step_fwd_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SPLIT_SWEEP: tl.constexpr,
 ):
     # One program owns (q tile, q head, batch) and sweeps the whole K/V block.
     pid_m = tl.program_id(0)
@@ -185,17 +187,19 @@ def _attention_step_fwd_kernel(
     else:
         hi = seqlen_k
         all_visible = seqlen_k
-    # Two sweeps, as in the Triton fused-attention tutorial: the whole k tiles
-    # that every row sees go without a key mask or a causal test, the rest
-    # (the diagonal tiles, a partial last tile) with them.
-    unmasked_end = (all_visible // BLOCK_N) * BLOCK_N
-
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, unmasked_end,
-        offs_m, offs_n, mask_d, seqlen_k, qk_scale,
-        False, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+    if SPLIT_SWEEP:
+        # Two sweeps, as in the Triton fused-attention tutorial: the whole k
+        # tiles that every row sees go without a key mask or a causal test, the
+        # rest (the diagonal tiles, a partial last tile) with them.
+        unmasked_end = (all_visible // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, unmasked_end,
+            offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+            False, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+    else:
+        unmasked_end = 0
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, unmasked_end, hi,
         offs_m, offs_n, mask_d, seqlen_k, qk_scale,
@@ -666,11 +670,36 @@ def _device_target(device_index):
     return GpuTarget(capability, shared_memory)
 
 
-def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted):
+def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted, **more_constexprs):
     block_m, block_n, num_warps, num_stages = tiles
     constexprs = dict(CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted))
+                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
+                      **more_constexprs)
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
+
+
+def _triton_version(version=triton.__version__):
+    """(major, minor) of a Triton version string such as '3.6.0' or '3.8.0+git1a2b'."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+# Whether the forward kernel sweeps its whole k tiles without masks, apart from
+# the diagonal and partial ones (SPLIT_SWEEP): two loops instead of one.  Triton
+# before 3.8 software-pipelines each loop with its own buffers, and the pair
+# does not fit.  Compiled for sm_90 (python -m seqpar_kernels.kernels.ahead_of_time
+# run from an environment with that Triton), the split forward spills 40 to 135
+# accesses inside its loops with Triton 3.3 to 3.7 at bf16 d64, d128 and d256,
+# and takes 163840 B of shared memory at d128 where one loop takes 98304 B; with
+# Triton 3.6 it also spills on sm_80/86 (d128, d256: 96 to 126) and sm_100 (d128:
+# 4 to 47).  One masked loop with the same tiles compiles without a spill in a
+# loop on all five targets with Triton 3.5, 3.6 (every step kernel: the one
+# exception is fp32 dk/dv d64 GQA, 1 to 3 accesses) and 3.7; Triton 3.3 and 3.4
+# still spill in fp32 d256 (190 to 229) and 3.4 in bf16 d128 on sm_80/86/120
+# (6 to 12).  Triton 3.8 and 3.9 compile the split sweep without a spill on
+# every target of the ahead-of-time test.  The two forms have not yet been
+# timed against each other on a GPU.
+SPLIT_FORWARD_SWEEP = _triton_version() >= (3, 8)
 
 
 def forward_launch(dtype, headdim, causal, *, target, interpreted):
@@ -682,7 +711,7 @@ def forward_launch(dtype, headdim, causal, *, target, interpreted):
     """
     block_d = _block_d(headdim)
     return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target),
-                        dtype, block_d, causal, interpreted)
+                        dtype, block_d, causal, interpreted, SPLIT_SWEEP=SPLIT_FORWARD_SWEEP)
 
 
 def backward_preprocess_launch(headdim, *, target):

@@ -109,6 +109,31 @@ BlockRows block_rows(const StridedLayout& layout, const BlockDescriptor& block) 
   return rows;
 }
 
+// Walks a block's outer dims in C order and keeps the strided offset of the current
+// row (relative to the block's start): one division per dim to start, none per step.
+struct RowOdometer {
+  int64_t index[kMaxDims];
+  int64_t offset;
+
+  void start(const BlockRows& shape, int64_t row) {
+    offset = 0;
+    for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+      index[d] = row % shape.outer_extents[d];
+      row /= shape.outer_extents[d];
+      offset += index[d] * shape.outer_strides[d];
+    }
+  }
+
+  void step(const BlockRows& shape) {
+    for (int d = shape.outer_ndim - 1; d >= 0; --d) {
+      offset += shape.outer_strides[d];
+      if (++index[d] < shape.outer_extents[d]) return;
+      offset -= index[d] * shape.outer_strides[d];
+      index[d] = 0;
+    }
+  }
+};
+
 // Row-interleaved traversal: when every block's split dim lies inside its rows (the
 // blocks of a tensor then share their outer dims, e.g. Ulysses' per-destination head
 // groups of one token), walk the outer index once and copy that row of every block.
@@ -181,35 +206,20 @@ void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRo
     if (first < 0) first = b;
   }
   at::parallel_for(0, rows, grain, [&](int64_t row_begin, int64_t row_end) {
-    int64_t index[kMaxTensors][kMaxDims];
-    int64_t outer_offset[kMaxTensors];
+    RowOdometer odometers[kMaxTensors];
     // visit_offsets[t][i]: offset of the visit's i-th row in tensor t (the odometer's
     // reading, taken once per row and tensor rather than once per row and block).
     int64_t visit_offsets[kMaxTensors][kMaxRowsPerVisit];
     for (int64_t t = 0; t < plan.num_tensors; ++t) {
-      outer_offset[t] = 0;
-      if (first_block[t] < 0) continue;
-      const BlockRows& shape = shapes[first_block[t]];
-      int64_t remainder = row_begin;
-      for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-        index[t][d] = remainder % shape.outer_extents[d];
-        remainder /= shape.outer_extents[d];
-        outer_offset[t] += index[t][d] * shape.outer_strides[d];
-      }
+      if (first_block[t] >= 0) odometers[t].start(shapes[first_block[t]], row_begin);
     }
     for (int64_t visit_begin = row_begin; visit_begin < row_end; visit_begin += rows_per_visit) {
       const int64_t visit_rows = std::min(rows_per_visit, row_end - visit_begin);
       for (int64_t t = 0; t < plan.num_tensors; ++t) {
         if (first_block[t] < 0) continue;
-        const BlockRows& shape = shapes[first_block[t]];
         for (int64_t i = 0; i < visit_rows; ++i) {
-          visit_offsets[t][i] = outer_offset[t];
-          for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-            outer_offset[t] += shape.outer_strides[d];
-            if (++index[t][d] < shape.outer_extents[d]) break;
-            outer_offset[t] -= index[t][d] * shape.outer_strides[d];
-            index[t][d] = 0;
-          }
+          visit_offsets[t][i] = odometers[t].offset;
+          odometers[t].step(shapes[first_block[t]]);
         }
       }
       for (const int64_t b : visit_order) {
@@ -251,29 +261,17 @@ void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
     while (row < row_end) {
       const BlockDescriptor& block = plan.blocks[b];
       const BlockRows& shape = shapes[b];
-      char* strided = plan.bases[block.tensor_index];
-      // The odometer starts at this task's first row of the block: one division per
-      // dim here, none per row below.
-      int64_t index[kMaxDims];
-      int64_t offset = shape.start_offset;
-      int64_t remainder = row - rows_before[b];
-      for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-        index[d] = remainder % shape.outer_extents[d];
-        remainder /= shape.outer_extents[d];
-        offset += index[d] * shape.outer_strides[d];
-      }
+      char* strided = plan.bases[block.tensor_index] + shape.start_offset * element_size;
+      // The odometer starts at this task's first row of the block.
+      RowOdometer odometer;
+      odometer.start(shape, row - rows_before[b]);
       const int64_t last_row = std::min(row_end, rows_before[b + 1]);
       char* packed = flat + (block.flat_offset + (row - rows_before[b]) * shape.row_length) * element_size;
       for (; row < last_row; ++row) {
-        copy_row(strided + offset * element_size, shape.inner_stride, packed, shape.row_length,
-                 element_size, to_flat);
+        copy_row(strided + odometer.offset * element_size, shape.inner_stride, packed,
+                 shape.row_length, element_size, to_flat);
         packed += shape.row_length * element_size;
-        for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-          offset += shape.outer_strides[d];
-          if (++index[d] < shape.outer_extents[d]) break;
-          offset -= index[d] * shape.outer_strides[d];
-          index[d] = 0;
-        }
+        odometer.step(shape);
       }
       ++b;
     }

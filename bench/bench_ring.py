@@ -254,12 +254,16 @@ def accuracy_verdict(ours, plains, sdpas, exact, names, dtype) -> Accuracy:
         torch_error = max(plain_error, sdpa_error)
         details.append(f"{name} err {error:.1e} (plain {plain_error:.1e}, SDPA {sdpa_error:.1e})")
         vs_plain = max(vs_plain, error / max(plain_error, ERROR_SLACK[dtype]))
-        within = error <= ERROR_FACTOR * torch_error + ERROR_SLACK[dtype]  # NaN is not
-        if not within and verdict == "matches":
+        if not within_error_rule(error, torch_error, dtype) and verdict == "matches":
             verdict = f"MISMATCH {name} err {error:.2e} > {ERROR_FACTOR:g}x torch's {torch_error:.2e}"
     if math.isnan(vs_plain):
         vs_plain = math.inf
     return Accuracy(verdict, "; ".join(details), vs_plain)
+
+
+def within_error_rule(error: float, torch_error: float, dtype: torch.dtype) -> bool:
+    """At most ERROR_FACTOR x torch's error plus a one-ulp slack; NaN is not."""
+    return error <= ERROR_FACTOR * torch_error + ERROR_SLACK[dtype]
 
 
 def max_error(tensor: torch.Tensor, truth: torch.Tensor) -> float:
@@ -568,7 +572,7 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accurac
                   for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
         wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
                  for name, error, plain_error in errors
-                 if not error <= ERROR_FACTOR * plain_error + ERROR_SLACK[case.dtype]]  # NaN too
+                 if not within_error_rule(error, plain_error, case.dtype)]
         if wrong:
             untrusted.append(f"{backend} not used as a baseline: {', '.join(wrong)}")
         else:

@@ -226,3 +226,41 @@ def test_cuda_kernels_match_cpu_kernels(dtype):
     assert torch.equal(expected[1], buffer.view(2, 14)[:, 6:])
     for want, got in zip(expected, actual):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("destinations", [21, 22])
+def test_cuda_block_list_inline_and_in_device_memory(destinations):
+    # q, k and v over 21 destinations is 63 blocks, passed as a kernel argument; over
+    # 22 it is 66 blocks, which go through pinned and device memory.
+    qkv = [make((2, 33, 44, 64), torch.bfloat16, "cpu", seed) for seed in (1, 2, 3)]
+    sizes = [len(piece) for piece in torch.arange(44).tensor_split(destinations)]
+    starts = [sum(sizes[:rank]) for rank in range(destinations) for _ in range(3)]
+    lengths = [size for size in sizes for _ in range(3)]
+    packed = pack_blocks([t.cuda() for t in qkv], [2, 2, 2], starts, lengths)
+    assert torch.equal(packed.cpu(), reference_pack(qkv, [2, 2, 2], starts, lengths))
+    shapes = [tuple(t.shape) for t in qkv]
+    unpacked = unpack_blocks(packed, shapes, [2] * 3, starts, lengths, [(0, 2, 1, 3)] * 3)
+    for got, want in zip(unpacked, qkv):
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_pack_replays_in_a_cuda_graph():
+    # The block list is part of the captured launch: replays after other packs (which
+    # reuse host and device buffers) still copy the captured ranges.
+    source = make((2, 64, 8, 128), torch.bfloat16, "cuda", 1)
+    starts, lengths = [0, 3, 5], [3, 2, 3]
+    warmup = torch.cuda.Stream()
+    with torch.cuda.stream(warmup):
+        pack_blocks([source], [2], starts, lengths)
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        packed = pack_blocks([source], [2], starts, lengths)
+    for seed in (2, 3):
+        pack_blocks([make((4, 8, 16), torch.bfloat16, "cuda", seed)], [1], [4, 0], [4, 4])
+        source.copy_(make(tuple(source.shape), torch.bfloat16, "cuda", seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(packed.cpu(), reference_pack([source.cpu()], [2], starts, lengths))

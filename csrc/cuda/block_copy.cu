@@ -29,9 +29,33 @@ struct KernelLayouts {
   char* bases[kMaxTensors];
 };
 
-template <typename Unit, typename Index>
-__global__ void block_copy_kernel(KernelLayouts layouts, const BlockDescriptor* blocks,
-                                  Unit* flat, bool to_flat) {
+// Where the kernel finds the block list. Up to kInlineBlocks descriptors travel as a
+// kernel argument (a Ulysses exchange of q, k and v over up to 21 ranks, a reshard over
+// up to 64): the launch then needs no pinned host buffer and no host-to-device copy,
+// and a CUDA graph that captures it keeps the list in its kernel node (a captured copy
+// from a pinned buffer reads that host memory again at every replay, when the caching
+// host allocator may have handed it to another call). Longer lists go through pinned
+// and then device memory. 64 descriptors (2,560 B) plus the layouts (704 B) stay
+// under the 4 KiB kernel-argument limit of every CUDA version.
+constexpr int kInlineBlocks = 64;
+
+struct InlineBlocks {
+  BlockDescriptor blocks[kInlineBlocks];
+  __device__ __forceinline__ BlockDescriptor operator[](unsigned index) const {
+    return blocks[index];
+  }
+};
+
+struct DeviceBlocks {
+  const BlockDescriptor* blocks;
+  __device__ __forceinline__ BlockDescriptor operator[](unsigned index) const {
+    return blocks[index];
+  }
+};
+
+template <typename Unit, typename Index, typename BlockList>
+__global__ void block_copy_kernel(KernelLayouts layouts, BlockList blocks, Unit* flat,
+                                  bool to_flat) {
   const BlockDescriptor block = blocks[blockIdx.y];
   const StridedLayout& layout = layouts.layouts[block.tensor_index];
   Unit* strided = reinterpret_cast<Unit*>(layouts.bases[block.tensor_index]);
@@ -112,9 +136,9 @@ bool fits_int32(const BlockCopyPlan& plan) {
   return true;
 }
 
-template <typename Unit>
-void launch(const BlockCopyPlan& plan, const BlockDescriptor* device_blocks, char* flat,
-            bool to_flat, cudaStream_t stream) {
+template <typename Unit, typename BlockList>
+void launch(const BlockCopyPlan& plan, const BlockList& blocks, char* flat, bool to_flat,
+            cudaStream_t stream) {
   KernelLayouts layouts;
   int64_t largest = 0;
   for (int64_t t = 0; t < plan.num_tensors; ++t) {
@@ -130,10 +154,10 @@ void launch(const BlockCopyPlan& plan, const BlockDescriptor* device_blocks, cha
                   static_cast<unsigned>(plan.blocks.size()));
   if (fits_int32(plan)) {
     block_copy_kernel<Unit, int32_t><<<grid, kThreads, 0, stream>>>(
-        layouts, device_blocks, reinterpret_cast<Unit*>(flat), to_flat);
+        layouts, blocks, reinterpret_cast<Unit*>(flat), to_flat);
   } else {
     block_copy_kernel<Unit, int64_t><<<grid, kThreads, 0, stream>>>(
-        layouts, device_blocks, reinterpret_cast<Unit*>(flat), to_flat);
+        layouts, blocks, reinterpret_cast<Unit*>(flat), to_flat);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -142,22 +166,9 @@ struct alignas(16) Unit16 {
   uint4 value;
 };
 
-void block_copy_cuda(const BlockCopyPlan& original_plan, char* flat, bool to_flat) {
-  TORCH_CHECK(original_plan.blocks.size() <= 65535, "seqpar block copy: ",
-              original_plan.blocks.size(), " blocks exceed the CUDA grid's y limit");
-  BlockCopyPlan plan = original_plan;
-  const int64_t unit = widest_unit(plan, flat);
-  to_units(plan, unit / plan.element_size);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  // The block list travels to the device through pinned memory, asynchronously.
-  const int64_t descriptor_bytes =
-      static_cast<int64_t>(plan.blocks.size() * sizeof(BlockDescriptor));
-  at::Tensor host_blocks = at::empty(
-      {descriptor_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host_blocks.data_ptr(), plan.blocks.data(), descriptor_bytes);
-  at::Tensor device_blocks = host_blocks.to(
-      at::TensorOptions().device(at::kCUDA, c10::cuda::current_device()), /*non_blocking=*/true);
-  const auto* blocks = reinterpret_cast<const BlockDescriptor*>(device_blocks.data_ptr());
+template <typename BlockList>
+void launch_widest(int64_t unit, const BlockCopyPlan& plan, const BlockList& blocks, char* flat,
+                   bool to_flat, cudaStream_t stream) {
   switch (unit) {
     case 16: return launch<Unit16>(plan, blocks, flat, to_flat, stream);
     case 8: return launch<uint64_t>(plan, blocks, flat, to_flat, stream);
@@ -166,6 +177,30 @@ void block_copy_cuda(const BlockCopyPlan& original_plan, char* flat, bool to_fla
     case 1: return launch<uint8_t>(plan, blocks, flat, to_flat, stream);
     default: TORCH_CHECK(false, "seqpar block copy: unsupported element size ", unit);
   }
+}
+
+void block_copy_cuda(const BlockCopyPlan& original_plan, char* flat, bool to_flat) {
+  TORCH_CHECK(original_plan.blocks.size() <= 65535, "seqpar block copy: ",
+              original_plan.blocks.size(), " blocks exceed the CUDA grid's y limit");
+  BlockCopyPlan plan = original_plan;
+  const int64_t unit = widest_unit(plan, flat);
+  to_units(plan, unit / plan.element_size);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (plan.blocks.size() <= kInlineBlocks) {
+    InlineBlocks blocks{};
+    std::copy(plan.blocks.begin(), plan.blocks.end(), blocks.blocks);
+    return launch_widest(unit, plan, blocks, flat, to_flat, stream);
+  }
+  // The long list travels to the device through pinned memory, asynchronously.
+  const int64_t descriptor_bytes =
+      static_cast<int64_t>(plan.blocks.size() * sizeof(BlockDescriptor));
+  at::Tensor host_blocks = at::empty(
+      {descriptor_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host_blocks.data_ptr(), plan.blocks.data(), descriptor_bytes);
+  at::Tensor device_blocks = host_blocks.to(
+      at::TensorOptions().device(at::kCUDA, c10::cuda::current_device()), /*non_blocking=*/true);
+  const DeviceBlocks blocks{reinterpret_cast<const BlockDescriptor*>(device_blocks.data_ptr())};
+  launch_widest(unit, plan, blocks, flat, to_flat, stream);
 }
 
 at::Tensor pack_blocks_cuda(at::TensorList inputs, at::IntArrayRef split_dims,

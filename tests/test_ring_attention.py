@@ -18,6 +18,7 @@ cases per call: every `ranks.run` is a round trip to all ranks.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -254,7 +255,11 @@ def measure_bytes(dtype):
         with sp.comm_stats() as forward:
             out = sp.ring_attention(q, k, v, causal=causal, layout=layout)
         with sp.comm_stats() as backward:
-            out.sum().backward()
+            # On CUDA the autograd engine runs the backward on a thread of its own:
+            # run it on another thread here too, so bytes sent there must count.
+            worker = threading.Thread(target=out.sum().backward)
+            worker.start()
+            worker.join()
         kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         grad_kv_bytes = 4 * (k.numel() + v.numel())  # fp32 dk|dv travel
         results.append(

@@ -16,13 +16,11 @@ class CommStats:
     calls: int = 0
 
 
-_active = threading.local()
-
-
-def _stack() -> list[CommStats]:
-    if not hasattr(_active, "stack"):
-        _active.stack = []
-    return _active.stack
+# One stack for the whole process, not one per thread: on CUDA the autograd engine
+# runs the backward (and its collectives) on a worker thread of its own, and a
+# per-thread stack there would count none of the backward's bytes.
+_lock = threading.Lock()
+_active: list[CommStats] = []
 
 
 @contextlib.contextmanager
@@ -33,18 +31,23 @@ def comm_stats():
     ...     out = ulysses_attention(q, k, v)
     >>> stats.bytes_sent  # (P-1)/P x (q + k + v + o) bytes with even heads
 
-    Blocks nest: an inner block's bytes count in the outer one too.
+    Blocks nest: an inner block's bytes count in the outer one too. A block counts
+    what this process sends from any thread while it is open, the backward that the
+    autograd engine runs on its own thread included.
     """
     stats = CommStats()
-    _stack().append(stats)
+    with _lock:
+        _active.append(stats)
     try:
         yield stats
     finally:
-        _stack().remove(stats)
+        with _lock:
+            _active.remove(stats)
 
 
 def record_sent(num_bytes: int) -> None:
     """Called by every seqpar collective with the bytes it sends to other ranks."""
-    for stats in _stack():
-        stats.bytes_sent += num_bytes
-        stats.calls += 1
+    with _lock:
+        for stats in _active:
+            stats.bytes_sent += num_bytes
+            stats.calls += 1

@@ -18,6 +18,8 @@ cases per call: every `ranks.run` is a round trip to all ranks.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -317,6 +319,24 @@ def test_opcheck_single_process():
     out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
     expected, expected_lse = reference_attention(q.double(), k.double(), v.double(), True, 32**-0.5)
     assert max_err(out, expected) <= FP32_TOL and max_err(lse, expected_lse) <= FP32_TOL
+
+
+def test_cpu_paths_need_no_triton():
+    # CPU-only torch wheels do not ship Triton: importing the package and running the
+    # CPU ring (forward and backward) and Ulysses must not import it.
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, seqpar_kernels as sp\n"
+        "q = torch.randn(1, 6, 4, 16, requires_grad=True)\n"
+        "k = torch.randn(1, 6, 2, 16, requires_grad=True)\n"
+        "sp.ring_attention(q, k, k, causal=True).sum().backward()\n"
+        "sp.ulysses_attention(q, k, k).sum().backward()\n"
+        "assert q.grad is not None and 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+        "print('no triton: ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "no triton: ok" in result.stdout
 
 
 # ----------------------------------------------------------------------------------

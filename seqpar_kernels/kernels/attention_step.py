@@ -647,6 +647,18 @@ def _tiles(kernel, dtype, block_d, target):
     return tiles
 
 
+def check_launchable(q):
+    """Raises ValueError when the step kernels cannot run on ``q`` (batch, seqlen,
+    nheads, headdim): a GPU older than sm_80, or batch or nheads above CUDA's grid limit.
+    Local: the ring calls it before any collective."""
+    if not q.is_cuda:
+        return
+    cuda_target(q)
+    if q.shape[0] > _MAX_GRID_YZ or q.shape[2] > _MAX_GRID_YZ:
+        # heads and batch index grid axes 1 and 2, which CUDA caps at 65535.
+        raise ValueError(f"batch and nheads must be at most {_MAX_GRID_YZ}, got q shape {tuple(q.shape)}")
+
+
 def cuda_target(t):
     """The GpuTarget of ``t``'s CUDA device, or None for a tensor that is not on
     a CUDA device.  Raises ValueError for GPUs older than sm_80."""
@@ -823,9 +835,7 @@ def _check_qkv(q, k, v):
             f"({nheads_kv}, k shape {tuple(k.shape)})")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
-        # heads and batch index grid axes 1 and 2, which CUDA caps at 65535.
-        raise ValueError(f"batch and nheads must be at most {_MAX_GRID_YZ}, got q shape {tuple(q.shape)}")
+    check_launchable(q)
     return batch, seqlen_q, nheads, headdim, seqlen_k, nheads_kv
 
 

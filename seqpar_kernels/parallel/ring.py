@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.kernels.attention_step import cuda_target
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
 from seqpar_kernels.parallel.exchange import gather_local_sizes
 from seqpar_kernels.parallel.reshard import _normalize_dim, gather_sequence
@@ -43,7 +42,11 @@ def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
         raise ValueError(f"head dim must be at least 1 ({shapes})")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"ring_attention runs on CPU or CUDA tensors, got {q.device} ({shapes})")
-    cuda_target(q)  # raises for GPUs older than sm_80, which the Triton step kernels do not support
+    if q.is_cuda:
+        # Imported here: Triton is needed on GPUs only (CPU-only torch wheels lack it).
+        from seqpar_kernels.kernels.attention_step import check_launchable
+
+        check_launchable(q)  # GPUs older than sm_80, batch or heads over the grid limit
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and q.shape[1] % 2 != 0:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import seqpar_kernels as sp
 from seqpar_kernels.ops.ring_attention import force_step_kernels
+from seqpar_kernels.parallel import exchange as exchange_module
 
 # ----------------------------------------------------------------------------------
 # helpers (run inside the ranks)
@@ -382,6 +383,7 @@ def bad_inputs_raise_everywhere():
             *_qkv((1, 4, 2 + 2 * (rank == 0), 16), (1, 4, 2, 16))
         )
         bad["zigzag_gather unequal"] = lambda: sp.zigzag_gather(torch.randn(2 + 2 * (rank == 0), 3), dim=0)
+    bad["check_ranks"] = lambda: sp.ring_attention(q, k, v, check_ranks=None)
     messages = {}
     for name, call in bad.items():
         try:
@@ -401,6 +403,28 @@ def test_bad_inputs_raise_on_every_rank(ranks):
         assert not missing, f"rank {rank}: no ValueError for {missing}"
         assert shape == (1, 4, 2, 16)
         assert "(1, 4, 2, 16)" in messages["k/v shapes"]  # messages name the shapes
+
+
+def ring_without_rank_check():
+    """check_ranks=False runs no metadata all_gather and gives the same result."""
+    rank, _ = _rank()
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=gen) for _ in range(3))
+    checked = sp.ring_attention(q, k, v, causal=True, layout="zigzag")
+    gathers = []
+    original = exchange_module.all_gather_ints
+    exchange_module.all_gather_ints = lambda *args: gathers.append(args) or original(*args)
+    try:
+        unchecked = sp.ring_attention(q, k, v, causal=True, layout="zigzag", check_ranks=False)
+        sp.ring_attention(q, k, v, causal=True, layout="zigzag")
+    finally:
+        exchange_module.all_gather_ints = original
+    return torch.equal(checked, unchecked), len(gathers)
+
+
+def test_check_ranks_false_skips_the_metadata_gather(ranks):
+    expected_gathers = 1 if ranks.world_size > 1 else 0  # only the checked call's
+    assert ranks.run(ring_without_rank_check) == [(True, expected_gathers)] * ranks.world_size
 
 
 # ----------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    check_ranks: bool = True,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -99,20 +100,27 @@ def ring_attention(
                       causal work; the same as "contiguous" without a causal mask.
     softmax_scale: default 1/sqrt(headdim).
     return_lse: also return the log-sum-exp (natural log) of each row's scores.
+    check_ranks: check, with one small all_gather, that every rank passed the same
+        local length, shapes and options, so that a mismatch raises on every rank
+        instead of giving wrong results or a hang. On NCCL that all_gather synchronises
+        the host with the GPU at every call (every layer); False skips it, for models
+        whose ranks are known to agree. Under torch.compile it is always skipped.
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached: its gradient is not propagated].
 
     Autograd: dq, dk, dv through the ring backward (dK/dV accumulate in fp32 while they
     travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
-    (k + v bytes + fp32 dk + dv bytes). One small metadata all_gather per call (a host
-    sync on NCCL), skipped under torch.compile.
+    (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather.
     """
     scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
+    if not isinstance(check_ranks, bool):
+        raise ValueError(f"check_ranks must be a bool, got {check_ranks!r}")
     info = resolve_group(group)
-    batch, seqlen, heads, head_dim = q.shape
-    agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale)
-    lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention", q.device)
-    _check_equal_lengths(lengths, info, "ring_attention", q.shape)
+    if check_ranks:
+        batch, seqlen, heads, head_dim = q.shape
+        agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale)
+        lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention", q.device)
+        _check_equal_lengths(lengths, info, "ring_attention", q.shape)
     out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name)
     return (out, lse.detach()) if return_lse else out
 

@@ -213,7 +213,11 @@ std::vector<at::Tensor> unpack_blocks(const at::Tensor& buffer, at::IntArrayRef 
   }
   // Overlapping ranges only arise in backward passes (gradients of a tensor that was
   // sent to several ranks), on small tensors: ATen's ops are fast enough there. The
-  // sum runs in the op-math dtype (fp32 for fp16/bf16) and is rounded once.
+  // sum runs in the op-math dtype (fp32 for fp16/bf16) and is rounded once. Dtypes
+  // without one (uint16, float8, ...) never get here: they have no gradients.
+  if (std::all_of(by_kernel.begin(), by_kernel.end(), [](bool kernel) { return kernel; })) {
+    return outputs;
+  }
   const auto math_type = at::toOpMathType(buffer.scalar_type());
   std::vector<at::Tensor> accumulators(num_tensors);
   for (const auto t : c10::irange(num_tensors)) {

@@ -27,11 +27,18 @@ def all_to_all_single(
     group = group_from_name(group_name)
     rank = dist.get_rank(group)
     output = input.new_empty(sum(output_split_sizes))
+    # The payload travels as bytes: gloo has no all_to_all for int16, uint16, uint32 or
+    # the float8 types, and moving data never needs the element type.
+    element_size = input.element_size()
     dist.all_to_all_single(
-        output, input, list(output_split_sizes), list(input_split_sizes), group=group
+        output.view(torch.uint8),
+        input.view(torch.uint8),
+        [size * element_size for size in output_split_sizes],
+        [size * element_size for size in input_split_sizes],
+        group=group,
     )
     sent = sum(input_split_sizes) - input_split_sizes[rank]
-    record_sent(sent * input.element_size())
+    record_sent(sent * element_size)
     return output
 
 

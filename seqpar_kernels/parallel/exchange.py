@@ -104,7 +104,7 @@ def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str,
     rows = all_gather_ints([local_size, _fingerprint(agreed)], group.name, data_device)
     if any(row[1] != rows[0][1] for row in rows):
         raise ValueError(
-            f"{describe}: ranks disagree on shapes, dims or dtype; rank {group.rank} passed "
+            f"{describe}: ranks disagree on shapes, dims, dtype or options; rank {group.rank} passed "
             f"{agreed} (per rank: local size, metadata fingerprint: {rows})"
         )
     return [row[0] for row in rows]

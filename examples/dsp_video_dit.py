@@ -379,12 +379,13 @@ def run_check(
     expected_grads = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
     expected_out = expected_out.detach()
 
-    plans = {"DSP": DSP(config, group)}
-    if world_size <= config.heads:
-        plans["Ulysses"] = Ulysses(config, group)
-    elif rank == 0 and verbose:
-        # Ulysses splits the heads across ranks: it needs at least one head per rank.
-        print(f"Ulysses skipped: {config.heads} heads < {world_size} ranks")
+    plans = {"DSP": DSP(config, group), "Ulysses": Ulysses(config, group)}
+    if world_size > config.heads and rank == 0 and verbose:
+        # Ulysses splits the heads across ranks: the ranks beyond the head count get none
+        # and idle during attention (they still take part in the exchanges).
+        idle = world_size - config.heads
+        print(f"Ulysses: {config.heads} heads on {world_size} ranks, {idle} "
+              f"rank{'s' if idle > 1 else ''} idle during attention")
 
     summary = {"ok": True, "world_size": world_size, "plans": {}}
     activation_bytes = config.batch * config.frames * config.patches * config.channels * 4

@@ -18,7 +18,9 @@ from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks,
 
 
 def _normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
-    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"{name} must be an int, got {dim!r} (tensor of shape {tuple(shape)})")
+    if not -ndim <= dim < ndim:
         raise ValueError(f"{name}={dim} is out of range for a tensor of shape {tuple(shape)}")
     return dim % ndim
 

@@ -304,6 +304,9 @@ def test_backward_preprocess():
     [
         (4, 2, 64, [9, 23]),  # GQA: causal diagonal + two full blocks
         (2, 1, 80, [17]),  # MQA, padded head dim
+        (2, 1, 96, [17]),  # MQA, padded head dim (BLOCK_D 128)
+        (4, 2, 128, [9]),  # GQA
+        (2, 2, 256, [9]),  # the largest head dim
     ],
 )
 def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):

@@ -2,14 +2,18 @@
 against torch.tensor_split pieces of a full tensor, forward and backward."""
 
 import itertools
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import seqpar_kernels as sp
 
 SHAPE = (3, 5, 7, 4)  # no dim divisible by 2, 3 or 4 except the last: uneven pieces
+SMALL_SHAPE = (2, 1, 3, 5)  # dims smaller than the world: empty pieces on 2-4 ranks
 
 
 def full_tensor(shape, dtype, seed):
@@ -21,13 +25,30 @@ def full_tensor(shape, dtype, seed):
 
 
 def same_bits(actual, expected):
-    """Equal shapes and bytes (torch.equal has no float8 or uint16 kernel on CPU)."""
+    """Equal shapes and bytes (torch.equal has no float8 or uint16 kernel on CPU). An
+    empty tensor counts as contiguous whatever its strides, so it has no byte view."""
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
-    return actual.shape == expected.shape and torch.equal(as_bytes(actual), as_bytes(expected))
+    if actual.shape != expected.shape:
+        return False
+    return actual.numel() == 0 or torch.equal(as_bytes(actual), as_bytes(expected))
 
 
 def piece(tensor, dim):
     return tensor.tensor_split(dist.get_world_size(), dim=dim)[dist.get_rank()]
+
+
+def with_layout(tensor, layout):
+    """The same values as a new leaf tensor in another memory layout."""
+    if layout == "contiguous":
+        return tensor.clone()
+    if layout == "channels_first":  # memory order of the dims reversed: (.., C, ..)
+        reverse = list(range(tensor.dim()))[::-1]
+        return tensor.permute(reverse).contiguous().permute(reverse)
+    if layout == "sliced":  # every other element of a wider tensor, from offset 1
+        wide = full_tensor((*tensor.shape[:-1], 2 * tensor.shape[-1] + 1), tensor.dtype, 99)
+        wide[..., 1::2] = tensor
+        return wide[..., 1::2]
+    raise ValueError(layout)
 
 
 def reshard_all_dim_pairs(dtype, layout):
@@ -87,19 +108,27 @@ def test_reshard_uneven_and_empty(ranks):
 
 
 def reshard_backward(dtype):
+    """Every (scatter, gather) pair of a 4-D tensor, contiguous and strided inputs and
+    upstream gradients, uneven and empty pieces; returns the failures."""
     failures = []
-    for scatter_dim, gather_dim in [(1, 2), (2, 1), (0, 3)]:
-        full = full_tensor(SHAPE, dtype, 11)
-        full_grad = full_tensor(SHAPE, dtype, 12)
-        local = piece(full, gather_dim).requires_grad_()
-        out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
-        out.backward(piece(full_grad, scatter_dim))
-        if not torch.equal(local.grad, piece(full_grad, gather_dim)):
-            failures.append((scatter_dim, gather_dim))
+    for shape, layout in itertools.product((SHAPE, SMALL_SHAPE), ("contiguous", "channels_first", "sliced")):
+        for seed, (scatter_dim, gather_dim) in enumerate(itertools.permutations(range(4), 2)):
+            full = full_tensor(shape, dtype, 2 * seed)
+            full_grad = full_tensor(shape, dtype, 2 * seed + 1)
+            local = with_layout(piece(full, gather_dim), layout).requires_grad_()
+            out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
+            out.backward(with_layout(piece(full_grad, scatter_dim), layout))
+            # The gradient of this rank's piece is the piece of the whole gradient.
+            if not (
+                same_bits(out.detach(), piece(full, scatter_dim))
+                and local.grad is not None
+                and same_bits(local.grad, piece(full_grad, gather_dim))
+            ):
+                failures.append((shape, layout, scatter_dim, gather_dim))
     return failures
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reshard_backward_is_reverse_reshard(ranks, dtype):
     assert ranks.run(reshard_backward, dtype) == [[]] * ranks.world_size
 
@@ -110,21 +139,25 @@ def batch_one_switch_copies_once():
     from seqpar_kernels.parallel import exchange
 
     calls = []
-    for name in ("pack_blocks", "unpack_blocks"):
-        kernel = getattr(exchange, name)
+    originals = {name: getattr(exchange, name) for name in ("pack_blocks", "unpack_blocks")}
+    for name, kernel in originals.items():
         setattr(exchange, name, lambda *args, _kernel=kernel, _name=name: calls.append(_name) or _kernel(*args))
-    results = {}
-    full = full_tensor((1, 9, 7, 4), torch.bfloat16, 16)  # T=9: every rank keeps 2+ frames
-    full_grad = full_tensor((1, 9, 7, 4), torch.bfloat16, 17)
-    for name, scatter_dim, gather_dim, kernels in [("S->T", 1, 2, ["unpack_blocks"]),
-                                                   ("T->S", 2, 1, ["pack_blocks"])]:
-        calls.clear()
-        local = piece(full, gather_dim).contiguous().requires_grad_()  # a rank's own tensor
-        out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
-        results[f"{name} kernels {calls}"] = calls == kernels
-        results[f"{name} values"] = out.is_contiguous() and torch.equal(out, piece(full, scatter_dim))
-        out.backward(piece(full_grad, scatter_dim))
-        results[f"{name} gradient"] = torch.equal(local.grad, piece(full_grad, gather_dim))
+    try:
+        results = {}
+        full = full_tensor((1, 9, 7, 4), torch.bfloat16, 16)  # T=9: every rank keeps 2+ frames
+        full_grad = full_tensor((1, 9, 7, 4), torch.bfloat16, 17)
+        for name, scatter_dim, gather_dim, kernels in [("S->T", 1, 2, ["unpack_blocks"]),
+                                                       ("T->S", 2, 1, ["pack_blocks"])]:
+            calls.clear()
+            local = piece(full, gather_dim).contiguous().requires_grad_()  # a rank's own tensor
+            out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
+            results[f"{name} kernels {calls}"] = calls == kernels
+            results[f"{name} values"] = out.is_contiguous() and torch.equal(out, piece(full, scatter_dim))
+            out.backward(piece(full_grad, scatter_dim))
+            results[f"{name} gradient"] = torch.equal(local.grad, piece(full_grad, gather_dim))
+    finally:  # the workers are reused: later tests (torch.compile ones too) get the real kernels
+        for name, kernel in originals.items():
+            setattr(exchange, name, kernel)
     return results
 
 
@@ -133,28 +166,104 @@ def test_batch_one_switch_copies_once(ranks):
         assert all(results.values()), results
 
 
-def split_and_gather(dtype):
-    rank = dist.get_rank()
+def split_and_gather(dtype, shape, dim, layout):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     results = {}
-    full = full_tensor((2, 11, 3), dtype, 13).requires_grad_()
-    local = sp.split_sequence(full, dim=1)
-    results["split is the tensor_split piece"] = torch.equal(local, piece(full.detach(), 1))
-    gathered = sp.gather_sequence(local * 1, dim=-2)
-    results["gather restores the whole"] = torch.equal(gathered, full.detach())
+    full = with_layout(full_tensor(shape, dtype, 13), layout).requires_grad_()
+    local = sp.split_sequence(full, dim=dim)
+    results["split is the tensor_split piece"] = same_bits(local.detach(), piece(full.detach(), dim))
+    results["split is a view"] = local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+    if layout != "contiguous" and local.numel() > 0:
+        results["gather input is strided"] = not local.is_contiguous()
+    other_sign_dim = dim - len(shape) if dim >= 0 else dim + len(shape)
+    gathered = sp.gather_sequence(local, dim=other_sign_dim)  # the strided split view itself
+    results["gather restores the whole"] = same_bits(gathered.detach(), full.detach())
     # Backward of gather keeps this rank's piece of the (replicated) gradient; backward
     # of split gathers every rank's piece gradient into the whole.
-    grad = full_tensor((2, 11, 3), dtype, 14)
-    gathered.backward(grad * (rank + 1))
-    expected = torch.cat(
-        [part * (r + 1) for r, part in enumerate(grad.tensor_split(dist.get_world_size(), 1))], dim=1
-    )
-    results["split backward gathers the piece gradients"] = torch.equal(full.grad, expected)
+    grad = full_tensor(shape, dtype, 14)
+    gathered.backward(with_layout(grad * (rank + 1), layout))
+    expected = torch.cat([part * (r + 1) for r, part in enumerate(grad.tensor_split(world_size, dim))], dim=dim)
+    results["split backward gathers the piece gradients"] = full.grad is not None and same_bits(full.grad, expected)
     return results
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_and_gather_sequence(ranks, dtype):
-    for results in ranks.run(split_and_gather, dtype):
+@pytest.mark.parametrize(
+    "dtype,shape,dim,layout",
+    [(torch.float32, (2, 11, 3), 1, "contiguous"), (torch.float16, (2, 11, 3), 1, "contiguous"),
+     (torch.bfloat16, (2, 11, 3), 1, "channels_first"),
+     # Pieces along dims smaller than the world are empty on some ranks.
+     (torch.bfloat16, (5, 3, 2), -1, "sliced"), (torch.float16, (3, 4, 6), 0, "channels_first"),
+     (torch.float32, (4, 2, 5), -2, "sliced")],
+)
+def test_split_and_gather_sequence(ranks, dtype, shape, dim, layout):
+    for results in ranks.run(split_and_gather, dtype, shape, dim, layout):
+        assert all(results.values()), results
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every op that reaches the dispatcher (aten, seqpar, c10d) with its tensor
+    arguments; the ops a custom op runs inside its kernel are not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []  # (name, tensor arguments)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        self.ops.append((str(func), tensors))
+        return func(*args, **(kwargs or {}))
+
+    def names(self):
+        return [name for name, _ in self.ops]
+
+
+COPY_OPS = re.compile(r"copy|clone|\bcat\b|contiguous|stack")  # copy_, _to_copy, clone, cat
+
+
+def strided_input_read_in_place():
+    """A strided input goes to the pack kernel as it is: no op copies it first."""
+    results = {}
+    world_size = dist.get_world_size()
+    full = full_tensor((2, 6, 5, 4), torch.bfloat16, 19)
+    sizes = [len(part) for part in torch.arange(6).tensor_split(world_size)]
+
+    def reshard(x):
+        return sp.all_to_all_reshard(x, scatter_dim=2, gather_dim=1)
+
+    def gather(x):
+        return sp.gather_sequence(x, 1, sizes=sizes)
+
+    calls = {  # name: (strided input, call, expected output)
+        "reshard channels_first": (with_layout(piece(full, 1), "channels_first"), reshard, piece(full, 2)),
+        "reshard sliced": (with_layout(piece(full, 1), "sliced").requires_grad_(), reshard, piece(full, 2)),
+        "gather sliced": (with_layout(piece(full, 1), "sliced"), gather, full),
+    }
+    for name, (local, call, expected) in calls.items():
+        with OpRecorder() as recorder:
+            out = call(local)
+        ops = recorder.names()
+        seqpar_ops = [op.split(".")[1] for op in ops if op.startswith("seqpar.")]
+        packed = [tensors[0] for op, tensors in recorder.ops if op.startswith("seqpar.pack_blocks")]
+        results[f"{name}: input is strided"] = not local.is_contiguous()
+        results[f"{name}: ops {ops}"] = (
+            seqpar_ops == ["pack_blocks", "all_to_all_single", "unpack_blocks"]
+            and not any(COPY_OPS.search(op) for op in ops)
+        )
+        results[f"{name}: the pack reads the input's memory"] = (
+            len(packed) == 1
+            and packed[0].data_ptr() == local.data_ptr()
+            and packed[0].stride()[-local.dim() :] == local.stride()
+        )
+        results[f"{name}: values"] = same_bits(out.detach(), expected)
+    # The recorder sees a copy where there is one.
+    with OpRecorder() as recorder:
+        calls["reshard sliced"][0].contiguous()
+    results[f"contiguous() is seen: {recorder.names()}"] = any(COPY_OPS.search(op) for op in recorder.names())
+    return results
+
+
+def test_strided_input_is_read_in_place(ranks):
+    for results in ranks.run(strided_input_read_in_place):
         assert all(results.values()), results
 
 
@@ -188,29 +297,45 @@ def test_opcheck_all_to_all_single(ranks):
 
 
 def compiled_matches_eager(batch):
-    # Batch 1: each switch has one side that is the tensor's own memory (no kernel).
-    world_size = dist.get_world_size()
-    full = full_tensor((batch, 8, 12, 4), torch.float32, 16)
+    """split -> reshard -> reshard back -> gather of a video (B, T, S, C), eager and
+    compiled with fullgraph=True. T=12 divides by 1-4 (its sizes may go unpassed: under
+    torch.compile they are assumed equal); S=10 does not on 3 and 4 ranks, so its sizes
+    are passed. Batch 1: each switch has one side that is the tensor's own memory."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shape = (batch, 12, 10, 4)
+    full = full_tensor(shape, torch.float32, 16)
+    upstream_base = full_tensor(shape, torch.float32, 18)
+    upstream = upstream_base * (rank + 1)  # differs by rank
+    space_sizes = [len(part) for part in torch.arange(shape[2]).tensor_split(world_size)]
 
-    def switch_twice(local):  # DSP: spatial -> temporal -> spatial
-        temporal = sp.all_to_all_reshard(local, scatter_dim=2, gather_dim=1, gather_sizes=[8 // world_size] * world_size if 8 % world_size == 0 else None)
-        return sp.all_to_all_reshard(temporal.sin(), 1, 2, gather_sizes=[len(p) for p in torch.arange(12).tensor_split(world_size)])
+    def dsp(video):
+        spatial = sp.split_sequence(video, dim=2)  # a strided view
+        temporal = sp.all_to_all_reshard(spatial, scatter_dim=1, gather_dim=2, gather_sizes=space_sizes)
+        spatial = sp.all_to_all_reshard(temporal.sin(), 2, 1)
+        return sp.gather_sequence(spatial * 2, dim=-2, sizes=space_sizes)
 
-    if 8 % world_size:  # the compiled path assumes even gather sizes unless told
-        return True
-    local = piece(full, 1).requires_grad_()
-    eager = switch_twice(local)
-    eager.sum().backward()
-    eager_grad, local.grad = local.grad, None
+    results = {}
+    whole = full.clone().requires_grad_()
+    eager = dsp(whole)
+    eager.backward(upstream)
+    eager_grad, whole.grad = whole.grad, None
+    # The eager run itself is right: the whole function is 2 sin(x), and the gradient
+    # gathers each rank's piece of its own upstream gradient times 2 cos(x).
+    results["eager values"] = torch.allclose(eager, 2 * full.sin())
+    own_pieces = torch.cat([part * (r + 1) for r, part in enumerate(upstream_base.tensor_split(world_size, 2))], dim=2)
+    results["eager gradient"] = torch.allclose(eager_grad, 2 * full.cos() * own_pieces)
     torch._dynamo.reset()
-    compiled = torch.compile(switch_twice, fullgraph=True, backend="aot_eager")(local)
-    compiled.sum().backward()
-    return torch.equal(eager, compiled) and torch.equal(eager_grad, local.grad)
+    compiled = torch.compile(dsp, fullgraph=True, backend="aot_eager")(whole)
+    compiled.backward(upstream)
+    results["compiled values"] = torch.equal(eager, compiled)
+    results["compiled gradient"] = torch.equal(eager_grad, whole.grad)
+    return results
 
 
 @pytest.mark.parametrize("batch", [2, 1])
 def test_compile_fullgraph_matches_eager(ranks, batch):
-    assert all(ranks.run(compiled_matches_eager, batch))
+    for results in ranks.run(compiled_matches_eager, batch):
+        assert all(results.values()), results
 
 
 def bad_inputs():
@@ -224,6 +349,7 @@ def bad_inputs():
         lambda: sp.all_to_all_reshard(torch.tensor(1.0), 0, 0),
         lambda: sp.all_to_all_reshard(good, 0, 1, gather_sizes=[99] * dist.get_world_size()),
         lambda: sp.gather_sequence(good, 5),
+        lambda: sp.all_to_all_reshard(good, 1.0, 0),
     ):
         try:
             call()
@@ -250,3 +376,4 @@ def test_bad_inputs_raise_on_every_rank(ranks):
         assert None not in messages, messages
         assert "(2, 3, 4)" in messages[0] and "same dim" in messages[0]
         assert "out of range" in messages[1] and "out of range" in messages[2]
+        assert "scatter_dim must be an int" in messages[6] and "(2, 3, 4)" in messages[6]

@@ -8,6 +8,8 @@ ranks are counted here, for comm_stats. Tests: tests/test_all_to_all_reshard.py.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.distributed as dist
 
@@ -17,7 +19,10 @@ from seqpar_kernels.comm.stats import record_sent
 
 @torch.library.custom_op("seqpar::all_to_all_single", mutates_args=())
 def all_to_all_single(
-    input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
+    input: torch.Tensor,
+    output_split_sizes: List[int],  # typing.List: torch 2.6's schema inference knows no list[int]
+    input_split_sizes: List[int],
+    group_name: str,
 ) -> torch.Tensor:
     """input: flat (sum(input_split_sizes),), the piece for rank j at split j.
     Returns flat (sum(output_split_sizes),), rank i's piece at split i."""

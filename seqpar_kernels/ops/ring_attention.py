@@ -129,6 +129,30 @@ def _heads_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+# aten's CPU flash kernel maps q head h to kv head h // (H / H_kv) in torch 2.13 and 2.14
+# (checked); torch 2.6's reads past the kv heads instead (measured: NaN forward, heap
+# corruption in the backward). The releases in between are not checked, so they take
+# the repeated path too: kv heads repeated for the local kernel, a copy per step on this
+# rank only (what travels the ring stays the kv heads).
+_CPU_FLASH_READS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+def _kv_for_cpu_flash(k: torch.Tensor, v: torch.Tensor, num_heads: int):
+    """k, v: (B, S, H_kv, D) -> what aten's CPU flash kernel reads for `num_heads` q heads."""
+    if k.shape[2] == num_heads or _CPU_FLASH_READS_GQA:
+        return k, v
+    group = num_heads // k.shape[2]
+    return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+
+
+def _sum_head_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, S, H, D) gradient of repeated kv heads -> (B, S, H_kv, D)."""
+    if grad.shape[2] == num_kv_heads:
+        return grad
+    batch, seqlen, heads, head_dim = grad.shape
+    return grad.reshape(batch, seqlen, num_kv_heads, heads // num_kv_heads, head_dim).sum(3)
+
+
 class _AtenCpuSteps:
     """CPU: aten's flash kernel per block + attention_merge_; aten's flash backward."""
 
@@ -138,6 +162,7 @@ class _AtenCpuSteps:
 
     @staticmethod
     def forward(q, k, v, out, lse, scale, causal):
+        k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         block_out, block_lse = _cpu_flash(
             _heads_major(q), _heads_major(k), _heads_major(v), 0.0, causal, scale=scale
         )
@@ -151,13 +176,15 @@ class _AtenCpuSteps:
         # every block's dk/dv to bf16 before the fp32 accumulation measured 2.2-2.7x
         # plain torch's dv error (bf16 GQA causal, 4 ranks; bench ring-train). On CPUs
         # without bf16 matrix units the fp32 backward is no slower.
+        kv_heads = k.shape[2]
+        k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         grad_q, grad_k, grad_v = _cpu_flash_backward(
             *(_heads_major(x.float()) for x in (dout, q, k, v, out)),
             lse, 0.0, causal, scale=scale,
         )  # fmt: skip
         dq.add_(grad_q.transpose(1, 2))
-        dk.add_(grad_k.transpose(1, 2))
-        dv.add_(grad_v.transpose(1, 2))
+        dk.add_(_sum_head_groups(grad_k.transpose(1, 2), kv_heads))
+        dv.add_(_sum_head_groups(grad_v.transpose(1, 2), kv_heads))
 
 
 class _TritonSteps:

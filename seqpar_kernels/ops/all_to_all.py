@@ -17,6 +17,16 @@ from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name
 from seqpar_kernels.comm.stats import record_sent
 
 
+def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous 1-D tensor. One of 0 or 1 elements counts as
+    contiguous whatever its stride (opcheck passes stride 0), and a dtype view needs
+    stride 1: such a tensor is viewed with stride 1 first, the same memory."""
+    if flat.stride(0) != 1:
+        assert flat.numel() <= 1, "all_to_all_single takes a contiguous buffer"
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 @torch.library.custom_op("seqpar::all_to_all_single", mutates_args=())
 def all_to_all_single(
     input: torch.Tensor,
@@ -36,8 +46,8 @@ def all_to_all_single(
     # the float8 types, and moving data never needs the element type.
     element_size = input.element_size()
     dist.all_to_all_single(
-        output.view(torch.uint8),
-        input.view(torch.uint8),
+        _as_bytes(output),
+        _as_bytes(input),
         [size * element_size for size in output_split_sizes],
         [size * element_size for size in input_split_sizes],
         group=group,

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 import seqpar_kernels as sp
 from seqpar_kernels.ops import ring_attention as ring_ops
-from seqpar_kernels.ops import ring_attention as ring_ops
 from seqpar_kernels.ops.ring_attention import force_step_kernels
 from seqpar_kernels.parallel import exchange as exchange_module
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 import math
 import re
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from on_ranks import backward_on_every_rank, on_every_rank, timeout_group
 from seqpar_kernels import comm_stats, ulysses_attention
 
 # ----------------------------------------------------------------------------------
@@ -30,49 +30,6 @@ from seqpar_kernels import comm_stats, ulysses_attention
 
 def _rank():
     return dist.get_rank(), dist.get_world_size()
-
-
-# A collective that one rank never joins (a bug, or an assertion that failed on one
-# rank only) should fail the test in seconds, not hang until the pool's 300 s timeout:
-# the rank functions pass this gloo group, whose collectives time out, to Ulysses.
-COLLECTIVE_TIMEOUT = timedelta(seconds=30)
-_group = None
-_failed_last_call = False
-
-
-def timeout_group():
-    """The world as a group with a short collective timeout (made by on_every_rank at
-    the start of a rank function, on every rank at the same point: new_group is
-    collective)."""
-    global _group
-    if _group is None:
-        world = list(range(dist.get_world_size()))
-        _group = dist.new_group(world, timeout=COLLECTIVE_TIMEOUT, backend="gloo")
-    return _group
-
-
-def on_every_rank(fn):
-    """Marks a rank function. A gloo group whose collective timed out is unusable, so
-    if the previous call raised on any rank, every rank replaces the group first (they
-    agree through one small all-reduce on the default group)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        global _group, _failed_last_call
-        if dist.get_world_size() > 1:
-            any_failed = torch.tensor([int(_failed_last_call)])
-            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
-            if any_failed.item():
-                _group = None
-        _failed_last_call = False
-        timeout_group()
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            _failed_last_call = True
-            raise
-
-    return wrapper
 
 
 def reference_attention(q, k, v, causal=False, scale=None):
@@ -126,28 +83,6 @@ def reference_with_grads(q, k, v, dout, causal, scale=None):
     out = reference_attention(q, k, v, causal, scale)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
-
-
-def all_ranks_agree(flag: bool) -> bool:
-    """True iff `flag` is true on every rank (one small all-reduce)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=timeout_group())
-    return bool(value.item())
-
-
-def backward_on_every_rank(out, dout):
-    """out.backward(dout), but first make sure that every rank can run it: the
-    backward is collective, so one rank whose output is cut from the graph would
-    leave the others waiting until the pool's timeout. Raises on every rank alike."""
-    connected = out.grad_fn is not None
-    if not all_ranks_agree(connected):
-        raise AssertionError(
-            f"ulysses_attention output of shape {tuple(out.shape)} has no grad_fn on some rank "
-            f"(this rank: grad_fn={out.grad_fn}); its backward would hang the others"
-        )
-    out.backward(dout)
 
 
 def ulysses_with_grads(q_loc, k_loc, v_loc, dout_loc, causal, sizes, scale=None):

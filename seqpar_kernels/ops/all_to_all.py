@@ -17,6 +17,21 @@ from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name
 from seqpar_kernels.comm.stats import record_sent
 
 
+def register_as_collective(op) -> None:
+    """Marks a custom op that exchanges data with the other ranks of its group as an
+    ordered side effect for torch.compile.
+
+    Otherwise inductor treats the op as a pure function of its inputs: it removes one
+    whose result it finds unused (the backward exchange of an empty gradient on a rank
+    that owns no heads) and may order two independent ones differently on different
+    ranks, whose graphs differ with their shapes. The ranks' collectives then pair up
+    wrongly: a hang, or gloo's "Received data size doesn't match expected size".
+    Ordered effects are kept, in program order, on every rank."""
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+    _register_effectful_op(op, _EffectType.ORDERED)
+
+
 def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous 1-D tensor. One of 0 or 1 elements counts as
     contiguous whatever its stride (opcheck passes stride 0), and a dtype view needs
@@ -55,6 +70,9 @@ def all_to_all_single(
     sent = sum(input_split_sizes) - input_split_sizes[rank]
     record_sent(sent * element_size)
     return output
+
+
+register_as_collective(torch.ops.seqpar.all_to_all_single.default)
 
 
 @all_to_all_single.register_fake

@@ -56,6 +56,7 @@ import torch
 
 from seqpar_kernels import _extension  # noqa: F401  (registers torch.ops.seqpar)
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
+from seqpar_kernels.ops.all_to_all import register_as_collective
 
 # ----------------------------------------------------------------------------------
 # attention_merge_
@@ -382,6 +383,9 @@ def ring_attention_forward(
     return _ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name)
 
 
+register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
+
+
 @ring_attention_forward.register_fake
 def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name):
     batch, seqlen, heads, _ = q.shape
@@ -405,6 +409,9 @@ def ring_attention_backward(
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
     of each block accumulate in fp32 while they travel the ring."""
     return _ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name)
+
+
+register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 
 @ring_attention_backward.register_fake

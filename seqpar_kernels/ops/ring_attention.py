@@ -121,12 +121,26 @@ def step_block(step: int, rank: int, world_size: int, seqlen: int, causal: bool,
 # Per-step compute, by device
 # ----------------------------------------------------------------------------------
 
+# aten's private CPU flash kernels (the public SDPA checks layouts before it calls them;
+# these calls bypass that). Layout they assume, read from their source and measured on
+# torch 2.14: every tensor is (B, H, S, D) logically and element (b, h, s, d) is read at
+# b * stride_b + h * stride_h + s * stride_s + d, so ANY strides along B, H and S but a
+# unit stride along the head dim. A q (forward) or out (backward) with another last
+# stride gives wrong results without an error; the kernels happen to copy k, v and dout
+# first today, which nothing promises. _cpu_flash_operand enforces the assumption for
+# every tensor they read.
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _heads_major(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> the (B, H, S, D) view aten's attention kernels take (no copy)."""
+def _cpu_flash_operand(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, S, H, D) -> the (B, H, S, D) view aten's CPU flash kernels read, in `dtype`
+    (default: x's), with a unit stride along the head dim: copied only when x has
+    another one (a transposed or strided last dim, which those kernels misread)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        x = x.contiguous()
     return x.transpose(1, 2)
 
 
@@ -165,7 +179,7 @@ class _AtenCpuSteps:
     def forward(q, k, v, out, lse, scale, causal):
         k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         block_out, block_lse = _cpu_flash(
-            _heads_major(q), _heads_major(k), _heads_major(v), 0.0, causal, scale=scale
+            _cpu_flash_operand(q), _cpu_flash_operand(k), _cpu_flash_operand(v), 0.0, causal, scale=scale
         )
         attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
 
@@ -180,7 +194,7 @@ class _AtenCpuSteps:
         kv_heads = k.shape[2]
         k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         grad_q, grad_k, grad_v = _cpu_flash_backward(
-            *(_heads_major(x.float()) for x in (dout, q, k, v, out)),
+            *(_cpu_flash_operand(x, torch.float32) for x in (dout, q, k, v, out)),
             lse, 0.0, causal, scale=scale,
         )  # fmt: skip
         dq.add_(grad_q.transpose(1, 2))

@@ -1,0 +1,108 @@
+"""What the attention tests compare against, and how close is close enough.
+
+    attention(q, k, v, causal, scale)        plain attention, scores materialized, in
+                                             the inputs' dtype (fp64 inputs: the exact
+                                             answer the tests compare with)
+    sdpa(q, k, v, causal, scale)             torch's fused attention, in the inputs' dtype
+    with_grads(fn, leaves, make_inputs, dout)  out and the leaves' gradients of any of them
+    max_error(a, b)                          largest absolute difference, in fp64
+    error_bound(dtype, yardstick, magnitude) the accuracy rule
+
+The accuracy rule (flash-attention's): against the fp64 answer, our error is at most
+ERROR_FACTOR times the error of plain PyTorch computed in the same dtype on the whole
+sequence (the yardstick), plus a slack relative to the tensor's magnitude for errors
+that both are too small to measure.
+
+q: (batch, seqlen, nheads, headdim); k, v: (batch, seqlen, nheads_kv, headdim); nheads
+% nheads_kv == 0. Outputs follow q's layout; lse is (batch, nheads, seqlen) fp32 (fp64
+for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ERROR_FACTOR = 2.0
+
+# Relative slack per dtype, times max(1, |exact| max): about one unit in the last place
+# of the dtype at the tensor's scale. It only matters where plain PyTorch happens to be
+# exact (tiny tensors, one key per query) and ours is off by rounding.
+RELATIVE_SLACK = {
+    torch.float32: 2e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+}
+
+
+def default_scale(q: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+def _repeat_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return k.repeat_interleave(num_heads // k.shape[2], dim=2)
+
+
+def attention(q, k, v, causal=False, scale=None):
+    """(out, lse) of attention with the score matrix materialized, in q's dtype (the
+    softmax in q's dtype too, as a plain PyTorch model computes it)."""
+    scale = default_scale(q) if scale is None else scale
+    k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, S, S)
+    if causal:
+        length = q.shape[1]
+        keep = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out, torch.logsumexp(scores.to(lse_dtype), dim=-1)
+
+
+def sdpa(q, k, v, causal=False, scale=None):
+    """(out, None) of torch's scaled_dot_product_attention in q's dtype, on (B, H, S, D)
+    contiguous copies: the layout models hand it, for which torch runs its fused (flash)
+    kernel. Which backend SDPA runs depends on the layout it is given, and its math
+    backend is exact where the flash backward cancels (a one-hot softmax), so the
+    yardstick fixes the layout. A negative or zero scale is given as the same scores
+    with a positive one (-q, or zero q with scale 1): SDPA's CPU kernel masks causal
+    scores before scaling them and returns NaN otherwise."""
+    scale = default_scale(q) if scale is None else scale
+    if scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        q, scale = q * 0, 1.0
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2).contiguous() for t in (q, k, v)),
+        is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2), None
+
+
+def with_grads(fn, leaves, make_inputs, dout):
+    """Runs out = fn(*make_inputs(*leaves)) (fn returns out or (out, lse)) and
+    out.backward(dout). leaves: tensors copied as fresh autograd leaves; make_inputs
+    turns them into fn's q, k, v (views, expands, casts: any differentiable ops).
+    Returns (out, lse or None, *gradients of the leaves)."""
+    leaves = [leaf.detach().clone().requires_grad_() for leaf in leaves]
+    result = fn(*make_inputs(*leaves))
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    out.backward(dout)
+    return (out.detach(), lse, *(leaf.grad for leaf in leaves))
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - b.double()).abs().max().item()
+
+
+def magnitude(exact: torch.Tensor) -> float:
+    return exact.abs().max().item() if exact.numel() else 0.0
+
+
+def error_bound(dtype: torch.dtype, yardstick: float, exact_magnitude: float) -> float:
+    """The largest error the rule allows: ERROR_FACTOR x the yardstick (plain PyTorch's
+    error in `dtype`) plus the dtype's slack at the exact tensor's magnitude."""
+    return ERROR_FACTOR * yardstick + RELATIVE_SLACK[dtype] * max(1.0, exact_magnitude)

@@ -1,0 +1,176 @@
+"""ring_attention and ulysses_attention take q, k, v (and receive dout) in any strides.
+
+The layouts are the ones real models produce: q, k and v as slices of one fused
+projection, (B, H, S, D) storage, a last dim that is not contiguous, batch-expanded
+views; and gradients with odd strides from what consumes the output. Every path runs
+them: the CPU ring (aten's kernels), the Triton ring (the CUDA path's kernels, in the
+interpreter), Ulysses, and on a GPU the CUDA ring and Ulysses. Each is compared with
+fp64 attention on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference
+import seqpar_kernels as sp
+from on_ranks import on_every_rank, rank_and_world, timeout_group
+from seqpar_kernels.ops.ring_attention import force_step_kernels
+
+
+def _same(x):
+    return x
+
+
+def _heads_major(x):
+    """Stored as (B, H, S, D), as attention code that transposes after the projection."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _last_dim_transposed(x):
+    """Stored with the head dim outermost: stride(-1) is not 1."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _head_dim_strided(x):
+    """Every other element of a wider last dim: stride(-1) == 2."""
+    return torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0]
+
+
+# name -> function of one (B, S, H, D) tensor giving the same values in another layout.
+TENSOR_LAYOUTS = {
+    "contiguous": _same,
+    "heads-major": _heads_major,
+    "last-dim-transposed": _last_dim_transposed,
+    "head-dim-strided": _head_dim_strided,
+}
+# Layouts of q, k and v together (their leaves keep the same shapes).
+QKV_LAYOUTS = {name: (lambda q, k, v, f=f: (f(q), f(k), f(v))) for name, f in TENSOR_LAYOUTS.items()}
+
+
+def _fused_projection(q, k, v):
+    """q, k, v as the head slices of one (B, S, H + 2 H_kv, D) projection output."""
+    fused = torch.cat([q, k, v], dim=2)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    return fused[:, :, :heads], fused[:, :, heads : heads + kv_heads], fused[:, :, heads + kv_heads :]
+
+
+def _batch_expanded(q, k, v):
+    """k and v as stride-0 views over the batch (one shared K/V for every sequence)."""
+    return q, k[:1].expand(k.shape), v[:1].expand(v.shape)
+
+
+QKV_LAYOUTS["fused-projection"] = _fused_projection
+QKV_LAYOUTS["batch-expanded"] = _batch_expanded
+
+# What consumes the output decides the strides of the gradient that comes back:
+# name -> (loss of out, weights drawn with out's shape).
+OUTPUT_CONSUMERS = {
+    "plain": lambda out, weight: (out * weight).sum(),
+    "transposed-head-dim": lambda out, weight: (out.transpose(-1, -2) * weight.transpose(-1, -2)).sum(),
+    "heads-major": lambda out, weight: (out.transpose(1, 2) * weight.transpose(1, 2).contiguous()).sum(),
+    "every-other-feature": lambda out, weight: (out[..., ::2] * weight[..., ::2]).sum(),
+    "expanded-weight": lambda out, weight: (out * weight[:1, :, :1].expand(out.shape)).sum(),
+}
+
+B, H, H_KV, D, S_LOCAL = 2, 4, 2, 16, 4
+
+
+def _full_inputs(world_size, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    total = S_LOCAL * world_size
+    draw = lambda heads: torch.randn(B, total, heads, D, generator=generator, dtype=torch.float64)  # noqa: E731
+    return [t.to(device) for t in (draw(H), draw(H_KV), draw(H_KV), draw(H))]
+
+
+def _piece(x, rank, world_size):
+    return x.narrow(1, rank * S_LOCAL, S_LOCAL)
+
+
+def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tuple(OUTPUT_CONSUMERS)):
+    """For each q/k/v layout and each output consumer: the largest error of out and of
+    the q, k, v gradients against fp64 attention on the whole sequence (fp32 inputs),
+    relative to each exact tensor's magnitude."""
+    full = _full_inputs(world_size, device, seed=3)  # q, k, v, consumer weight
+    local = [_piece(t, rank, world_size).float() for t in full]
+    errors = {}
+    for layout_name, layout in QKV_LAYOUTS.items():
+        for consumer_name in consumers:
+            consumer = OUTPUT_CONSUMERS[consumer_name]
+            # The layout goes into the exact answer too: an expanded view has other values.
+            exact_leaves = [t.clone().requires_grad_() for t in full[:3]]
+            exact_out, _ = reference.attention(*layout(*exact_leaves), causal=causal)
+            consumer(exact_out, full[3]).backward()
+            exact = [exact_out.detach(), *(leaf.grad for leaf in exact_leaves)]
+
+            leaves = [t.clone().requires_grad_() for t in local[:3]]
+            out = attention(*layout(*leaves), causal=causal)
+            consumer(out, local[3]).backward()
+            got = [out.detach(), *(leaf.grad for leaf in leaves)]
+            errors[f"{layout_name}/{consumer_name}"] = max(
+                reference.max_error(g, _piece(e, rank, world_size)) / max(1.0, reference.magnitude(e))
+                for g, e in zip(got, exact)
+            )
+    return errors
+
+
+def _ring(q, k, v, causal):
+    return sp.ring_attention(q, k, v, causal=causal, group=timeout_group())
+
+
+def _ulysses(q, k, v, causal):
+    return sp.ulysses_attention(q, k, v, causal=causal, group=timeout_group())
+
+
+@on_every_rank
+def run_layouts(path, causal):
+    cpu = torch.device("cpu")
+    if path == "ring-triton":
+        # The interpreter is slow: every layout, but gradients in two layouts only.
+        with force_step_kernels("triton"):
+            return _errors_by_layout(
+                _ring, cpu, causal, *rank_and_world(), consumers=("plain", "transposed-head-dim")
+            )
+    return _errors_by_layout({"ring": _ring, "ulysses": _ulysses}[path], cpu, causal, *rank_and_world())
+
+
+# fp32 against fp64, relative to each tensor's magnitude: aten's CPU kernel with a
+# q whose last dim is not contiguous errs by 1e16 and more.
+TOLERANCE = 2e-5
+
+
+def _failures(errors_per_rank):
+    return [
+        f"rank {rank} {name}: relative error {error:.3g}"
+        for rank, errors in enumerate(errors_per_rank)
+        for name, error in errors.items()
+        if not error <= TOLERANCE
+    ]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("path", ["ring", "ulysses"])
+def test_cpu_paths_take_any_layout(ranks, path, causal):
+    failures = _failures(ranks.run(run_layouts, path, causal))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_ring_takes_any_layout(ranks, causal):
+    if ranks.world_size != 3:
+        pytest.skip("the interpreter is slow: one world size, whose ring has every kind of step")
+    failures = _failures(ranks.run(run_layouts, "ring-triton", causal))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("attention", [sp.ring_attention, sp.ulysses_attention], ids=["ring", "ulysses"])
+def test_cuda_paths_take_any_layout(attention, causal):
+    # One process, a world of one: every layout through the CUDA kernels.
+    errors = _errors_by_layout(
+        lambda q, k, v, causal: attention(q, k, v, causal=causal), torch.device("cuda"), causal, 0, 1
+    )
+    failures = _failures([errors])
+    assert not failures, "\n".join(failures)

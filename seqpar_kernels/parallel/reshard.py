@@ -14,15 +14,8 @@ import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
+from seqpar_kernels.parallel.checks import normalize_dim
 from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
-
-
-def _normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ValueError(f"{name} must be an int, got {dim!r} (tensor of shape {tuple(shape)})")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{name}={dim} is out of range for a tensor of shape {tuple(shape)}")
-    return dim % ndim
 
 
 def all_to_all_reshard(
@@ -50,8 +43,8 @@ def all_to_all_reshard(
     """
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise ValueError(f"all_to_all_reshard needs a tensor with at least one dim, got {x!r:.80}")
-    scatter = _normalize_dim(scatter_dim, x.dim(), "scatter_dim", x.shape)
-    gather = _normalize_dim(gather_dim, x.dim(), "gather_dim", x.shape)
+    scatter = normalize_dim(scatter_dim, x.dim(), "scatter_dim", x.shape)
+    gather = normalize_dim(gather_dim, x.dim(), "gather_dim", x.shape)
     if scatter == gather:
         raise ValueError(
             f"scatter_dim ({scatter_dim}) and gather_dim ({gather_dim}) name the same dim of a "
@@ -110,7 +103,7 @@ class _GatherSequence(torch.autograd.Function):
 def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's piece of `x` along `dim` (torch.tensor_split convention), a view.
     Backward: gather_sequence of the gradient."""
-    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     return _SplitSequence.apply(x, dim, group)
 
 
@@ -124,7 +117,7 @@ def gather_sequence(
     """The whole tensor from every rank's piece along `dim` (pieces may differ in size;
     `sizes` lists them, else they are exchanged as in all_to_all_reshard).
     Backward: each rank keeps its own piece of the gradient, as split_sequence does."""
-    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
     if sizes is None:
         agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))

@@ -20,26 +20,28 @@ raises on every rank instead of leaving some waiting in the ring.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
 from seqpar_kernels.parallel.exchange import gather_local_sizes
-from seqpar_kernels.parallel.reshard import _normalize_dim, gather_sequence
-from seqpar_kernels.parallel.ulysses import _check_inputs
+from seqpar_kernels.parallel.checks import (
+    check_attention_inputs,
+    describe_shapes,
+    fold_scale_sign,
+    normalize_dim,
+    resolve_softmax_scale,
+)
+from seqpar_kernels.parallel.reshard import gather_sequence
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
 def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
     """Local checks (no communication); returns the softmax scale."""
-    _check_inputs(q, k, v)  # 4-D, dtypes, device, GQA heads, head dim <= 256 (as Ulysses)
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if q.shape[3] == 0:
-        raise ValueError(f"head dim must be at least 1 ({shapes})")
+    check_attention_inputs(q, k, v)
+    shapes = describe_shapes(q, k, v)
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"ring_attention runs on CPU or CUDA tensors, got {q.device} ({shapes})")
     if q.is_cuda:
@@ -56,13 +58,7 @@ def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(q.shape[3])
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
-    return float(softmax_scale)
+    return resolve_softmax_scale(softmax_scale, q)
 
 
 def _check_equal_lengths(lengths, info: GroupInfo, describe: str, shape) -> None:
@@ -121,6 +117,7 @@ def ring_attention(
         agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale)
         lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention", q.device)
         _check_equal_lengths(lengths, info, "ring_attention", q.shape)
+    q, scale = fold_scale_sign(q, scale)
     out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name)
     return (out, lse.detach()) if return_lse else out
 
@@ -173,7 +170,7 @@ def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = No
     Returns chunks r and 2P-1-r of the 2P equal chunks along `dim`, concatenated in that
     order: x.shape with N/P along dim (a new tensor; no communication).
     Backward: zigzag_gather of the gradient."""
-    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
     if x.shape[dim] % (2 * info.world_size) != 0:
         raise ValueError(
@@ -191,7 +188,7 @@ def zigzag_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = N
     Returns x.shape with P times the length along dim, on every rank (one all-to-all
     through gather_sequence, plus one small metadata all_gather that checks the ranks
     agree). Backward: each rank keeps its zigzag piece of the gradient."""
-    dim = _normalize_dim(dim, x.dim(), "dim", x.shape)
+    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
     if x.shape[dim] % 2 != 0:
         raise ValueError(

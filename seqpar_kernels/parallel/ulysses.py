@@ -31,38 +31,11 @@ import torch.nn.functional as F
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
+from seqpar_kernels.parallel.checks import check_attention_inputs, fold_scale_sign, resolve_softmax_scale
 from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 # (B, S, H, D) logical shape stored as (B, H, S, D): the layout SDPA reads without a copy.
 HEADS_MAJOR = (0, 2, 1, 3)
-
-
-def _check_inputs(q, k, v):
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
-            raise ValueError(f"{name} must be (batch, seqlen_local, nheads, headdim), got {shape}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q, k, v need one dtype among {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype} ({shapes})"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {shapes}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
-        raise ValueError(f"q, k, v must share batch and local sequence length, got {shapes}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have one head dim, got {shapes}")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[3]} exceeds {MAX_HEAD_DIM} ({shapes})")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})"
-        )
 
 
 def uniform_head_runs(q_head_start: int, num_q: int, group_size: int) -> list[tuple[int, int, int, int]]:
@@ -132,12 +105,13 @@ def ulysses_attention(
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
     divide evenly; two all-to-alls forward, two backward.
     """
-    _check_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
+    scale = resolve_softmax_scale(softmax_scale, q)
     info = resolve_group(group)
     batch, local_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     if seq_lens is None:
-        agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, softmax_scale)
+        agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, scale)
         seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention", q.device)
     seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
     total_len = sum(seq_lens)
@@ -145,6 +119,7 @@ def ulysses_attention(
     head_starts, head_counts = tensor_split_ranges(num_heads, info.world_size)
     kv_starts, kv_counts = kv_head_ranges(head_starts, head_counts, num_heads, num_kv_heads)
     my_heads, my_kv_heads = head_counts[info.rank], kv_counts[info.rank]
+    q, scale = fold_scale_sign(q, scale)
 
     # Sequence-sharded -> head-sharded: one exchange for q, k and v.
     q_heads, k_heads, v_heads = exchange_blocks(
@@ -170,7 +145,7 @@ def ulysses_attention(
         head_starts[info.rank],
         num_heads // num_kv_heads,
         causal,
-        softmax_scale,
+        scale,
     )  # (B, n, S, D)
 
     # Head-sharded -> sequence-sharded.

@@ -1,0 +1,76 @@
+"""Any finite softmax_scale gives the exact answer: zero (uniform attention over the
+visible keys), negative, and ordinary ones, causal or not, forward and backward, on
+the ring's CPU and Triton paths and in Ulysses. Kernels that mask a causal score with
+-inf before scaling it would return NaN rows for a zero or negative scale."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import reference
+import seqpar_kernels as sp
+from on_ranks import on_every_rank, rank_and_world, timeout_group
+from seqpar_kernels.ops.ring_attention import force_step_kernels
+
+SCALES = (0.0, -0.3, -1.0, 0.25)
+B, H, H_KV, D, S_LOCAL = 1, 4, 2, 8, 4
+
+
+def _ring(layout):
+    return lambda q, k, v, causal, scale: sp.ring_attention(
+        q, k, v, causal=causal, softmax_scale=scale, layout=layout, group=timeout_group()
+    )
+
+
+def _ulysses(q, k, v, causal, scale):
+    return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, group=timeout_group())
+
+
+def _zigzag_rows(x, rank, world_size):
+    chunks = x.chunk(2 * world_size, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=1)
+
+
+@on_every_rank
+def run_scales(path):
+    rank, world_size = rank_and_world()
+    layout = "zigzag" if path == "ring-zigzag" else "contiguous"
+    attention = _ulysses if path == "ulysses" else _ring(layout)
+    rows = _zigzag_rows if layout == "zigzag" else lambda x, r, p: x.chunk(p, dim=1)[r]
+    generator = torch.Generator().manual_seed(5)
+    total = S_LOCAL * world_size
+    q, k, v, dout = (torch.randn(B, total, heads, D, generator=generator, dtype=torch.float64) for heads in (H, H_KV, H_KV, H))
+    errors = {}
+    for scale in SCALES:
+        for causal in (False, True):
+            exact = reference.with_grads(
+                lambda q, k, v: reference.attention(q, k, v, causal, scale), (q, k, v), lambda *t: t, dout
+            )
+            with force_step_kernels("triton") if path == "ring-triton" else contextlib.nullcontext():
+                ours = reference.with_grads(
+                    lambda q, k, v: attention(q, k, v, causal, scale),
+                    [rows(t, rank, world_size).float() for t in (q, k, v)],
+                    lambda *t: t,
+                    rows(dout, rank, world_size).float(),
+                )
+            errors[f"scale={scale} causal={causal}"] = max(
+                reference.max_error(got, rows(expected, rank, world_size))
+                for got, expected in zip(ours[:1] + ours[2:], exact[:1] + exact[2:])
+            )
+    return errors
+
+
+@pytest.mark.parametrize("path", ["ring", "ring-zigzag", "ring-triton", "ulysses"])
+def test_any_finite_scale_is_exact(ranks, path):
+    if path == "ring-triton" and ranks.world_size not in (1, 2):
+        pytest.skip("the interpreter is slow: world sizes 1 and 2")
+    failures = [
+        f"rank {rank} {name}: error {error:.3g}"
+        for rank, errors in enumerate(ranks.run(run_scales, path))
+        for name, error in errors.items()
+        if not error <= 2e-5  # fp32 against fp64; NaN fails too
+    ]
+    assert not failures, "\n".join(failures)

@@ -177,9 +177,14 @@ class _AtenCpuSteps:
 
     @staticmethod
     def forward(q, k, v, out, lse, scale, causal):
+        # In fp32, as the CUDA path keeps every block: aten returns a block's output in
+        # the input dtype, and rounding each block to bf16 before the fp32 merge measured
+        # 2-4x plain torch's dq/dk error (randomized test, bf16, 2 ranks). On a CPU
+        # without bf16 matrix units the fp32 kernel plus the casts is also faster than
+        # the bf16 kernel (one thread, causal, (1, 8, 1024, 64): 19.8 ms against 26.4).
         k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         block_out, block_lse = _cpu_flash(
-            _cpu_flash_operand(q), _cpu_flash_operand(k), _cpu_flash_operand(v), 0.0, causal, scale=scale
+            *(_cpu_flash_operand(x, torch.float32) for x in (q, k, v)), 0.0, causal, scale=scale
         )
         attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
 
@@ -187,10 +192,9 @@ class _AtenCpuSteps:
     def backward(dout, q, k, v, out, lse, delta, dq, dk, dv, scale, causal):
         # Given the final out and lse, aten rebuilds this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
-        # In fp32: aten returns each block's gradients in the input dtype, and rounding
-        # every block's dk/dv to bf16 before the fp32 accumulation measured 2.2-2.7x
-        # plain torch's dv error (bf16 GQA causal, 4 ranks; bench ring-train). On CPUs
-        # without bf16 matrix units the fp32 backward is no slower.
+        # In fp32 too: aten returns each block's gradients in the input dtype, and
+        # rounding every block's dk/dv to bf16 before the fp32 accumulation measured
+        # 2.2-2.7x plain torch's dv error (bf16 GQA causal, 4 ranks; bench ring-train).
         kv_heads = k.shape[2]
         k, v = _kv_for_cpu_flash(k, v, q.shape[2])
         grad_q, grad_k, grad_v = _cpu_flash_backward(

@@ -1,0 +1,417 @@
+"""Randomized differential test of the public functions on 1-5 gloo ranks.
+
+Each case is drawn from a seed: a function (ring_attention, ulysses_attention,
+all_to_all_reshard, split/gather_sequence, zigzag_split/gather), shapes (uneven and
+empty pieces, GQA/MQA, heads not divisible by the ranks, head dims 1 to 256), a dtype,
+the layouts real models hand over (slices of a fused qkv projection, (B, H, S, D)
+storage, a last dim that is not contiguous, expanded views), causal or not, the
+softmax scale (zero and negative ones too), and now and then torch.compile. Every rank
+draws the same cases, runs its piece, and compares forward and backward with a
+single-process fp64 answer: data movement bit for bit, attention by the accuracy rule
+(tests/reference.py).
+
+Two seeds run: a fixed one, and one that changes every day (SEQPAR_FUZZ_SEED sets it).
+A failure prints one line per failing case that replays it alone:
+
+    SEQPAR_REPLAY='{...}' python -m pytest tests/test_randomized.py::test_replay
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import traceback
+
+import pytest
+import torch
+
+import reference
+import seqpar_kernels as sp
+from conftest import pool_for
+from on_ranks import on_every_rank, rank_and_world, timeout_group
+
+FIXED_SEED = 20261123
+WORLD_SIZES = (1, 2, 3, 4, 5)
+ATTENTION_CASES_PER_RUN = 24
+MOVEMENT_CASES_PER_RUN = 24
+COMPILE_CASES_PER_RUN = 1
+
+
+def rotating_seed() -> int:
+    if "SEQPAR_FUZZ_SEED" in os.environ:
+        return int(os.environ["SEQPAR_FUZZ_SEED"])
+    return int(datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+
+
+# ----------------------------------------------------------------------------------
+# drawing cases (plain dicts, so that a case prints as JSON and replays from it)
+# ----------------------------------------------------------------------------------
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+HEAD_DIMS = (1, 2, 3, 5, 8, 16, 24, 40, 64, 80, 96, 128, 160, 256)
+TENSOR_LAYOUTS = ("contiguous", "heads-major", "last-dim-transposed", "head-dim-strided", "batch-expanded")
+
+
+def draw_attention_case(rng: random.Random, world_size: int) -> dict:
+    function = rng.choice(("ring", "ulysses"))
+    kv_heads = rng.randint(1, 3)
+    case = dict(
+        function=function,
+        world_size=world_size,
+        batch=rng.randint(1, 3),
+        heads=kv_heads * rng.choice((1, 1, 2, 3)),
+        kv_heads=kv_heads,
+        head_dim=rng.choice(HEAD_DIMS),
+        causal=rng.random() < 0.6,
+        dtype=rng.choice(FLOAT_DTYPES),
+        scale=rng.choice((None, None, "ordinary", "ordinary", "large", 0.0, "negative")),
+        fused_qkv=rng.random() < 0.2,
+        layouts={name: rng.choice(TENSOR_LAYOUTS) for name in ("q", "k", "v", "dout")},
+        seed=rng.randrange(2**31),
+    )
+    if case["scale"] == "ordinary":
+        case["scale"] = round(rng.uniform(0.05, 1.5), 4)
+    elif case["scale"] == "large":
+        case["scale"] = round(rng.uniform(3.0, 12.0), 3)
+    elif case["scale"] == "negative":
+        case["scale"] = -round(rng.uniform(0.05, 1.5), 4)
+    if function == "ring":
+        case["layout"] = rng.choice(("contiguous", "zigzag"))
+        local = rng.randint(0, 6)
+        if case["layout"] == "zigzag":
+            local -= local % 2
+        case["lengths"] = [local] * world_size
+    else:
+        case["lengths"] = [rng.choice((0, 1, 2, 3, 4, 5, 7)) for _ in range(world_size)]
+    return case
+
+
+MOVEMENT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
+MOVEMENT_LAYOUTS = ("contiguous", "permuted", "sliced", "expanded")
+
+
+def draw_movement_case(rng: random.Random, world_size: int) -> dict:
+    function = rng.choice(("reshard", "split-gather", "zigzag"))
+    ndim = rng.randint(2 if function == "reshard" else 1, 4)
+    case = dict(
+        function=function,
+        world_size=world_size,
+        shape=[rng.randint(0, 4) for _ in range(ndim)],
+        dtype=rng.choice(MOVEMENT_DTYPES),
+        layout=rng.choice(MOVEMENT_LAYOUTS),
+        pass_sizes=rng.random() < 0.5,
+        negative_dims=rng.random() < 0.3,
+        seed=rng.randrange(2**31),
+    )
+    dims = rng.sample(range(ndim), 2 if function == "reshard" else 1)
+    case["dims"] = dims
+    if function == "reshard":
+        case["gather_sizes"] = [rng.randint(0, 4) for _ in range(world_size)]
+    elif function == "zigzag":
+        case["shape"][dims[0]] = 2 * world_size * rng.randint(0, 2)
+    return case
+
+
+def draw_cases(seed: int, world_size: int) -> list[dict]:
+    rng = random.Random(f"{seed}/{world_size}")
+    cases = [draw_attention_case(rng, world_size) for _ in range(ATTENTION_CASES_PER_RUN)]
+    cases += [draw_movement_case(rng, world_size) for _ in range(MOVEMENT_CASES_PER_RUN)]
+    for case in rng.sample(cases, COMPILE_CASES_PER_RUN):
+        case["compile"] = True
+    return cases
+
+
+def reproducer(case: dict) -> str:
+    return f"SEQPAR_REPLAY='{json.dumps(case, sort_keys=True)}' python -m pytest tests/test_randomized.py::test_replay"
+
+
+# ----------------------------------------------------------------------------------
+# layouts: same values, other strides (all differentiable)
+# ----------------------------------------------------------------------------------
+
+
+def tensor_layout(name: str, x: torch.Tensor, batch: int) -> torch.Tensor:
+    """x (B or 1, S, H, D) -> the (batch, S, H, D) tensor handed over, in layout `name`."""
+    if name == "batch-expanded":
+        return x.expand(batch, *x.shape[1:])
+    if name == "heads-major":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if name == "last-dim-transposed":
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if name == "head-dim-strided":
+        return torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0]
+    assert name == "contiguous", name
+    return x
+
+
+def leaf_batch(layout: str, batch: int) -> int:
+    return 1 if layout == "batch-expanded" else batch
+
+
+def attention_inputs(case: dict, q, k, v):
+    """The q, k, v handed to the function from the leaves q, k, v."""
+    if case["fused_qkv"]:  # head slices of one (B, S, H + 2 H_kv, D) projection
+        fused = torch.cat([q, k, v], dim=2)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        return fused[:, :, :heads], fused[:, :, heads : heads + kv_heads], fused[:, :, heads + kv_heads :]
+    layouts, batch = case["layouts"], case["batch"]
+    return tuple(tensor_layout(layouts[name], t, batch) for name, t in zip("qkv", (q, k, v)))
+
+
+def movement_layout(name: str, x: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """The same values as x in another layout: permuted memory, a strided slice of a
+    bigger tensor, or (where x has a dim of size 1) an expanded view."""
+    if name == "permuted" and x.dim() > 1:
+        order = list(range(x.dim()))
+        rng.shuffle(order)
+        inverse = [order.index(d) for d in range(x.dim())]
+        return x.permute(order).contiguous().permute(inverse)
+    if name == "sliced":
+        return torch.stack([x, x], dim=-1)[..., 0]
+    if name == "expanded":
+        ones = [d for d, size in enumerate(x.shape) if size == 1]
+        if ones:
+            return x.narrow(ones[0], 0, 1).expand(x.shape)
+    return x
+
+
+# ----------------------------------------------------------------------------------
+# evaluating one case on this rank
+# ----------------------------------------------------------------------------------
+
+
+def _rows(case: dict, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's rows of a full-sequence tensor, by hand."""
+    lengths = case["lengths"]
+    if case.get("layout") == "zigzag":
+        return _zigzag_piece(x, dim, rank, case["world_size"])
+    return x.narrow(dim, sum(lengths[:rank]), lengths[rank])
+
+
+def _draw(generator, shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=generator, dtype=dtype)
+
+
+def run_attention_case(case: dict, rank: int) -> dict:
+    """Returns {name: (error, bound)} for out, dq, dk, dv of this rank's piece."""
+    dtype = getattr(torch, case["dtype"])
+    generator = torch.Generator().manual_seed(case["seed"])
+    batch, total, head_dim = case["batch"], sum(case["lengths"]), case["head_dim"]
+    layouts = case["layouts"] if not case["fused_qkv"] else dict(case["layouts"], q="contiguous", k="contiguous", v="contiguous")
+    leaves = [
+        _draw(generator, (leaf_batch(layouts[name], batch), total, heads, head_dim))
+        for name, heads in (("q", case["heads"]), ("k", case["kv_heads"]), ("v", case["kv_heads"]))
+    ]
+    dout_full = tensor_layout(layouts["dout"], _draw(generator, (leaf_batch(layouts["dout"], batch), total, case["heads"], head_dim)), batch)
+    causal, scale = case["causal"], case["scale"]
+    make_inputs = lambda q, k, v: attention_inputs(case, q, k, v)  # noqa: E731
+
+    exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, make_inputs, dout_full)
+    low = [t.to(dtype) for t in leaves]
+    plain = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), low, make_inputs, dout_full.to(dtype))
+    fused = reference.with_grads(lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, make_inputs, dout_full.to(dtype))
+
+    group = timeout_group()
+
+    def ours_fn(q, k, v):
+        if case["function"] == "ring":
+            return sp.ring_attention(q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group)
+        return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=case["lengths"], group=group)
+
+    local_leaves = [_rows(case, t, rank).to(dtype) for t in leaves]
+    dout_local = _rows(case, dout_full, rank).to(dtype)
+    ours = reference.with_grads(ours_fn, local_leaves, make_inputs, dout_local)
+    if case.get("compile"):
+        compiled = reference.with_grads(torch.compile(ours_fn, fullgraph=True, backend=_compile_backend(case)), local_leaves, make_inputs, dout_local)
+        for c, e in zip(compiled[:1] + compiled[2:], ours[:1] + ours[2:]):
+            mismatch = reference.max_error(c, e)
+            assert mismatch <= 1e-6 * max(1.0, reference.magnitude(e)), f"torch.compile differs from eager by {mismatch:.3g}"
+
+    results = {}
+    for index, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        expected = _rows(case, exact[index], rank)
+        got = ours[index]
+        assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        assert got.dtype == dtype, f"{name}: dtype {got.dtype}"
+        error = reference.max_error(got, expected)
+        yardstick = max(reference.max_error(_rows(case, plain[index], rank), expected),
+                        reference.max_error(_rows(case, fused[index], rank), expected))
+        results[name] = (error, yardstick, reference.magnitude(expected))
+    return results
+
+
+def _compile_backend(case: dict) -> str:
+    # Inductor's cold start costs about a minute per rank process on 2 cores: it runs
+    # on world size 2 only; elsewhere aot_eager traces through the same fake kernels.
+    return "inductor" if case["world_size"] == 2 else "aot_eager"
+
+
+def _movement_full(case: dict, generator) -> torch.Tensor:
+    dtype = getattr(torch, case["dtype"])
+    values = _draw(generator, case["shape"]) * 8
+    if dtype == torch.bool:
+        return values > 0
+    return values.to(dtype)
+
+
+def run_movement_case(case: dict, rank: int) -> None:
+    """Asserts that this rank's result and gradient equal the expected data bit for bit."""
+    world_size, function = case["world_size"], case["function"]
+    shared = torch.Generator().manual_seed(case["seed"])  # the same draws on every rank
+    own = torch.Generator().manual_seed(case["seed"] + 1 + rank)  # this rank's draws
+    layout_rng = random.Random(case["seed"])
+    dims = case["dims"]
+    ndim = len(case["shape"])
+    arg_dims = [d - ndim if case["negative_dims"] else d for d in dims]
+    differentiable = getattr(torch, case["dtype"]).is_floating_point
+    group = timeout_group()
+
+    if function == "reshard":
+        scatter, gather = dims
+        shape = list(case["shape"])
+        shape[gather] = sum(case["gather_sizes"])
+        full = _movement_full(dict(case, shape=shape), shared)
+        start = sum(case["gather_sizes"][:rank])
+        local = full.narrow(gather, start, case["gather_sizes"][rank])
+        # Under torch.compile sizes cannot be discovered: compiled cases pass them.
+        sizes = case["gather_sizes"] if case["pass_sizes"] or case.get("compile") else None
+        fn = lambda x: sp.all_to_all_reshard(x, arg_dims[0], arg_dims[1], group, gather_sizes=sizes)  # noqa: E731
+        expected = full.tensor_split(world_size, dim=scatter)[rank]
+        # Every rank's gradient is its scatter piece of one full gradient; the backward
+        # brings back this rank's gather piece of it.
+        dout_full = _movement_full(dict(case, shape=shape), shared)
+        dout = dout_full.tensor_split(world_size, dim=scatter)[rank]
+        expected_grad = dout_full.narrow(gather, start, case["gather_sizes"][rank])
+    elif function == "split-gather":
+        (dim,) = dims
+        full = _movement_full(case, shared)
+        _check_split(full, dim, arg_dims[0], world_size, rank, group, differentiable, _movement_full(case, shared))
+        lengths = [piece.shape[dim] for piece in full.tensor_split(world_size, dim=dim)]
+        local = full.tensor_split(world_size, dim=dim)[rank]
+        sizes = lengths if case["pass_sizes"] or case.get("compile") else None
+        fn = lambda x: sp.gather_sequence(x, arg_dims[0], group, sizes=sizes)  # noqa: E731
+        expected = full
+        # Each rank's gradient of the gathered tensor is its own; it keeps its piece.
+        dout = _movement_full(case, own)
+        expected_grad = dout.tensor_split(world_size, dim=dim)[rank]
+    else:
+        (dim,) = dims
+        full = _movement_full(case, shared)
+        local = _zigzag_piece(full, dim, rank, world_size)
+        _assert_same(sp.zigzag_split(full, arg_dims[0], group), local, "zigzag_split")
+        fn = lambda x: sp.zigzag_gather(x, arg_dims[0], group)  # noqa: E731
+        expected = full
+        dout = _movement_full(case, own)
+        expected_grad = _zigzag_piece(dout, dim, rank, world_size)
+
+    x = movement_layout(case["layout"], local, layout_rng)
+    if differentiable:
+        leaf = local.clone().requires_grad_()
+        x = movement_layout(case["layout"], leaf, layout_rng)
+    out = fn(x)
+    _assert_same(out, expected, function)
+    if case.get("compile"):
+        compiled = torch.compile(fn, fullgraph=True, backend=_compile_backend(case))
+        _assert_same(compiled(x.detach() if differentiable else x), expected, f"compiled {function}")
+    if differentiable:
+        out.backward(dout)
+        _assert_same(leaf.grad, expected_grad, f"{function} backward")
+
+
+def _zigzag_piece(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """Chunks rank and 2P-1-rank of 2P along dim, by hand."""
+    if x.shape[dim] == 0:
+        return x
+    chunks = x.chunk(2 * world_size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
+
+
+def _check_split(full, dim, arg_dim, world_size, rank, group, differentiable, dout_full):
+    """split_sequence of the full tensor gives this rank's piece; its backward gathers
+    every rank's piece of the (same) full gradient into that full gradient."""
+    expected = full.tensor_split(world_size, dim=dim)[rank]
+    if not differentiable:
+        _assert_same(sp.split_sequence(full, arg_dim, group), expected, "split_sequence")
+        return
+    leaf = full.clone().requires_grad_()
+    piece = sp.split_sequence(leaf, arg_dim, group)
+    _assert_same(piece, expected, "split_sequence")
+    piece.backward(dout_full.tensor_split(world_size, dim=dim)[rank].contiguous())
+    _assert_same(leaf.grad, dout_full, "split_sequence backward")
+
+
+def _assert_same(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, expected {expected.dtype}"
+    same = torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, expected) if got.numel() else True
+    assert same, f"{what}: values differ"
+
+
+@on_every_rank
+def run_cases(cases: list[dict]) -> list:
+    """Every case on this rank: ("attention", case, results) or ("movement", case, None).
+    A case that raises raises again with its reproducer line."""
+    rank, _ = rank_and_world()
+    outcomes = []
+    for case in cases:
+        try:
+            if case["function"] in ("ring", "ulysses"):
+                outcomes.append(("attention", case, run_attention_case(case, rank)))
+            else:
+                run_movement_case(case, rank)
+                outcomes.append(("movement", case, None))
+        except Exception as error:
+            raise AssertionError(f"{reproducer(case)}\n{traceback.format_exc()}") from error
+    return outcomes
+
+
+# ----------------------------------------------------------------------------------
+# the tests
+# ----------------------------------------------------------------------------------
+
+
+def attention_failures(per_rank: list) -> list[str]:
+    """The accuracy rule on the whole tensor: the largest error over every rank's piece
+    against the largest error of plain PyTorch over the same pieces. (Compared piece by
+    piece, two results dominated by rounding, at large logits, differ by chance.)"""
+    failures = []
+    for index, (kind, case, _) in enumerate(per_rank[0]):
+        if kind != "attention":
+            continue
+        results = [outcomes[index][2] for outcomes in per_rank]
+        for name in ("out", "dq", "dk", "dv"):
+            error, yardstick, exact_magnitude = (max(result[name][i] for result in results) for i in range(3))
+            bound = reference.error_bound(getattr(torch, case["dtype"]), yardstick, exact_magnitude)
+            if not error <= bound:  # NaN fails too
+                failures.append(
+                    f"{case['function']} {name}: error {error:.3g} > bound {bound:.3g} "
+                    f"(plain PyTorch {yardstick:.3g})\n  {reproducer(case)}"
+                )
+    return failures
+
+
+def run_and_check(cases: list[dict], world_size: int, what: str) -> None:
+    per_rank = pool_for(world_size).run(run_cases, cases)
+    failures = attention_failures(per_rank)
+    assert not failures, f"{what}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda size: f"P{size}")
+def test_fixed_seed(world_size):
+    run_and_check(draw_cases(FIXED_SEED, world_size), world_size, f"seed {FIXED_SEED}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda size: f"P{size}")
+def test_rotating_seed(world_size):
+    seed = rotating_seed()
+    run_and_check(draw_cases(seed, world_size), world_size, f"seed {seed} (SEQPAR_FUZZ_SEED={seed} draws it again)")
+
+
+def test_replay():
+    """Runs one case printed by a failure: SEQPAR_REPLAY='<its JSON>'."""
+    if "SEQPAR_REPLAY" not in os.environ:
+        pytest.skip("replays a case printed by a failing run (SEQPAR_REPLAY)")
+    case = json.loads(os.environ["SEQPAR_REPLAY"])
+    run_and_check([case], case["world_size"], "replayed case")

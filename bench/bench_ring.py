@@ -19,9 +19,9 @@ Per ring / ring-train case, four candidates timed side by side (interleaved):
                  idle would hand it a whole core where a ring rank has half of one. On
                  GPUs, one per rank, that is the same as timing one GPU alone.
                  ideal ring time = reference / P; time_ratio = ring / ideal (ideal 1.0).
-  compute only   the ring with the exchange removed (comm/ring.py replaced_exchange
-                 "none": every step computes on the rank's own K|V): the same kernels,
-                 no transfer. overlap_efficiency = compute only / ring.
+  compute only   the ring driver with the exchange removed (seqpar_kernels.testing's
+                 ReplacedExchange("none"): every step computes on the rank's own K|V):
+                 the same kernels, no transfer. overlap_efficiency = compute only / ring.
   exchange only  the ring's exchanges alone (the same Ring/DoubleBuffer calls and
                  buffers, no compute); serial_s = compute only + exchange only
                  estimates a schedule without overlap (timed apart, the parts leave
@@ -52,8 +52,10 @@ import torch.nn.functional as F
 
 from seqpar_kernels import ring_attention
 from seqpar_kernels.comm.groups import SINGLE_PROCESS, resolve_group
-from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring, replaced_exchange
-from seqpar_kernels.ops.ring_attention import ring_attention_forward
+from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
+from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
+from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT, step_kernels_for
+from seqpar_kernels.testing import ReplacedExchange
 
 from bench.context import Context
 from bench.results import Row, short_dtype, timed_row
@@ -352,6 +354,17 @@ def exchange_only(case: RingCase, ctx: Context, group_name: str):
     return run
 
 
+def run_driver(q, k, v, dout, options, exchange, backward: bool) -> list[torch.Tensor]:
+    """The ring driver's forward (and backward) called directly, its rings made by
+    `exchange`: out [, dq, dk, dv]. options: (causal, scale, zigzag, group name, step
+    kernels), as seqpar_kernels.parallel.ring_driver.ring_forward takes them."""
+    with torch.no_grad():
+        out, lse = ring_forward(q, k, v, *options, exchange=exchange)
+        if not backward:
+            return [out]
+        return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
+
+
 def measure_ring(case: RingCase, ctx: Context) -> Row:
     full = full_inputs(case, ctx)
     rows = local_rows(case, ctx)
@@ -380,9 +393,11 @@ def measure_ring(case: RingCase, ctx: Context) -> Row:
         def reference():
             return sdpa(*full[:3], case.causal)
 
+    options = (case.causal, scale, case.layout == "zigzag", resolve_group(None).name,
+               step_kernels_for(DEVICE_DEFAULT, q.device))  # fmt: skip
+
     def compute_only():
-        with replaced_exchange("none"):
-            return ours()
+        return run_driver(q, k, v, dout, options, ReplacedExchange("none"), case.backward)
 
     accuracy = check_ring(case, ctx, full, ours(), scale)
     volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
@@ -661,7 +676,8 @@ def probe_cases(ctx: Context) -> list[ProbeCase]:
 
 def measure_probe(case: ProbeCase, ctx: Context) -> Row:
     """A ring of case.steps virtual ranks on this GPU alone (virtual rank 0): the ring
-    driver as it runs on P GPUs, its exchange replaced (comm/ring.py replaced_exchange)
+    driver as it runs on P GPUs, its exchange replaced (seqpar_kernels.testing's
+    ReplacedExchange)
     by a device-to-device copy of the same bytes on a side stream ("ours"), the same
     copy on the compute stream (serial schedule: "baseline"), no exchange (compute only),
     and the copies alone (exchange only)."""
@@ -671,32 +687,24 @@ def measure_probe(case: ProbeCase, ctx: Context) -> Row:
     q, k, v, dout = (ctx.random(shape, case.dtype, seed) for seed, shape in shapes.items())
     scale = 1.0 / math.sqrt(case.head_dim)
     steps = case.steps
-    options = (case.causal, scale, case.layout == "zigzag", SINGLE_PROCESS)  # one process
-    inputs = leaves(q, k, v)
+    # One process: a group of one rank acting as a ring of case.steps.
+    options = (case.causal, scale, case.layout == "zigzag", SINGLE_PROCESS, step_kernels_for(DEVICE_DEFAULT, q.device))
 
     def ring_with(mode):
-        def run():
-            with replaced_exchange(mode, virtual_world_size=steps):
-                if not case.backward:
-                    with torch.no_grad():
-                        return [ring_attention_forward(q, k, v, *options)[0]]
-                out, _ = ring_attention_forward(*inputs, *options)
-                return [out.detach(), *torch.autograd.grad(out, inputs, dout)]
-
-        return run
+        return lambda: run_driver(q, k, v, dout, options, ReplacedExchange(mode, steps), case.backward)
 
     kv_numel = 2 * k.numel()
     kv_buffer = torch.zeros(kv_numel, dtype=case.dtype, device=ctx.device)
     grad_buffer = torch.zeros(kv_numel, dtype=torch.float32, device=ctx.device)
 
     def copies_only():
-        with replaced_exchange("copy", virtual_world_size=steps):
-            buffers = [kv_buffer, kv_buffer, grad_buffer] if case.backward else [kv_buffer]
-            for buffer in buffers:  # forward K|V; backward K|V and dK|dV
-                ring = DoubleBuffer(Ring(SINGLE_PROCESS), buffer)
-                for _ in range(steps - 1):
-                    ring.post()
-                    ring.advance()
+        copies = ReplacedExchange("copy", steps)
+        buffers = [kv_buffer, kv_buffer, grad_buffer] if case.backward else [kv_buffer]
+        for buffer in buffers:  # forward K|V; backward K|V and dK|dV
+            ring = DoubleBuffer(copies(SINGLE_PROCESS, KV_TAG), buffer)
+            for _ in range(steps - 1):
+                ring.post()
+                ring.advance()
 
     candidates = {"ours": ring_with("copy"), "baseline": ring_with("serial_copy"),
                   COMPUTE_ONLY: ring_with("none"), EXCHANGE_ONLY: copies_only}  # fmt: skip

@@ -4,8 +4,10 @@
 
 `fn` must be a module-level function (it is pickled by reference). Workers are started
 once per world size and reused (starting Python + torch costs seconds). An exception on
-any rank is raised in the test with that rank's traceback; a hang past the timeout
-kills the pool, which restarts on next use.
+any rank is raised in the test with that rank's traceback. The other ranks then get
+FAILURE_GRACE_SECONDS to answer (a rank that failed before a collective leaves its peers
+waiting in it); those still busy are killed and reported, and the pool restarts on next
+use. A hang with no failure kills the pool after TIMEOUT_SECONDS.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import traceback
 
 TIMEOUT_SECONDS = float(os.environ.get("SEQPAR_TEST_TIMEOUT", "300"))
+FAILURE_GRACE_SECONDS = 5.0
 
 
 def _free_port() -> int:
@@ -82,22 +85,28 @@ class RankPool:
         for task_queue in self._tasks:
             task_queue.put((fn, args, kwargs))
         outcomes = {}
-        try:
-            while len(outcomes) < self.world_size:
-                rank, ok, value = self._results.get(timeout=TIMEOUT_SECONDS)
-                outcomes[rank] = (ok, value)
-        except queue.Empty:
-            self.close()
-            raise RankFailure(
-                f"{fn.__name__} on {self.world_size} ranks: no answer from ranks "
-                f"{sorted(set(range(self.world_size)) - set(outcomes))} in {TIMEOUT_SECONDS} s"
-            ) from None
+        while len(outcomes) < self.world_size:
+            failed = any(not ok for ok, _ in outcomes.values())
+            try:
+                rank, ok, value = self._results.get(timeout=FAILURE_GRACE_SECONDS if failed else TIMEOUT_SECONDS)
+            except queue.Empty:
+                break
+            outcomes[rank] = (ok, value)
+        silent = sorted(set(range(self.world_size)) - set(outcomes))
         failures = [f"rank {rank}: {value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+        if silent:
+            self.close(stuck=True)  # a fresh pool starts next time
+            waited = f"{FAILURE_GRACE_SECONDS} s after a failure" if failures else f"{TIMEOUT_SECONDS} s"
+            failures.append(f"ranks {silent}: no answer in {waited} (killed)")
         if failures:
             raise RankFailure(f"{fn.__name__} on {self.world_size} ranks failed:\n" + "\n".join(failures))
         return [outcomes[rank][1] for rank in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, stuck: bool = False) -> None:
+        """Stops the workers: asks them to finish, or kills them at once when `stuck`."""
+        if stuck:
+            for process in self._processes:
+                process.kill()
         for task_queue in getattr(self, "_tasks", []):
             try:
                 task_queue.put(None)

@@ -136,7 +136,7 @@ def test_reshard_backward_is_reverse_reshard(ranks, dtype):
 def batch_one_switch_copies_once():
     """A DSP switch of a batch-1 video tensor (1, T, S, C): one side of the exchange is
     the tensor's own memory, so only the other side runs a kernel."""
-    from seqpar_kernels.parallel import exchange
+    from seqpar_kernels.comm import exchange
 
     calls = []
     originals = {name: getattr(exchange, name) for name in ("pack_blocks", "unpack_blocks")}

@@ -16,7 +16,7 @@ import torch
 import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.ops.ring_attention import force_step_kernels
+from seqpar_kernels.testing import ring_attention_with_step_kernels
 
 
 def _same(x):
@@ -119,6 +119,10 @@ def _ring(q, k, v, causal):
     return sp.ring_attention(q, k, v, causal=causal, group=timeout_group())
 
 
+def _triton_ring(q, k, v, causal):
+    return ring_attention_with_step_kernels(q, k, v, "triton", causal=causal, group=timeout_group())
+
+
 def _ulysses(q, k, v, causal):
     return sp.ulysses_attention(q, k, v, causal=causal, group=timeout_group())
 
@@ -128,10 +132,9 @@ def run_layouts(path, causal):
     cpu = torch.device("cpu")
     if path == "ring-triton":
         # The interpreter is slow: every layout, but gradients in two layouts only.
-        with force_step_kernels("triton"):
-            return _errors_by_layout(
-                _ring, cpu, causal, *rank_and_world(), consumers=("plain", "transposed-head-dim")
-            )
+        return _errors_by_layout(
+            _triton_ring, cpu, causal, *rank_and_world(), consumers=("plain", "transposed-head-dim")
+        )
     return _errors_by_layout({"ring": _ring, "ulysses": _ulysses}[path], cpu, causal, *rank_and_world())
 
 

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 import seqpar_kernels as sp
-from seqpar_kernels.ops import ring_attention as ring_ops
-from seqpar_kernels.ops.ring_attention import force_step_kernels
-from seqpar_kernels.parallel import exchange as exchange_module
+from seqpar_kernels.parallel import checks as checks_module
+from seqpar_kernels.parallel.ring_driver import step_block
+from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.testing import ring_attention_with_step_kernels
 
 # ----------------------------------------------------------------------------------
 # helpers (run inside the ranks)
@@ -95,13 +96,14 @@ def sdpa_attention(q, k, v, causal, scale):
     return out, None
 
 
-def run_case(case, dtype, seed=0, group=None):
+def run_case(case, dtype, seed=0, group=None, step_kernels=DEVICE_DEFAULT):
     """One case on this rank. Returns (errors, yardsticks): errors[name] is the max error
     of ring_attention's piece against the fp64 reference; yardsticks["plain"][name] and
     yardsticks["sdpa"][name] are those of plain attention and of torch SDPA computed in
     dtype on the whole sequence (same piece), yardsticks["magnitude"][name] the largest
     magnitude of the reference piece. group: the ring's group (default the world); the
-    whole sequence is that group's, cut by the rank within it."""
+    whole sequence is that group's, cut by the rank within it. step_kernels: which
+    kernels compute each ring step (seqpar_kernels.parallel.ring_steps)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     causal, layout = case["causal"], case["layout"]
     scale = case.get("scale", 1.0 / math.sqrt(case["D"]))
@@ -111,9 +113,9 @@ def run_case(case, dtype, seed=0, group=None):
         lambda q, k, v: reference_attention(q, k, v, causal, scale), *(t.double() for t in inputs)
     )
     ours = attention_with_grads(
-        lambda q, k, v: sp.ring_attention(
-            q, k, v, group=group, causal=causal, softmax_scale=case.get("scale"), layout=layout,
-            return_lse=True,
+        lambda q, k, v: ring_attention_with_step_kernels(
+            q, k, v, step_kernels, group=group, causal=causal, softmax_scale=case.get("scale"),
+            layout=layout, return_lse=True,
         ),
         *(local_rows(t, layout, rank, world_size) for t in inputs),
     )
@@ -134,13 +136,12 @@ def run_case(case, dtype, seed=0, group=None):
     return errors, yardsticks
 
 
-def run_cases(cases, dtype):
-    return [(case["id"], *run_case(case, dtype, seed)) for seed, case in enumerate(cases)]
+def run_cases(cases, dtype, step_kernels=DEVICE_DEFAULT):
+    return [(case["id"], *run_case(case, dtype, seed, step_kernels=step_kernels)) for seed, case in enumerate(cases)]
 
 
 def run_cases_with_kernels(kernels, cases, dtype):
-    with force_step_kernels(kernels):
-        return run_cases(cases, dtype)
+    return run_cases(cases, dtype, step_kernels=kernels)
 
 
 def _case(id, H, H_kv, D, S, causal, layout, B=1, **extra):
@@ -196,12 +197,7 @@ def test_fp32_matches_fp64_reference(ranks, group):
 def run_cases_with_repeated_kv_heads(cases, dtype):
     """As on torch releases whose CPU flash kernel cannot read GQA (2.6): kv heads
     repeated for the local kernel, their gradients summed back."""
-    saved = ring_ops._CPU_FLASH_READS_GQA
-    ring_ops._CPU_FLASH_READS_GQA = False
-    try:
-        return run_cases(cases, dtype)
-    finally:
-        ring_ops._CPU_FLASH_READS_GQA = saved
+    return run_cases(cases, dtype, step_kernels="aten-repeated-kv")
 
 
 def test_gqa_with_kv_heads_repeated_for_the_cpu_kernel(ranks):
@@ -232,13 +228,22 @@ def test_large_logits_stay_finite_and_accurate(ranks):
         _case("contig-causal", H=2, H_kv=1, D=64, S=8, causal=True, layout="contiguous", q_mult=40.0),
         _case("zigzag-causal", H=2, H_kv=2, D=64, S=8, causal=True, layout="zigzag", q_mult=40.0),
         _case("full", H=2, H_kv=2, D=64, S=6, causal=False, layout="contiguous", q_mult=40.0),
+        # Scores around 1e4: every softmax row is exactly one-hot in fp32.
+        _case("extreme", H=4, H_kv=1, D=4, S=4, causal=True, layout="contiguous", B=3, q_mult=100.0, scale=50.0),
     ]
     per_rank = ranks.run(run_cases, cases, torch.float32)  # run_case asserts finiteness
     # With scores in the hundreds, fp32 rounding costs single-device attention itself more
-    # than FP32_TOL: lse and dk grow with the logits, and a flash-style backward (delta =
-    # rowsum(dout * out)) loses digits of dk when the softmax is nearly one-hot. So: as
-    # accurate as torch's fused attention on the whole sequence (2x its error), and never
-    # worse than FP32_TOL relative to each tensor's magnitude otherwise.
+    # than FP32_TOL. A flash-style backward forms ds = p * (dp - delta) with delta =
+    # rowsum(dout * out): at a one-hot row dp and delta are the same number computed by
+    # two fp32 dot products, their difference is rounding, and dq/dk multiply it by
+    # scale * |q| (5e3 in "extreme"). Plain attention with the scores materialized has
+    # no such cancellation: its one-hot probabilities give gradients exact to 1e-39, so it
+    # is no yardstick here. Measured on "extreme" at 2 ranks: dk errs by 4.0e-3 (rank 0)
+    # and 1.9e-3 (rank 1) in the ring AND in torch's SDPA on the whole sequence in one
+    # process, identically; merging the blocks' lse in fp64 instead of fp32 changes
+    # nothing (aten's blocks merged both ways, 1-8 blocks, scales 0.08-11). So: as
+    # accurate as torch's fused attention on the whole sequence (2x its error), and
+    # never worse than FP32_TOL relative to each tensor's magnitude otherwise.
     def limit(name, yardsticks):
         return 2 * yardsticks["sdpa"][name] + FP32_TOL * max(1.0, yardsticks["magnitude"][name])
 
@@ -411,7 +416,7 @@ def _step_scores(step, rank, world_size, seqlen, zigzag):
     """The (query position, key position) pairs whose scores `rank` computes at causal
     ring step `step`, as ops.ring_attention.step_block says: its rows x the block's first
     kv_len keys, a causal block masked by local index (the diagonal's exact count)."""
-    block = ring_ops.step_block(step, rank, world_size, seqlen, True, zigzag)
+    block = step_block(step, rank, world_size, seqlen, True, zigzag)
     if block is None:
         return []
     src = (rank - step) % world_size
@@ -502,11 +507,11 @@ def opcheck_ops():
         q = torch.randn(1, 4, 2, 16, generator=gen, requires_grad=True)
         k = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
         v = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
-        args = (q, k, v, causal, 0.25, zigzag, group_name)
+        args = (q, k, v, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
         out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
         dout = torch.randn(out.shape, generator=gen)
-        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name)
+        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
         results.append(True)
     return results
@@ -521,7 +526,7 @@ def test_opcheck_single_process():
     q = torch.randn(2, 6, 4, 32, requires_grad=True)
     k = torch.randn(2, 6, 2, 32, requires_grad=True)
     v = torch.randn(2, 6, 2, 32, requires_grad=True)
-    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, ""))
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", DEVICE_DEFAULT))
     out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
     expected, expected_lse = reference_attention(q.double(), k.double(), v.double(), True, 32**-0.5)
     assert max_err(out, expected) <= FP32_TOL and max_err(lse, expected_lse) <= FP32_TOL
@@ -617,13 +622,13 @@ def ring_without_rank_check():
     q, k, v = (torch.randn(1, 4, 2, 16, generator=gen) for _ in range(3))
     checked = sp.ring_attention(q, k, v, causal=True, layout="zigzag")
     gathers = []
-    original = exchange_module.all_gather_ints
-    exchange_module.all_gather_ints = lambda *args: gathers.append(args) or original(*args)
+    original = checks_module.all_gather_ints
+    checks_module.all_gather_ints = lambda *args: gathers.append(args) or original(*args)
     try:
         unchecked = sp.ring_attention(q, k, v, causal=True, layout="zigzag", check_ranks=False)
         sp.ring_attention(q, k, v, causal=True, layout="zigzag")
     finally:
-        exchange_module.all_gather_ints = original
+        checks_module.all_gather_ints = original
     return torch.equal(checked, unchecked), len(gathers)
 
 
@@ -704,36 +709,38 @@ def test_one_gpu_matches_reference(dtype, causal):
 @needs_gpu
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch, layout):
-    # The ring driver of P GPUs on one (comm/ring.py replaced_exchange): the exchange is
-    # a device-to-device copy on a side stream ("copy", overlapped as NCCL's would be)
-    # or on the compute stream ("serial_copy"). The copies deliver this rank's own K|V,
-    # so both must agree bit for bit, and with no exchange at all ("none") for out and
-    # dq: a block read before its copy landed, or overwritten while still read, would not.
-    # Every receive buffer is filled with NaN on the compute stream before its copy is
-    # posted: otherwise, from step 2 on, the spare buffer already holds this rank's K|V
-    # (the last step's), and a read racing ahead of the copy would give the same numbers.
-    from seqpar_kernels.comm import ring as ring_module
-    from seqpar_kernels.comm.ring import replaced_exchange
-    from seqpar_kernels.ops.ring_attention import ring_attention_forward
+    # The ring driver of P GPUs on one (seqpar_kernels.testing.ReplacedExchange): the
+    # exchange is a device-to-device copy on a side stream ("copy", overlapped as NCCL's
+    # would be) or on the compute stream ("serial_copy"). The copies deliver this rank's
+    # own K|V, so both must agree bit for bit, and with no exchange at all ("none") for
+    # out and dq: a block read before its copy landed, or overwritten while still read,
+    # would not. Every receive buffer is filled with NaN on the compute stream before its
+    # copy is posted: otherwise, from step 2 on, the spare buffer already holds this
+    # rank's K|V (the last step's), and a read racing ahead of the copy would give the
+    # same numbers.
+    from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
+    from seqpar_kernels.parallel.ring_steps import step_kernels_for
+    from seqpar_kernels.testing import ReplacedExchange
 
-    start = ring_module._Replacement.start
+    start = ReplacedExchange.start
 
     def start_into_nan(self, send, recv):
         if self.mode != "none":  # "none": recv is send itself, nothing is copied
             recv.fill_(float("nan"))
         return start(self, send, recv)
 
-    monkeypatch.setattr(ring_module._Replacement, "start", start_into_nan)
+    monkeypatch.setattr(ReplacedExchange, "start", start_into_nan)
 
     gen = torch.Generator().manual_seed(22)
     q, k, v, dout = (torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16)
                      for heads in (8, 2, 2, 8))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    steps = step_kernels_for(DEVICE_DEFAULT, q.device)
 
     def ring(mode, rank):
-        with replaced_exchange(mode, virtual_world_size=4, virtual_rank=rank):
-            out, _ = ring_attention_forward(q, k, v, True, 128**-0.5, layout == "zigzag", "")
-            return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+        exchange = ReplacedExchange(mode, virtual_world_size=4, virtual_rank=rank)
+        options = (True, 128**-0.5, layout == "zigzag", "", steps)
+        out, lse = ring_forward(q, k, v, *options, exchange=exchange)
+        return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
 
     for rank in (0, 3):
         overlapped, serial, alone = ring("copy", rank), ring("serial_copy", rank), ring("none", rank)

@@ -5,23 +5,22 @@ the ring's CPU and Triton paths and in Ulysses. Kernels that mask a causal score
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.ops.ring_attention import force_step_kernels
+from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.testing import ring_attention_with_step_kernels
 
 SCALES = (0.0, -0.3, -1.0, 0.25)
 B, H, H_KV, D, S_LOCAL = 1, 4, 2, 8, 4
 
 
-def _ring(layout):
-    return lambda q, k, v, causal, scale: sp.ring_attention(
-        q, k, v, causal=causal, softmax_scale=scale, layout=layout, group=timeout_group()
+def _ring(layout, step_kernels=DEVICE_DEFAULT):
+    return lambda q, k, v, causal, scale: ring_attention_with_step_kernels(
+        q, k, v, step_kernels, causal=causal, softmax_scale=scale, layout=layout, group=timeout_group()
     )
 
 
@@ -38,7 +37,7 @@ def _zigzag_rows(x, rank, world_size):
 def run_scales(path):
     rank, world_size = rank_and_world()
     layout = "zigzag" if path == "ring-zigzag" else "contiguous"
-    attention = _ulysses if path == "ulysses" else _ring(layout)
+    attention = _ulysses if path == "ulysses" else _ring(layout, "triton" if path == "ring-triton" else DEVICE_DEFAULT)
     rows = _zigzag_rows if layout == "zigzag" else lambda x, r, p: x.chunk(p, dim=1)[r]
     generator = torch.Generator().manual_seed(5)
     total = S_LOCAL * world_size
@@ -49,13 +48,12 @@ def run_scales(path):
             exact = reference.with_grads(
                 lambda q, k, v: reference.attention(q, k, v, causal, scale), (q, k, v), lambda *t: t, dout
             )
-            with force_step_kernels("triton") if path == "ring-triton" else contextlib.nullcontext():
-                ours = reference.with_grads(
-                    lambda q, k, v: attention(q, k, v, causal, scale),
-                    [rows(t, rank, world_size).float() for t in (q, k, v)],
-                    lambda *t: t,
-                    rows(dout, rank, world_size).float(),
-                )
+            ours = reference.with_grads(
+                lambda q, k, v: attention(q, k, v, causal, scale),
+                [rows(t, rank, world_size).float() for t in (q, k, v)],
+                lambda *t: t,
+                rows(dout, rank, world_size).float(),
+            )
             errors[f"scale={scale} causal={causal}"] = max(
                 reference.max_error(got, rows(expected, rank, world_size))
                 for got, expected in zip(ours[:1] + ours[2:], exact[:1] + exact[2:])

@@ -7,11 +7,8 @@ forward and backward) are defined here in Python.
 
 from seqpar_kernels.ops.block_copy import pack_blocks, unpack_blocks
 from seqpar_kernels.ops.all_to_all import all_to_all_single
-from seqpar_kernels.ops.ring_attention import (
-    attention_merge_,
-    ring_attention_backward,
-    ring_attention_forward,
-)
+from seqpar_kernels.ops.attention_merge import attention_merge_
+from seqpar_kernels.ops.ring_attention import ring_attention_backward, ring_attention_forward
 
 __all__ = [
     "pack_blocks",

@@ -1,17 +1,138 @@
-"""Argument checks shared by the attention functions: local (no communication), so they
-run on every rank before any collective.
+"""Argument checks of the public functions, run so that a bad input on any rank raises
+on every rank.
 
+    with CheckedOnEveryRank(describe, group, data_device, exchange) as checks:
+        ...local checks, which raise ValueError...
+        checks.share(local_size, agreed)
+    checks.sizes                        every rank's local size
+
+Local checks (no communication):
     normalize_dim(dim, ndim, name, shape)   a dim argument in [0, ndim)
+    check_tensor(x, describe)           a tensor with at least one dim
+    check_bool(name, value)             a flag that must be a bool
     check_attention_inputs(q, k, v)     shapes, dtypes, devices, GQA heads, head dim
     resolve_softmax_scale(scale, q)     the default, and ValueError for a bad one
+    check_local_sizes(sizes, ...)       per-rank sizes passed by the caller
     fold_scale_sign(q, scale)           a non-positive scale rewritten as a positive one
 """
 
 from __future__ import annotations
 
 import math
+import os
+import zlib
+from typing import Sequence
 
 import torch
+
+from seqpar_kernels.comm.groups import GroupInfo, all_gather_ints
+
+# SEQPAR_DEBUG=1 runs the every-rank check even where the caller skipped it (sizes passed,
+# check_ranks=False).
+DEBUG_VARIABLE = "SEQPAR_DEBUG"
+# Bytes of each bad rank's message that reach the other ranks.
+_REASON_BYTES = 480
+
+
+def debug_checks_on() -> bool:
+    return os.environ.get(DEBUG_VARIABLE, "0") not in ("", "0")
+
+
+class CheckedOnEveryRank:
+    """The argument checks of one call of a public function, such that a bad input on
+    any subset of ranks raises ValueError on every rank instead of leaving the others
+    waiting in the next collective.
+
+    Inside the block, each rank runs its local checks and shares its local size and the
+    metadata every rank must agree on (`agreed`: shapes, dims, dtype, options, anything
+    printable). On leaving it, every rank takes part in one small all_gather of
+    (local size, fingerprint of agreed, whether the block raised): a rank whose checks
+    raised still joins it, and a second gather, run only then, brings every bad rank's
+    message, so the others raise naming the bad ranks and their reasons (the bad ranks
+    raise their own error). Ranks whose metadata differ raise alike. `sizes` then holds
+    every rank's local size.
+
+    exchange=False (the caller passed the sizes, or check_ranks=False) skips the
+    collective unless SEQPAR_DEBUG=1: a local error then raises on its rank only, and
+    `sizes` is this rank's size repeated. So does a group of one rank, and tracing under
+    torch.compile (sizes cannot be read while tracing). On NCCL the gather synchronises
+    the host with the GPU (`data_device`: the input's GPU, see metadata_device)."""
+
+    def __init__(self, describe: str, group: GroupInfo, data_device: torch.device | None, exchange: bool):
+        self.describe, self.group, self.data_device = describe, group, data_device
+        self.exchange = (
+            (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
+        )
+        self.local_size, self.agreed = 0, None
+        self.sizes: list[int] | None = None
+
+    def share(self, local_size: int, agreed) -> None:
+        self.local_size, self.agreed = local_size, agreed
+
+    def __enter__(self) -> CheckedOnEveryRank:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> bool:
+        if not self.exchange:
+            self.sizes = [self.local_size] * self.group.world_size
+            return False  # a local error raises on this rank
+        failed = error is not None
+        rows = all_gather_ints(
+            [self.local_size, 0 if failed else _fingerprint(self.agreed), int(failed)],
+            self.group.name, self.data_device,
+        )  # fmt: skip
+        bad_ranks = [rank for rank, row in enumerate(rows) if row[2]]
+        if bad_ranks:
+            reasons = self._gather_reasons(f"{error_type.__name__}: {error}" if failed else "")
+            if failed:
+                return False  # this rank's own error, with its traceback
+            raise ValueError(
+                f"{self.describe}: bad input on rank(s) {bad_ranks} of {self.group.world_size}; "
+                + "; ".join(f"rank {rank}: {reasons[rank]}" for rank in bad_ranks)
+            )
+        if any(row[1] != rows[0][1] for row in rows):
+            raise ValueError(f"{self.describe}: {self._disagreement(rows)}")
+        self.sizes = [row[0] for row in rows]
+        return False
+
+    def _disagreement(self, rows: list[list[int]]) -> str:
+        """Which ranks passed other metadata than the most ranks did."""
+        by_fingerprint: dict[int, list[int]] = {}
+        for rank, row in enumerate(rows):
+            by_fingerprint.setdefault(row[1], []).append(rank)
+        majority = max(by_fingerprint.values(), key=lambda ranks: (len(ranks), -ranks[0]))
+        others = ", ".join(f"rank {rank}" for rank in range(len(rows)) if rank not in majority)
+        return (
+            f"ranks disagree on shapes, dims, dtype or options: {others} passed other metadata "
+            f"than rank {majority[0]}; this rank ({self.group.rank}) passed {self.agreed}"
+        )
+
+    def _gather_reasons(self, reason: str) -> list[str]:
+        """Every rank's `reason` (empty for the good ranks), cut to _REASON_BYTES."""
+        encoded = list(reason.encode()[:_REASON_BYTES])
+        rows = all_gather_ints(
+            [len(encoded), *encoded, *[0] * (_REASON_BYTES - len(encoded))], self.group.name, self.data_device
+        )
+        return [bytes(row[1 : 1 + row[0]]).decode(errors="replace") for row in rows]
+
+
+def _fingerprint(value) -> int:
+    """A stable small integer for metadata that every rank must agree on."""
+    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
+
+
+def check_local_sizes(
+    sizes: Sequence[int], group: GroupInfo, local_size: int, argument: str, shape, dim: int
+) -> list[int]:
+    """Checks user-passed per-rank sizes along `dim` (`argument` names the parameter):
+    one per rank, this rank's equal to its local size. Returns them as a list."""
+    if len(sizes) != group.world_size or sizes[group.rank] != local_size:
+        raise ValueError(
+            f"{argument}={list(sizes)} must list {group.world_size} ranks' sizes along dim "
+            f"{dim}, with this rank's ({group.rank}) equal to {local_size} (local shape "
+            f"{tuple(shape)})"
+        )
+    return list(sizes)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -25,6 +146,23 @@ def normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}={dim} is out of range for a tensor of shape {tuple(shape)}")
     return dim % ndim
+
+
+def check_tensor(x, describe: str) -> None:
+    """x must be a tensor with at least one dim (`describe` names the function)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"{describe} needs a tensor with at least one dim, got {x!r:.80}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def device_of(x) -> torch.device | None:
+    """x's device when x is a tensor (the metadata of a collective about it goes there
+    on NCCL), else None."""
+    return x.device if isinstance(x, torch.Tensor) else None
 
 
 def describe_shapes(q, k, v) -> str:

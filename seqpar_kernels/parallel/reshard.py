@@ -14,8 +14,14 @@ import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
-from seqpar_kernels.parallel.checks import normalize_dim
-from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
+from seqpar_kernels.comm.exchange import exchange_blocks
+from seqpar_kernels.parallel.checks import (
+    CheckedOnEveryRank,
+    check_local_sizes,
+    check_tensor,
+    device_of,
+    normalize_dim,
+)
 
 
 def all_to_all_reshard(
@@ -41,22 +47,22 @@ def all_to_all_reshard(
     Autograd: the backward is the reverse reshard. Bytes sent: (P-1)/P of x's bytes
     when sizes are even.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise ValueError(f"all_to_all_reshard needs a tensor with at least one dim, got {x!r:.80}")
-    scatter = normalize_dim(scatter_dim, x.dim(), "scatter_dim", x.shape)
-    gather = normalize_dim(gather_dim, x.dim(), "gather_dim", x.shape)
-    if scatter == gather:
-        raise ValueError(
-            f"scatter_dim ({scatter_dim}) and gather_dim ({gather_dim}) name the same dim of a "
-            f"tensor of shape {tuple(x.shape)}"
-        )
     info = resolve_group(group)
-    shape = list(x.shape)
-    if gather_sizes is None:
+    with CheckedOnEveryRank("all_to_all_reshard", info, device_of(x), exchange=gather_sizes is None) as checks:
+        check_tensor(x, "all_to_all_reshard")
+        scatter = normalize_dim(scatter_dim, x.dim(), "scatter_dim", x.shape)
+        gather = normalize_dim(gather_dim, x.dim(), "gather_dim", x.shape)
+        if scatter == gather:
+            raise ValueError(
+                f"scatter_dim ({scatter_dim}) and gather_dim ({gather_dim}) name the same dim of a "
+                f"tensor of shape {tuple(x.shape)}"
+            )
+        shape = list(x.shape)
+        if gather_sizes is not None:
+            gather_sizes = check_local_sizes(gather_sizes, info, shape[gather], "gather_sizes", x.shape, gather)
         shape_without_gather = shape[:gather] + shape[gather + 1 :]
-        agreed = (x.dim(), scatter, gather, x.dtype, shape_without_gather)
-        gather_sizes = gather_local_sizes(shape[gather], agreed, info, "all_to_all_reshard", x.device)
-    gather_sizes = check_local_sizes(gather_sizes, info, shape[gather], "gather_sizes", x.shape, gather)
+        checks.share(shape[gather], (x.dim(), scatter, gather, x.dtype, shape_without_gather, gather_sizes))
+    gather_sizes = checks.sizes if gather_sizes is None else gather_sizes
 
     # Send: rank j gets x.narrow(scatter, start_j, len_j). Receive: rank i's block is
     # (..., my scatter piece, ..., gather_sizes[i], ...) and lands at offset_i of gather.
@@ -102,8 +108,14 @@ class _GatherSequence(torch.autograd.Function):
 
 def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's piece of `x` along `dim` (torch.tensor_split convention), a view.
+    x must be the same tensor on every rank; one small collective checks that every rank
+    passed the same shape, dtype and dim (a bad input on any rank raises on every rank).
     Backward: gather_sequence of the gradient."""
-    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+    info = resolve_group(group)
+    with CheckedOnEveryRank("split_sequence", info, device_of(x), exchange=True) as checks:
+        check_tensor(x, "split_sequence")
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
     return _SplitSequence.apply(x, dim, group)
 
 
@@ -117,10 +129,11 @@ def gather_sequence(
     """The whole tensor from every rank's piece along `dim` (pieces may differ in size;
     `sizes` lists them, else they are exchanged as in all_to_all_reshard).
     Backward: each rank keeps its own piece of the gradient, as split_sequence does."""
-    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
-    if sizes is None:
-        agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
-        sizes = gather_local_sizes(x.shape[dim], agreed, info, "gather_sequence", x.device)
-    sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
-    return _GatherSequence.apply(x, dim, group, sizes)
+    with CheckedOnEveryRank("gather_sequence", info, device_of(x), exchange=sizes is None) as checks:
+        check_tensor(x, "gather_sequence")
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        if sizes is not None:
+            sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]), sizes))
+    return _GatherSequence.apply(x, dim, group, checks.sizes if sizes is None else sizes)

@@ -11,7 +11,7 @@ Why zigzag: under a causal mask with the contiguous layout, rank r's queries see
 the P blocks, so the last rank works P times as long as the first and every ring step
 waits for the slowest rank. With zigzag every rank holds one early and one late chunk,
 and every step computes the same amount on every rank (see the step table in
-seqpar_kernels/ops/ring_attention.py, which also holds the ring driver).
+seqpar_kernels/parallel/ring_driver.py, the ring driver).
 
 Argument checks run here, on every rank, before any collective; one small all_gather of
 metadata then makes sure every rank passed the same shapes and options, so a mismatch
@@ -25,10 +25,14 @@ import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
-from seqpar_kernels.parallel.exchange import gather_local_sizes
+from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 from seqpar_kernels.parallel.checks import (
+    CheckedOnEveryRank,
     check_attention_inputs,
+    check_bool,
+    check_tensor,
     describe_shapes,
+    device_of,
     fold_scale_sign,
     normalize_dim,
     resolve_softmax_scale,
@@ -56,8 +60,7 @@ def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
             f"layout='zigzag' needs an even local sequence length (two equal chunks per rank), "
             f"got {q.shape[1]} ({shapes})"
         )
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     return resolve_softmax_scale(softmax_scale, q)
 
 
@@ -96,11 +99,13 @@ def ring_attention(
                       causal work; the same as "contiguous" without a causal mask.
     softmax_scale: default 1/sqrt(headdim).
     return_lse: also return the log-sum-exp (natural log) of each row's scores.
-    check_ranks: check, with one small all_gather, that every rank passed the same
-        local length, shapes and options, so that a mismatch raises on every rank
-        instead of giving wrong results or a hang. On NCCL that all_gather synchronises
-        the host with the GPU at every call (every layer); False skips it, for models
-        whose ranks are known to agree. Under torch.compile it is always skipped.
+    check_ranks: check, with one small all_gather, that every rank passed valid inputs
+        with the same local length, shapes and options, so that a bad input or a
+        mismatch on any rank raises on every rank instead of giving wrong results or a
+        hang. On NCCL that all_gather synchronises the host with the GPU at every call
+        (every layer); False skips it, for models whose ranks are known to agree (a bad
+        input then raises on its own rank only; SEQPAR_DEBUG=1 turns the check back
+        on). Under torch.compile it is always skipped.
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached: its gradient is not propagated].
 
@@ -108,17 +113,23 @@ def ring_attention(
     travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
     (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather.
     """
-    scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
-    if not isinstance(check_ranks, bool):
-        raise ValueError(f"check_ranks must be a bool, got {check_ranks!r}")
+    return _ring_attention(
+        q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
+        return_lse=return_lse, check_ranks=check_ranks, step_kernels=DEVICE_DEFAULT,
+    )  # fmt: skip
+
+
+def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, step_kernels):
+    """ring_attention with the step kernels named `step_kernels` (parallel/ring_steps.py)."""
     info = resolve_group(group)
-    if check_ranks:
+    with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=check_ranks is not False) as checks:
+        scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
+        check_bool("check_ranks", check_ranks)
         batch, seqlen, heads, head_dim = q.shape
-        agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale)
-        lengths = gather_local_sizes(seqlen, agreed, info, "ring_attention", q.device)
-        _check_equal_lengths(lengths, info, "ring_attention", q.shape)
+        checks.share(seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale))
+    _check_equal_lengths(checks.sizes, info, "ring_attention", q.shape)
     q, scale = fold_scale_sign(q, scale)
-    out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name)
+    out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -168,15 +179,20 @@ def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = No
 
     x: any shape; x.shape[dim] (the full length N) must be divisible by 2P.
     Returns chunks r and 2P-1-r of the 2P equal chunks along `dim`, concatenated in that
-    order: x.shape with N/P along dim (a new tensor; no communication).
+    order: x.shape with N/P along dim (a new tensor). One small collective checks that
+    every rank passed the same shape, dtype and dim (a bad input on any rank raises on
+    every rank).
     Backward: zigzag_gather of the gradient."""
-    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
-    if x.shape[dim] % (2 * info.world_size) != 0:
-        raise ValueError(
-            f"zigzag_split needs the length along dim {dim} to be divisible by 2 x world size "
-            f"= {2 * info.world_size}, got shape {tuple(x.shape)}"
-        )
+    with CheckedOnEveryRank("zigzag_split", info, device_of(x), exchange=True) as checks:
+        check_tensor(x, "zigzag_split")
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        if x.shape[dim] % (2 * info.world_size) != 0:
+            raise ValueError(
+                f"zigzag_split needs the length along dim {dim} to be divisible by 2 x world size "
+                f"= {2 * info.world_size}, got shape {tuple(x.shape)}"
+            )
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
     return _ZigzagSplit.apply(x, dim, group, info)
 
 
@@ -188,14 +204,15 @@ def zigzag_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = N
     Returns x.shape with P times the length along dim, on every rank (one all-to-all
     through gather_sequence, plus one small metadata all_gather that checks the ranks
     agree). Backward: each rank keeps its zigzag piece of the gradient."""
-    dim = normalize_dim(dim, x.dim(), "dim", x.shape)
     info = resolve_group(group)
-    if x.shape[dim] % 2 != 0:
-        raise ValueError(
-            f"zigzag_gather needs an even local length along dim {dim} (two equal chunks), "
-            f"got shape {tuple(x.shape)}"
-        )
-    agreed = (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]))
-    lengths = gather_local_sizes(x.shape[dim], agreed, info, "zigzag_gather", x.device)
-    _check_equal_lengths(lengths, info, "zigzag_gather", x.shape)
+    with CheckedOnEveryRank("zigzag_gather", info, device_of(x), exchange=True) as checks:
+        check_tensor(x, "zigzag_gather")
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        if x.shape[dim] % 2 != 0:
+            raise ValueError(
+                f"zigzag_gather needs an even local length along dim {dim} (two equal chunks), "
+                f"got shape {tuple(x.shape)}"
+            )
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :])))
+    _check_equal_lengths(checks.sizes, info, "zigzag_gather", x.shape)
     return _zigzag_gather(x, dim, group, info)

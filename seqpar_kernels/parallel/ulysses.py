@@ -31,8 +31,16 @@ import torch.nn.functional as F
 
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
-from seqpar_kernels.parallel.checks import check_attention_inputs, fold_scale_sign, resolve_softmax_scale
-from seqpar_kernels.parallel.exchange import check_local_sizes, exchange_blocks, gather_local_sizes
+from seqpar_kernels.comm.exchange import exchange_blocks
+from seqpar_kernels.parallel.checks import (
+    CheckedOnEveryRank,
+    check_attention_inputs,
+    check_bool,
+    check_local_sizes,
+    device_of,
+    fold_scale_sign,
+    resolve_softmax_scale,
+)
 
 # (B, S, H, D) logical shape stored as (B, H, S, D): the layout SDPA reads without a copy.
 HEADS_MAJOR = (0, 2, 1, 3)
@@ -98,22 +106,26 @@ def ulysses_attention(
         to 256; any strides.
     causal: mask by global position (rank order is sequence order).
     softmax_scale: default 1/sqrt(headdim).
-    seq_lens: every rank's seqlen_local. If None they are exchanged (one small
-        collective); under torch.compile they are assumed equal.
+    seq_lens: every rank's seqlen_local. If None they are exchanged, in the one small
+        collective that also makes a bad input on any rank raise on every rank; under
+        torch.compile they are assumed equal. Passing them skips that collective (see
+        the README on bad inputs).
     Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
     divide evenly; two all-to-alls forward, two backward.
     """
-    check_attention_inputs(q, k, v)
-    scale = resolve_softmax_scale(softmax_scale, q)
     info = resolve_group(group)
-    batch, local_len, num_heads, head_dim = q.shape
+    with CheckedOnEveryRank("ulysses_attention", info, device_of(q), exchange=seq_lens is None) as checks:
+        check_attention_inputs(q, k, v)
+        check_bool("causal", causal)
+        scale = resolve_softmax_scale(softmax_scale, q)
+        batch, local_len, num_heads, head_dim = q.shape
+        if seq_lens is not None:
+            seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
+        checks.share(local_len, (batch, num_heads, k.shape[2], head_dim, causal, q.dtype, scale, seq_lens))
+    seq_lens = checks.sizes if seq_lens is None else seq_lens
     num_kv_heads = k.shape[2]
-    if seq_lens is None:
-        agreed = (batch, num_heads, num_kv_heads, head_dim, causal, q.dtype, scale)
-        seq_lens = gather_local_sizes(local_len, agreed, info, "ulysses_attention", q.device)
-    seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
     total_len = sum(seq_lens)
     seq_starts = offsets(seq_lens)
     head_starts, head_counts = tensor_split_ranges(num_heads, info.world_size)

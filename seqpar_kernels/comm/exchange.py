@@ -6,12 +6,11 @@ say which ranges go where (see seqpar_kernels.comm.plan).
 
 from __future__ import annotations
 
-import zlib
 from typing import Sequence
 
 import torch
 
-from seqpar_kernels.comm.groups import GroupInfo, all_gather_ints
+from seqpar_kernels.comm.groups import GroupInfo
 from seqpar_kernels.comm.plan import offsets
 from seqpar_kernels.ops import all_to_all_single, pack_blocks, unpack_blocks
 from seqpar_kernels.ops.block_copy import block_numel
@@ -82,43 +81,3 @@ def _ranges_tile_memory(
     if any(size != 1 for size in shape[:split_dim]):
         return False
     return list(starts) == offsets(list(lengths)) and sum(lengths) == shape[split_dim]
-
-
-def _fingerprint(value) -> int:
-    """A stable small integer for metadata that every rank must agree on."""
-    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
-
-
-def gather_local_sizes(local_size: int, agreed, group: GroupInfo, describe: str,
-                       data_device: torch.device) -> list[int]:
-    """Every rank's `local_size`, checking on the way that every rank passed equal
-    `agreed` metadata (any printable value: shapes, dims, dtype, flags). A mismatch
-    raises ValueError on every rank alike, so no rank is left waiting in a later
-    collective. One small all_gather (on NCCL, a host sync, on `data_device`: the
-    input's GPU, see metadata_device).
-
-    Under torch.compile the sizes cannot be read at trace time: every rank is assumed
-    to hold `local_size` and nothing is checked (pass sizes explicitly when they differ)."""
-    if group.world_size == 1 or torch.compiler.is_compiling():
-        return [local_size] * group.world_size
-    rows = all_gather_ints([local_size, _fingerprint(agreed)], group.name, data_device)
-    if any(row[1] != rows[0][1] for row in rows):
-        raise ValueError(
-            f"{describe}: ranks disagree on shapes, dims, dtype or options; rank {group.rank} passed "
-            f"{agreed} (per rank: local size, metadata fingerprint: {rows})"
-        )
-    return [row[0] for row in rows]
-
-
-def check_local_sizes(
-    sizes: Sequence[int], group: GroupInfo, local_size: int, argument: str, shape, dim: int
-) -> list[int]:
-    """Checks user-passed per-rank sizes along `dim` (`argument` names the parameter):
-    one per rank, this rank's equal to its local size. Returns them as a list."""
-    if len(sizes) != group.world_size or sizes[group.rank] != local_size:
-        raise ValueError(
-            f"{argument}={list(sizes)} must list {group.world_size} ranks' sizes along dim "
-            f"{dim}, with this rank's ({group.rank}) equal to {local_size} (local shape "
-            f"{tuple(shape)})"
-        )
-    return list(sizes)

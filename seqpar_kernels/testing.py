@@ -1,0 +1,110 @@
+"""What tests and benchmarks swap in: not used by the library itself.
+
+    ring_attention_with_step_kernels(q, k, v, step_kernels, ...)
+        ring_attention with the step kernels chosen by name (seqpar_kernels.parallel.
+        ring_steps.STEP_KERNELS): "triton" runs the GPU path's kernels on CPU tensors in
+        the Triton interpreter (TRITON_INTERPRET=1), so that its schedule is checked on
+        gloo ranks without a GPU.
+    ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
+        a ring factory for the ring driver (seqpar_kernels.parallel.ring_driver's
+        `exchange` argument) whose rings move nothing, or copy on one GPU instead of
+        sending: the compute alone, or one GPU running every step of a P-rank ring.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from seqpar_kernels.comm.ring import Ring, RingWork
+from seqpar_kernels.parallel.ring import _ring_attention, ring_attention
+
+
+def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
+    """seqpar_kernels.ring_attention(q, k, v, **options), each step computed by the step
+    kernels named `step_kernels` ("aten", "aten-repeated-kv" or "triton")."""
+    arguments = inspect.signature(ring_attention).bind(q, k, v, **options)
+    arguments.apply_defaults()  # ring_attention's own defaults
+    return _ring_attention(**arguments.arguments, step_kernels=step_kernels)
+
+
+EXCHANGE_MODES = ("none", "copy", "serial_copy")
+
+
+class ReplacedExchange:
+    """A ring factory, exchange(group_name, tag) -> ring, whose rings replace the P2P
+    exchange by
+        "none"         nothing: a DoubleBuffer's spare buffer is its current one, so
+                       every step computes on this rank's own K|V: the ring's compute
+                       alone (timing only: the backward's dK|dV accumulator does not
+                       travel either, so dk and dv come out meaningless).
+        "copy"         CUDA only: a device-to-device copy of the same bytes on a side
+                       stream, ordered as NCCL's P2P (after the work queued so far on the
+                       current stream; wait() makes the current stream wait for it).
+        "serial_copy"  the same copy on the current stream (CPU too): no overlap.
+    virtual_world_size: a group of one rank acts as a ring of this many, this process
+    being rank virtual_rank, so that one device runs every step of a P-rank ring (groups
+    of more ranks raise). comm_stats counts nothing: no byte leaves the rank."""
+
+    def __init__(self, mode: str, virtual_world_size: int | None = None, virtual_rank: int = 0):
+        if mode not in EXCHANGE_MODES:
+            raise ValueError(f"mode must be one of {EXCHANGE_MODES}, got {mode!r}")
+        if virtual_world_size is not None and not 0 <= virtual_rank < virtual_world_size:
+            raise ValueError(f"virtual_rank {virtual_rank} is not in [0, {virtual_world_size})")
+        self.mode, self.virtual_world_size, self.virtual_rank = mode, virtual_world_size, virtual_rank
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __call__(self, group_name: str, tag: int) -> _ReplacedRing:
+        return _ReplacedRing(self, Ring(group_name, tag))
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> RingWork:
+        if self.mode == "none":
+            return RingWork([])
+        if send.device.type != "cuda" and self.mode == "copy":
+            raise ValueError(f"ReplacedExchange('copy') needs CUDA buffers, got {send.device}")
+        if self.mode == "serial_copy":
+            recv.copy_(send)  # on the current stream: the compute waits for it
+            return RingWork([])
+        # As NCCL's P2P: the side stream first waits for the work queued so far.
+        current = torch.cuda.current_stream(send.device)
+        if send.device not in self._side_streams:
+            self._side_streams[send.device] = torch.cuda.Stream(send.device)
+        side = self._side_streams[send.device]
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            recv.copy_(send)
+        send.record_stream(side)  # not reused before the copy is done, even if freed
+        recv.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        return RingWork([_StreamWork(current, done)])
+
+
+class _ReplacedRing:
+    """A Ring whose exchanges its ReplacedExchange carries out."""
+
+    def __init__(self, replacement: ReplacedExchange, ring: Ring):
+        self._replacement = replacement
+        self.tag, self.world_size, self.rank = ring.tag, ring.world_size, ring.rank
+        if replacement.virtual_world_size is not None:
+            if ring.world_size != 1:
+                raise ValueError(f"virtual_world_size needs a ring of one rank, not {ring.world_size}")
+            self.world_size, self.rank = replacement.virtual_world_size, replacement.virtual_rank
+
+    def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor) -> RingWork:
+        return self._replacement.start(send_buffer, recv_buffer)
+
+    def spare_for(self, buffer: torch.Tensor) -> torch.Tensor:
+        # "none" moves nothing: the spare IS the current block.
+        return buffer if self._replacement.mode == "none" else torch.empty_like(buffer)
+
+
+class _StreamWork:
+    """wait(): the current stream waits for the side stream's copy (no host sync)."""
+
+    def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event):
+        self._stream, self._event = stream, event
+
+    def wait(self) -> None:
+        self._stream.wait_event(self._event)

@@ -84,16 +84,12 @@ def _full_inputs(world_size, device, seed):
     return [t.to(device) for t in (draw(H), draw(H_KV), draw(H_KV), draw(H))]
 
 
-def _piece(x, rank, world_size):
-    return x.narrow(1, rank * S_LOCAL, S_LOCAL)
-
-
 def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tuple(OUTPUT_CONSUMERS)):
     """For each q/k/v layout and each output consumer: the largest error of out and of
     the q, k, v gradients against fp64 attention on the whole sequence (fp32 inputs),
     relative to each exact tensor's magnitude."""
     full = _full_inputs(world_size, device, seed=3)  # q, k, v, consumer weight
-    local = [_piece(t, rank, world_size).float() for t in full]
+    local = [reference.contiguous_piece(t, [S_LOCAL] * world_size, rank).float() for t in full]
     errors = {}
     for layout_name, layout in QKV_LAYOUTS.items():
         for consumer_name in consumers:
@@ -109,7 +105,7 @@ def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tup
             consumer(out, local[3]).backward()
             got = [out.detach(), *(leaf.grad for leaf in leaves)]
             errors[f"{layout_name}/{consumer_name}"] = max(
-                reference.max_error(g, _piece(e, rank, world_size)) / max(1.0, reference.magnitude(e))
+                reference.max_error(g, reference.contiguous_piece(e, [S_LOCAL] * world_size, rank)) / max(1.0, reference.magnitude(e))
                 for g, e in zip(got, exact)
             )
     return errors

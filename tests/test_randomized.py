@@ -182,12 +182,11 @@ def movement_layout(name: str, x: torch.Tensor, rng: random.Random) -> torch.Ten
 # ----------------------------------------------------------------------------------
 
 
-def _rows(case: dict, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+def _rows(case: dict, x: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's rows of a full-sequence tensor, by hand."""
-    lengths = case["lengths"]
     if case.get("layout") == "zigzag":
-        return _zigzag_piece(x, dim, rank, case["world_size"])
-    return x.narrow(dim, sum(lengths[:rank]), lengths[rank])
+        return reference.zigzag_piece(x, rank, case["world_size"])
+    return reference.contiguous_piece(x, case["lengths"], rank)
 
 
 def _draw(generator, shape, dtype=torch.float64):
@@ -208,10 +207,10 @@ def run_attention_case(case: dict, rank: int) -> dict:
     causal, scale = case["causal"], case["scale"]
     make_inputs = lambda q, k, v: attention_inputs(case, q, k, v)  # noqa: E731
 
-    exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, make_inputs, dout_full)
+    exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, dout_full, make_inputs)
     low = [t.to(dtype) for t in leaves]
-    plain = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), low, make_inputs, dout_full.to(dtype))
-    fused = reference.with_grads(lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, make_inputs, dout_full.to(dtype))
+    plain = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs)
+    fused = reference.with_grads(lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs)
 
     group = timeout_group()
 
@@ -222,9 +221,9 @@ def run_attention_case(case: dict, rank: int) -> dict:
 
     local_leaves = [_rows(case, t, rank).to(dtype) for t in leaves]
     dout_local = _rows(case, dout_full, rank).to(dtype)
-    ours = reference.with_grads(ours_fn, local_leaves, make_inputs, dout_local)
+    ours = reference.with_grads(ours_fn, local_leaves, dout_local, make_inputs)
     if case.get("compile"):
-        compiled = reference.with_grads(torch.compile(ours_fn, fullgraph=True, backend=_compile_backend(case)), local_leaves, make_inputs, dout_local)
+        compiled = reference.with_grads(torch.compile(ours_fn, fullgraph=True, backend=_compile_backend(case)), local_leaves, dout_local, make_inputs)
         for c, e in zip(compiled[:1] + compiled[2:], ours[:1] + ours[2:]):
             mismatch = reference.max_error(c, e)
             assert mismatch <= 1e-6 * max(1.0, reference.magnitude(e)), f"torch.compile differs from eager by {mismatch:.3g}"
@@ -299,12 +298,12 @@ def run_movement_case(case: dict, rank: int) -> None:
     else:
         (dim,) = dims
         full = _movement_full(case, shared)
-        local = _zigzag_piece(full, dim, rank, world_size)
+        local = reference.zigzag_piece(full, rank, world_size, dim)
         _assert_same(sp.zigzag_split(full, arg_dims[0], group), local, "zigzag_split")
         fn = lambda x: sp.zigzag_gather(x, arg_dims[0], group)  # noqa: E731
         expected = full
         dout = _movement_full(case, own)
-        expected_grad = _zigzag_piece(dout, dim, rank, world_size)
+        expected_grad = reference.zigzag_piece(dout, rank, world_size, dim)
 
     x = movement_layout(case["layout"], local, layout_rng)
     if differentiable:
@@ -318,14 +317,6 @@ def run_movement_case(case: dict, rank: int) -> None:
     if differentiable:
         out.backward(dout)
         _assert_same(leaf.grad, expected_grad, f"{function} backward")
-
-
-def _zigzag_piece(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    """Chunks rank and 2P-1-rank of 2P along dim, by hand."""
-    if x.shape[dim] == 0:
-        return x
-    chunks = x.chunk(2 * world_size, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
 
 
 def _check_split(full, dim, arg_dim, world_size, rank, group, differentiable, dout_full):

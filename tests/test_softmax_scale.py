@@ -28,30 +28,22 @@ def _ulysses(q, k, v, causal, scale):
     return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, group=timeout_group())
 
 
-def _zigzag_rows(x, rank, world_size):
-    chunks = x.chunk(2 * world_size, dim=1)
-    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=1)
-
-
 @on_every_rank
 def run_scales(path):
     rank, world_size = rank_and_world()
     layout = "zigzag" if path == "ring-zigzag" else "contiguous"
     attention = _ulysses if path == "ulysses" else _ring(layout, "triton" if path == "ring-triton" else DEVICE_DEFAULT)
-    rows = _zigzag_rows if layout == "zigzag" else lambda x, r, p: x.chunk(p, dim=1)[r]
+    rows = lambda x, rank, world_size: reference.ring_piece(x, layout, rank, world_size)  # noqa: E731
     generator = torch.Generator().manual_seed(5)
     total = S_LOCAL * world_size
     q, k, v, dout = (torch.randn(B, total, heads, D, generator=generator, dtype=torch.float64) for heads in (H, H_KV, H_KV, H))
     errors = {}
     for scale in SCALES:
         for causal in (False, True):
-            exact = reference.with_grads(
-                lambda q, k, v: reference.attention(q, k, v, causal, scale), (q, k, v), lambda *t: t, dout
-            )
+            exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), (q, k, v), dout)
             ours = reference.with_grads(
                 lambda q, k, v: attention(q, k, v, causal, scale),
                 [rows(t, rank, world_size).float() for t in (q, k, v)],
-                lambda *t: t,
                 rows(dout, rank, world_size).float(),
             )
             errors[f"scale={scale} causal={causal}"] = max(

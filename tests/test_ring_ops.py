@@ -1,0 +1,242 @@
+"""ring_attention's ops and entry points on 1-4 gloo ranks: opcheck of the two ring ops,
+torch.compile(fullgraph=True) against eager, the CPU paths without Triton, argument
+checks, and the zigzag layout's split and gather."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+import reference
+import seqpar_kernels as sp
+from on_ranks import rank_and_world
+from seqpar_kernels.parallel import checks as checks_module
+from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _full_inputs(heads, kv_heads, head_dim, local_length, world_size, seed):
+    """The same full q, k, v, dout (1, local_length x P, heads, head_dim) on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    total = local_length * world_size
+    return [torch.randn(1, total, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads)]
+
+
+# ----------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------
+
+
+def compiled_ring_matches_eager():
+    """fullgraph torch.compile (aot_eager) of a function around ring_attention (zigzag,
+    causal, return_lse) vs eager: {name: max abs difference} of out, lse and grads."""
+    rank, world_size = rank_and_world()
+    torch._dynamo.reset()
+    q, k, v, dout = (reference.ring_piece(t, "zigzag", rank, world_size)
+                     for t in _full_inputs(4, 2, 16, 4, world_size, seed=5))
+
+    def block(q, k, v):
+        # Something before and after, so the graph is more than the op alone.
+        out, lse = sp.ring_attention(q * 0.5, k, v, causal=True, layout="zigzag", return_lse=True)
+        return out * 2.0, lse
+
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        out.backward(dout)
+        results.append((out.detach(), lse, *(leaf.grad for leaf in leaves)))
+    eager, compiled = results
+    return {name: reference.max_error(c, e) for name, c, e in zip(NAMES, compiled, eager)}
+
+
+def test_compile_fullgraph_matches_eager(ranks):
+    # aot_eager runs the same kernels as eager: the results must agree exactly.
+    for rank, errors in enumerate(ranks.run(compiled_ring_matches_eager)):
+        assert all(err == 0.0 for err in errors.values()), f"rank {rank}: compiled differs from eager: {errors}"
+
+
+# ----------------------------------------------------------------------------------
+# opcheck
+# ----------------------------------------------------------------------------------
+
+
+def opcheck_ops():
+    rank, world_size = rank_and_world()
+    group_name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    for causal, zigzag in ((True, True), (False, False)):
+        q = torch.randn(1, 4, 2, 16, generator=gen, requires_grad=True)
+        k = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
+        v = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
+        args = (q, k, v, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
+        torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
+        out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
+        dout = torch.randn(out.shape, generator=gen)
+        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
+        torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
+        results.append(True)
+    return results
+
+
+def test_opcheck(ranks):
+    assert ranks.run(opcheck_ops) == [[True] * 2] * ranks.world_size
+
+
+def test_opcheck_single_process():
+    # Without torch.distributed: the group of one process (group name "").
+    q = torch.randn(2, 6, 4, 32, requires_grad=True)
+    k = torch.randn(2, 6, 2, 32, requires_grad=True)
+    v = torch.randn(2, 6, 2, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", DEVICE_DEFAULT))
+    out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
+    expected, expected_lse = reference.attention(q.double(), k.double(), v.double(), True, 32**-0.5)
+    assert reference.max_error(out, expected) <= reference.FP32_TOLERANCE and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
+
+
+def test_cpu_paths_need_no_triton():
+    # CPU-only torch wheels do not ship Triton: importing the package and running the
+    # CPU ring (forward and backward) and Ulysses must not import it.
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, seqpar_kernels as sp\n"
+        "q = torch.randn(1, 6, 4, 16, requires_grad=True)\n"
+        "k = torch.randn(1, 6, 2, 16, requires_grad=True)\n"
+        "sp.ring_attention(q, k, k, causal=True).sum().backward()\n"
+        "sp.ulysses_attention(q, k, k).sum().backward()\n"
+        "assert q.grad is not None and 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+        "print('no triton: ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "no triton: ok" in result.stdout
+
+
+# ----------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------
+
+
+def _qkv(shape_q=(1, 4, 2, 16), shape_kv=(1, 4, 2, 16), dtype=torch.float32):
+    return torch.randn(shape_q).to(dtype), torch.randn(shape_kv).to(dtype), torch.randn(shape_kv).to(dtype)
+
+
+def bad_inputs_raise_everywhere():
+    """Bad inputs raise ValueError on every rank (and nobody hangs); the ranks are usable
+    afterwards. Returns the messages."""
+    rank, world_size = rank_and_world()
+    q, k, v = _qkv()
+    bad = {
+        "3-D q": lambda: sp.ring_attention(q[0], k, v),
+        "int dtype": lambda: sp.ring_attention(*_qkv(dtype=torch.int32)),
+        "fp64": lambda: sp.ring_attention(*_qkv(dtype=torch.float64)),
+        "mixed dtypes": lambda: sp.ring_attention(q, k.half(), v),
+        "k/v shapes": lambda: sp.ring_attention(q, k, v[:, :, :1]),
+        "seqlen q != kv": lambda: sp.ring_attention(q, k[:, :2], v[:, :2]),
+        "batch q != kv": lambda: sp.ring_attention(q, torch.cat([k, k]), torch.cat([v, v])),
+        "head dims": lambda: sp.ring_attention(q, k[..., :8], v[..., :8]),
+        "head dim 512": lambda: sp.ring_attention(*_qkv((1, 4, 2, 512), (1, 4, 2, 512))),
+        "heads % kv heads": lambda: sp.ring_attention(*_qkv((1, 4, 3, 16), (1, 4, 2, 16))),
+        "devices": lambda: sp.ring_attention(q.to("meta"), k, v),
+        "meta device": lambda: sp.ring_attention(*(t.to("meta") for t in (q, k, v))),
+        "layout": lambda: sp.ring_attention(q, k, v, layout="striped"),
+        "zigzag odd length": lambda: sp.ring_attention(*_qkv((1, 3, 2, 16), (1, 3, 2, 16)), layout="zigzag"),
+        "softmax_scale": lambda: sp.ring_attention(q, k, v, softmax_scale=float("nan")),
+        "zigzag_split length": lambda: sp.zigzag_split(torch.randn(2, 2 * world_size + 1), dim=1),
+        "zigzag_gather odd": lambda: sp.zigzag_gather(torch.randn(3, 2), dim=0),
+    }
+    if world_size > 1:
+        # Each rank alone is fine; together they disagree. The metadata all_gather makes
+        # every rank raise.
+        length = 4 if rank == 0 else 6
+        bad["unequal lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)))
+        bad["ranks disagree on causal"] = lambda: sp.ring_attention(q, k, v, causal=rank == 0)
+        bad["ranks disagree on heads"] = lambda: sp.ring_attention(
+            *_qkv((1, 4, 2 + 2 * (rank == 0), 16), (1, 4, 2, 16))
+        )
+        bad["zigzag_gather unequal"] = lambda: sp.zigzag_gather(torch.randn(2 + 2 * (rank == 0), 3), dim=0)
+    bad["check_ranks"] = lambda: sp.ring_attention(q, k, v, check_ranks=None)
+    messages = {}
+    for name, call in bad.items():
+        try:
+            call()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = None
+    # Still usable: a valid call runs and is right.
+    out = sp.ring_attention(q, k, v, causal=True)
+    return messages, tuple(out.shape)
+
+
+def test_bad_inputs_raise_on_every_rank(ranks):
+    for rank, (messages, shape) in enumerate(ranks.run(bad_inputs_raise_everywhere)):
+        missing = [name for name, message in messages.items() if message is None]
+        assert not missing, f"rank {rank}: no ValueError for {missing}"
+        assert shape == (1, 4, 2, 16)
+        assert "(1, 4, 2, 16)" in messages["k/v shapes"]  # messages name the shapes
+
+
+def ring_without_rank_check():
+    """check_ranks=False runs no metadata all_gather and gives the same result."""
+    rank, _ = rank_and_world()
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=gen) for _ in range(3))
+    checked = sp.ring_attention(q, k, v, causal=True, layout="zigzag")
+    gathers = []
+    original = checks_module.all_gather_ints
+    checks_module.all_gather_ints = lambda *args: gathers.append(args) or original(*args)
+    try:
+        unchecked = sp.ring_attention(q, k, v, causal=True, layout="zigzag", check_ranks=False)
+        sp.ring_attention(q, k, v, causal=True, layout="zigzag")
+    finally:
+        checks_module.all_gather_ints = original
+    return torch.equal(checked, unchecked), len(gathers)
+
+
+def test_check_ranks_false_skips_the_metadata_gather(ranks):
+    expected_gathers = 1 if ranks.world_size > 1 else 0  # only the checked call's
+    assert ranks.run(ring_without_rank_check) == [(True, expected_gathers)] * ranks.world_size
+
+
+# ----------------------------------------------------------------------------------
+# zigzag_split / zigzag_gather
+# ----------------------------------------------------------------------------------
+
+
+def zigzag_round_trip():
+    rank, world_size = rank_and_world()
+    gen = torch.Generator().manual_seed(11)
+    results = {}
+    full = torch.randn(2, 4 * world_size, 3, generator=gen)
+    weights = torch.randn(full.shape, generator=gen)
+    for dim in (1, -2):
+        x = full.clone().requires_grad_()
+        piece = sp.zigzag_split(x, dim)
+        results[f"split dim {dim}"] = torch.equal(piece, reference.ring_piece(full, "zigzag", rank, world_size))
+        # split's backward gathers: x.grad is the full gradient, the same on every rank.
+        (piece * reference.ring_piece(weights, "zigzag", rank, world_size)).sum().backward()
+        results[f"split grad dim {dim}"] = torch.equal(x.grad, weights)
+        leaf = piece.detach().requires_grad_()
+        gathered = sp.zigzag_gather(leaf, dim)
+        results[f"gather dim {dim}"] = torch.equal(gathered, full)
+        (gathered * weights).sum().backward()
+        results[f"gather grad dim {dim}"] = torch.equal(leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size))
+    # End to end: zigzag pieces of full q/k/v -> causal ring attention -> gathered out
+    # equals attention over the full sequence.
+    q, k, v, _ = _full_inputs(2, 1, 64, 4, world_size, seed=3)
+    out = sp.ring_attention(*(sp.zigzag_split(t, 1) for t in (q, k, v)), causal=True, layout="zigzag")
+    expected, _ = reference.attention(q.double(), k.double(), v.double(), True, 64**-0.5)
+    results["end to end"] = reference.max_error(sp.zigzag_gather(out, 1), expected) <= reference.FP32_TOLERANCE
+    return results
+
+
+def test_zigzag_split_and_gather(ranks):
+    for rank, results in enumerate(ranks.run(zigzag_round_trip)):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"

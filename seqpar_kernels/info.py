@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 
 def collect() -> dict:
     import torch
     import torch.distributed as dist
 
+    import seqpar_kernels
     from seqpar_kernels._extension import build_info
 
     built = build_info()
@@ -29,6 +31,8 @@ def collect() -> dict:
                 backends.append(name)
     return {
         "python": platform.python_version(),
+        # Which install this is, when several are on sys.path (a venv over the system's).
+        "installed at": str(Path(seqpar_kernels.__file__).resolve().parent),
         "torch": torch.__version__,
         "torch CUDA": torch.version.cuda or "none (CPU build)",
         "GPUs visible": torch.cuda.device_count(),

@@ -14,6 +14,7 @@ from seqpar_kernels._extension import build_info
 
 def test_info_reports_this_install():
     report = info.collect()
+    assert report["installed at"] == str(Path(info.__file__).resolve().parent)
     assert report["torch"] == torch.__version__
     assert report["built against torch"] == torch.__version__.split("+")[0]
     result = subprocess.run([sys.executable, "-m", "seqpar_kernels.info"], capture_output=True, text=True)

@@ -4,6 +4,7 @@
 #   - installs the build, test and benchmark tools that are missing
 #   - builds the extension in place (pip install --no-build-isolation -e .): CPU kernels
 #     always, CUDA kernels when a CUDA toolkit and a CUDA build of torch are present
+#     (setup.py finds the toolkit and decides; its lines are in build/install.log)
 # Environment: PYTHON (default python3), SEQPAR_TORCH (default torch==2.14.1),
 # CUDA_HOME, SEQPAR_CUDA_ARCHS, SEQPAR_FORCE_CPU=1 (see setup.py).
 set -euo pipefail
@@ -35,11 +36,6 @@ command -v ninja >/dev/null || "$PYTHON" -c "import ninja" 2>/dev/null || missin
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
   "$PYTHON" -m pip install -q "${missing[@]}"
-fi
-
-# The nvcc on PATH may be a wrapper script; torch's helpers and ours want the toolkit root.
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export CUDA_HOME=/usr/local/cuda
 fi
 
 say "building the extension (log: build/install.log)"

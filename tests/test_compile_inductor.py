@@ -2,13 +2,14 @@
 default backend, forward and backward, equals eager on 2-4 gloo ranks.
 
 Each rank compiles its own graph, and the graphs differ where the shapes do: with fewer
-heads than ranks, a rank without heads exchanges empty gradients. Inductor used to drop
-such an exchange as dead code, one collective short on that rank, and the others hung.
-One graph per world size holds Ulysses with fewer heads than ranks, more heads than
-ranks, and heads not divisible by the ranks, plus the ring, so it also checks that
-several collectives run in one order on every rank. Batch 1: there the exchanges send
-from and receive into the tensors' own memory, and the empty gradient is a view of a
-received buffer, which inductor replaced by an empty tensor of its own.
+heads than ranks, a rank without heads exchanges empty gradients. To inductor a custom
+op is a pure function unless registered as an effect: it would drop that exchange as
+dead code, the rank would run one collective fewer, and the others would hang. One graph
+per world size holds Ulysses with fewer heads than ranks, more heads than ranks, and
+heads not divisible by the ranks, plus the ring, so it also checks that several
+collectives run in one order on every rank. Batch 1: there the exchanges send from and
+receive into the tensors' own memory, and the empty gradient is a view of a received
+buffer, which inductor replaces by an empty tensor of its own.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def git_commit() -> str:
     """Short hash of HEAD (read only: `git rev-parse`), "+dirty" when the package, its C++
     or the bench have uncommitted changes (the results then do not describe HEAD exactly),
     or "unknown". SEQPAR_GIT_COMMIT overrides it, for copies of the tree made without
-    .git (a lent GPU machine gets the working tree only: scripts/gpu_session.sh)."""
+    .git (scripts/gpu_check.sh)."""
     if os.environ.get("SEQPAR_GIT_COMMIT"):
         return os.environ["SEQPAR_GIT_COMMIT"]
 

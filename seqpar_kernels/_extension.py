@@ -1,10 +1,14 @@
 """Loads the compiled extension, which registers the ops under torch.ops.seqpar."""
 
+# torch first: the extension links torch's libraries (libc10, libtorch), which importing
+# torch loads; a wheel's extension does not find them on its own.
+import torch  # noqa: F401
+
 try:
     from seqpar_kernels import _C
 except ImportError as error:  # pragma: no cover - only without a build
     raise ImportError(
-        "seqpar_kernels._C is not built. Install the package with "
+        f"seqpar_kernels._C could not be loaded ({error}). Build it with "
         "`pip install --no-build-isolation -e .` (see README.md)."
     ) from error
 

@@ -520,7 +520,7 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
     forward output, or (dq, dk, dv). Ours is one ring step from a fresh running
     (out, lse) = (0, -inf); its backward includes the delta = rowsum(dout * out) pass
     (SDPA's backward computes its own)."""
-    from seqpar_kernels.kernels import attention_step as kernels
+    from seqpar_kernels.kernels import attention_step_launch as kernels
 
     mode = kernels.MASK_CAUSAL if case.causal else kernels.MASK_FULL
     scale = 1.0 / math.sqrt(case.head_dim)

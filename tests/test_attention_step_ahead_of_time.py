@@ -28,7 +28,7 @@ if "constexprs" not in inspect.signature(ASTSource).parameters:
                 allow_module_level=True)
 
 from seqpar_kernels.kernels.ahead_of_time import DEFAULT_CAPABILITIES  # noqa: E402
-from seqpar_kernels.kernels.attention_step import SHARED_MEMORY_PER_BLOCK  # noqa: E402
+from seqpar_kernels.kernels.attention_step_tiles import SHARED_MEMORY_PER_BLOCK  # noqa: E402
 
 KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
            "_attention_step_bwd_dq_kernel", "_attention_step_bwd_dkdv_kernel"}

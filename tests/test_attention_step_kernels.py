@@ -1,4 +1,5 @@
-"""Tests for the ring-attention step kernels (seqpar_kernels/kernels/attention_step.py).
+"""Tests for the ring-attention step kernels (seqpar_kernels/kernels/attention_step_*.py:
+the kernels, their tiles and their launchers) and the check that the ring can launch them.
 
 Without CUDA the Triton kernels run in the interpreter on CPU tensors
 (TRITON_INTERPRET=1 must be set before triton is imported).  The reference is
@@ -13,14 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from seqpar_kernels.kernels import attention_step as ast  # noqa: E402
-MASK_FULL, MASK_CAUSAL = ast.MASK_FULL, ast.MASK_CAUSAL
+from seqpar_kernels.kernels import attention_step_kernels as kernels  # noqa: E402
+from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
+from seqpar_kernels.parallel.checks import check_launchable  # noqa: E402
+MASK_FULL, MASK_CAUSAL = launchers.MASK_FULL, launchers.MASK_CAUSAL
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -124,7 +128,7 @@ def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
     k, v = _randn(b, sk, hk, d), _randn(b, sk, hk, d)
     scale = d ** -0.5
     out, lse = _fresh_state(b, sq, h, d)
-    ret = ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    ret = launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     assert ret[0] is out and ret[1] is lse
     keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     ref_out, ref_lse = _reference(q, k, v, scale, keep)
@@ -147,7 +151,7 @@ def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
     scale = d ** -0.5
     keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     out, lse = _fresh_state(b, sq, h, d)
-    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     ref_out, ref_lse = _reference(q, k, v, scale, keep)  # fp64 on the same rounded inputs
     torch_out = _torch_attention_in_dtype(q, k, v, scale, keep)
     ours_err = (out.double() - ref_out).abs().max().item()
@@ -173,7 +177,7 @@ def test_forward_merge_three_steps_matches_full_attention():
     lse = torch.full((b, sq, h), float("-inf"), device=DEVICE).transpose(1, 2)
     assert not out.is_contiguous() and not lse.is_contiguous()
     for k, v, mode in steps:
-        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     ref_out, ref_lse = _reference(q, k_all, v_all, scale, keep)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
@@ -193,8 +197,8 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
     scale = 0.3
     out = torch.full((b, sq, h, d), float("nan"), device=DEVICE)
     lse = torch.full((b, h, sq), float("-inf"), device=DEVICE)
-    ast.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
-    ast.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
+    launchers.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
+    launchers.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
     ref_out, ref_lse = _reference(q, big_k[..., ::2], big_v, scale)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
@@ -210,7 +214,7 @@ def test_forward_large_logits(dtype):
     scale = d ** -0.5
     out, lse = _fresh_state(b, sq, h, d)
     for k, v, mode in steps:
-        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref_out, ref_lse = _reference(q, k_all, v_all, scale, keep)
     assert ref_lse.abs().max() > 100  # the logits really are large
@@ -232,23 +236,23 @@ def test_fully_masked_rows_stay_untouched():
     empty = _randn(b, 0, hk, d)
 
     # Zero steps / an empty K/V block: initial state, no NaN.
-    ast.attention_step_forward(q, empty, empty, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
+    launchers.attention_step_forward(q, empty, empty, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
 
     # Inside the kernel: with seqlen_k = 0 no row sees a key, so nothing may be
     # written (launched directly: the launcher short-cuts empty blocks).
     k, v = _randn(b, 8, hk, d), _randn(b, 8, hk, d)
-    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
     out_before, lse_before = out.clone(), lse.clone()
     fresh_out, fresh_lse = _fresh_state(b, sq, h, d)
     for o, l in ((out, lse), (fresh_out, fresh_lse)):
-        ast._attention_step_fwd_kernel[(2, h, b)](
+        kernels._attention_step_fwd_kernel[(2, h, b)](
             q, k, v, o, l,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *l.stride(),
             sq, 0, d, 1, 0.125 * 1.4426950408889634,
             CAUSAL=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
-            SPLIT_SWEEP=ast.SPLIT_FORWARD_SWEEP,
+            SPLIT_SWEEP=step_tiles.SPLIT_FORWARD_SWEEP,
         )
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
     assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
@@ -260,15 +264,15 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     q, k, v = _randn(b, sq, h, d), _randn(b, sq, hk, d), _randn(b, sq, hk, d)
     scale = d ** -0.5
     out, lse = _fresh_state(b, sq, h, d)
-    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
     dout = _randn(b, sq, h, d)
     rows = [0, 5, 16]
     lse_masked = lse.clone()
     lse_masked[:, :, rows] = float("-inf")  # as if these rows saw no key at all
-    delta = ast.attention_backward_preprocess(out, dout)
+    delta = launchers.attention_backward_preprocess(out, dout)
     grads = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
-    ast.attention_step_backward(q, k, v, out, dout, lse_masked, delta, *grads,
-                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(q, k, v, out, dout, lse_masked, delta, *grads,
+                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
     for g in grads:
         assert torch.isfinite(g).all()
     assert torch.equal(grads[0][:, rows], torch.zeros_like(grads[0][:, rows]))
@@ -278,8 +282,8 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     dout0[:, rows] = 0
     delta0[:, :, rows] = 0
     want = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
-    ast.attention_step_backward(q, k, v, out, dout0, lse, delta0, *want,
-                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(q, k, v, out, dout0, lse, delta0, *want,
+                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
     torch.testing.assert_close(grads[1], want[1], atol=1e-6, rtol=0)
     torch.testing.assert_close(grads[2], want[2], atol=1e-6, rtol=0)
 
@@ -293,7 +297,7 @@ def test_backward_preprocess():
     torch.manual_seed(7)
     out = _randn(2, 3, 17, 80).transpose(1, 2)  # (b, sq, h, d), non-contiguous
     dout = _randn(2, 17, 3, 80, dtype=torch.bfloat16)
-    delta = ast.attention_backward_preprocess(out, dout)
+    delta = launchers.attention_backward_preprocess(out, dout)
     assert delta.shape == (2, 3, 17) and delta.dtype == torch.float32
     want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta.double(), want, atol=1e-5, rtol=0)
@@ -315,11 +319,11 @@ def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the CUDA tiles in every test")
-@pytest.mark.parametrize("tiles", ast.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
+@pytest.mark.parametrize("tiles", step_tiles.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
 def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     # The CUDA tile shapes, run by the interpreter: q and k lengths that leave
     # partial tiles at both ends of the sweep, and (for the small tiles) several.
-    monkeypatch.setattr(ast, "_INTERPRETER_TILES", tiles)
+    monkeypatch.setattr(step_tiles, "_INTERPRETER_TILES", tiles)
     torch.manual_seed(10)
     _check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
 
@@ -327,11 +331,11 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
 @pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
 def test_forward_with_and_without_the_split_sweep(monkeypatch, split_sweep):
     # Triton 3.8+ compiles the forward with its unmasked sweep split off, older
-    # Triton with one masked sweep (ast.SPLIT_FORWARD_SWEEP): both must be exact.
+    # Triton with one masked sweep (SPLIT_FORWARD_SWEEP): both must be exact.
     # 45 rows in 16-row q tiles and 32-key tiles: the causal diagonal has a whole
     # tile every row of the last q tile sees, the 70-key block two and a partial one.
-    monkeypatch.setattr(ast, "SPLIT_FORWARD_SWEEP", split_sweep)
-    assert ast.forward_launch(torch.float32, 64, True, target=None, interpreted=True) \
+    monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
+    assert step_tiles.forward_launch(torch.float32, 64, True, target=None, interpreted=True) \
         .constexprs["SPLIT_SWEEP"] is split_sweep
     torch.manual_seed(12)
     _check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
@@ -345,8 +349,8 @@ def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
     b, sq, h, d = q.shape
     out, lse = _fresh_state(b, sq, h, d)
     for k, v, mode in steps:
-        ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    delta = ast.attention_backward_preprocess(out, dout)
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    delta = launchers.attention_backward_preprocess(out, dout)
     dk_all, dv_all = _zeros(*k_all.shape), _zeros(*k_all.shape)
     n_full = sum(full_lens)
     bounds = [(n_full, n_full + sq)]
@@ -355,8 +359,8 @@ def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
         bounds.append((start, start + n))
         start += n
     for (k, v, mode), (lo, hi) in zip(steps, bounds):
-        ast.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
-                                    softmax_scale=scale, mask_mode=mode)
+        launchers.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
+                                          softmax_scale=scale, mask_mode=mode)
     return out, lse, dk_all, dv_all
 
 
@@ -390,11 +394,11 @@ def test_backward_bf16_single_causal_step():
     q, k, v = (_randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
     scale = d ** -0.5
     out, lse = _fresh_state(b, sq, h, d)
-    ast.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
     dout = _randn(b, sq, h, d, dtype=torch.bfloat16)
     dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)
-    ast.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv,
-                                softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv,
+                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, _ = _reference(qr, kr, vr, scale, _causal_keep(sq, sq))
     ref_out.backward(dout.double())
@@ -414,8 +418,8 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     # tiles would run first in the benchmark.  A causal diagonal block of 333 rows and
     # full blocks of 700 and 260 keys, forward and backward, against fp64 autograd, with
     # at most twice the error of plain PyTorch attention in dtype (plus about one ulp).
-    # Both forms of the forward's sweep (ast.SPLIT_FORWARD_SWEEP) compile and run.
-    monkeypatch.setattr(ast, "SPLIT_FORWARD_SWEEP", split_sweep)
+    # Both forms of the forward's sweep (SPLIT_FORWARD_SWEEP) compile and run.
+    monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
     torch.manual_seed(11)
     b, sq, h, hk = 1, 333, 4, 2
     full_lens = [700, 260]
@@ -451,21 +455,17 @@ def _properties(major, minor, **extra):
     return SimpleNamespace(major=major, minor=minor, name=f"a GPU of sm_{major}{minor}", **extra)
 
 
-def test_device_target_reads_the_shared_memory_and_refuses_old_gpus(monkeypatch):
-    target_of = ast._device_target.__wrapped__  # the uncached function: no real device is asked
+def test_device_target_reads_the_shared_memory(monkeypatch):
+    target_of = step_tiles._device_target.__wrapped__  # the uncached function: no real device is asked
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: _properties(9, 0, shared_memory_per_block_optin=232448))
-    assert target_of(0) == ast.GpuTarget(90, 232448)
+    assert target_of(0) == step_tiles.GpuTarget(90, 232448)
     # A torch without shared_memory_per_block_optin: the table, and the smallest
     # size on record for a capability the table does not know.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _properties(12, 0))
-    assert target_of(0) == ast.GpuTarget(120, 101376)
+    assert target_of(0) == step_tiles.GpuTarget(120, 101376)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _properties(11, 0))
-    assert target_of(0) == ast.GpuTarget(110, 101376)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: _properties(7, 5, shared_memory_per_block_optin=65536))
-    with pytest.raises(ValueError, match="sm_75"):
-        target_of(0)
+    assert target_of(0) == step_tiles.GpuTarget(110, 101376)
 
 
 def test_tiles_follow_the_target_family():
@@ -473,68 +473,57 @@ def test_tiles_follow_the_target_family():
     # overflow (see _TILE_OVERRIDES): GQA dk/dv at d128 spills with (32, 128) on
     # every target but sm_90; fp32 dq at d256 overflows 99 KiB of shared memory.
     bf16, fp32 = torch.bfloat16, torch.float32
-    target = ast.GpuTarget.of_capability
-    assert ast._tiles("dkdv", bf16, 128, target(90)) == (32, 128, 8, 2)
+    target = step_tiles.GpuTarget.of_capability
+    assert step_tiles._tiles("dkdv", bf16, 128, target(90)) == (32, 128, 8, 2)
     for capability in (80, 86, 89, 100, 120):
-        assert ast._tiles("dkdv", bf16, 128, target(capability)) == (32, 64, 8, 2), capability
-    assert ast._tiles("dq", fp32, 256, target(80)) == (16, 32, 8, 2)
+        assert step_tiles._tiles("dkdv", bf16, 128, target(capability)) == (32, 64, 8, 2), capability
+    assert step_tiles._tiles("dq", fp32, 256, target(80)) == (16, 32, 8, 2)
     for capability in (86, 89, 120, 121):
-        assert ast._tiles("dq", fp32, 256, target(capability)) == (16, 16, 8, 2), capability
-    assert ast._tiles("dq", fp32, 256, ast.GpuTarget(110, 101376)) == (16, 16, 8, 2)
-    assert ast._tiles("forward", bf16, 64, target(100)) == (128, 64, 8, 3)
-    assert ast._tiles("forward", bf16, 64, None) == ast._INTERPRETER_TILES
+        assert step_tiles._tiles("dq", fp32, 256, target(capability)) == (16, 16, 8, 2), capability
+    assert step_tiles._tiles("dq", fp32, 256, step_tiles.GpuTarget(110, 101376)) == (16, 16, 8, 2)
+    assert step_tiles._tiles("forward", bf16, 64, target(100)) == (128, 64, 8, 3)
+    assert step_tiles._tiles("forward", bf16, 64, None) == step_tiles._INTERPRETER_TILES
     with pytest.raises(ValueError, match="sm_75"):
         target(75)
 
 
 # ----------------------------------------------------------------------------
-# argument checks
+# what the ring checks before it launches (parallel/checks.py check_launchable)
 # ----------------------------------------------------------------------------
 
 
-def test_bad_inputs_raise_value_error():
-    b, s, h, hk, d = 1, 5, 4, 2, 64
-    q, k, v = _randn(b, s, h, d), _randn(b, s, hk, d), _randn(b, s, hk, d)
-    out, lse = _fresh_state(b, s, h, d)
-    fwd = ast.attention_step_forward
+def _cuda_stand_in(shape):
+    # What check_launchable reads of a CUDA tensor, without a GPU.
+    from types import SimpleNamespace
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=torch.Size(shape))
 
-    def call(mask_mode=MASK_FULL, **over):
-        args = dict(q=q, k=k, v=v, out=out, lse=lse)
-        args.update(over)
-        fwd(args["q"], args["k"], args["v"], args["out"], args["lse"], softmax_scale=0.125, mask_mode=mask_mode)
 
-    bad = [
-        dict(k=k.half()),  # dtype mismatch
-        dict(q=q.to(torch.float64), k=k.double(), v=v.double()),  # unsupported dtype
-        dict(k=_randn(b, s, hk, 32), v=_randn(b, s, hk, 32)),  # head dim mismatch
-        dict(k=_randn(b, s, 3, d), v=_randn(b, s, 3, d)),  # 4 % 3 != 0
-        dict(v=_randn(b, s + 1, hk, d)),  # k/v shape mismatch
-        dict(q=q[0]),  # not 4-D
-        dict(out=out.half()),  # out wrong dtype
-        dict(out=_zeros(b, s, h, d + 1)),  # out wrong shape
-        dict(lse=lse.double()),  # lse wrong dtype
-        dict(lse=_zeros(b, s, h)),  # lse wrong layout (b, sq, h)
-        dict(k=_randn(b, s + 1, hk, d), v=_randn(b, s + 1, hk, d), mask_mode=MASK_CAUSAL),  # causal sq != sk
-        dict(mask_mode=2),  # unknown mask mode
-    ]
-    for over in bad:
-        with pytest.raises(ValueError):
-            call(**over)
-    with pytest.raises(ValueError):
-        fwd(q, k, v, out, lse, softmax_scale=float("nan"), mask_mode=MASK_FULL)
+def test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _properties(7, 5))
+    with pytest.raises(ValueError, match=r"sm_75 \(q \(2, 16, 4, 64\)\)"):
+        check_launchable(_cuda_stand_in((2, 16, 4, 64)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _properties(8, 0))
+    check_launchable(_cuda_stand_in((2, 16, 4, 64)))
+    check_launchable(_cuda_stand_in((65535, 1, 65535, 8)))
+    for shape in ((65536, 1, 4, 8), (1, 1, 65536, 8)):
+        with pytest.raises(ValueError, match=re.escape(f"got q shape {shape}")):
+            check_launchable(_cuda_stand_in(shape))
 
-    dout = _randn(b, s, h, d)
-    delta = ast.attention_backward_preprocess(out, dout)
-    dq, dk, dv = torch.zeros_like(out), _zeros(b, s, hk, d), _zeros(b, s, hk, d)
-    bwd = ast.attention_step_backward
-    with pytest.raises(ValueError):  # dk shaped like q (GQA needs nheads_kv)
-        bwd(q, k, v, out, dout, lse, delta, dq, torch.zeros_like(q), dv, softmax_scale=0.1, mask_mode=MASK_FULL)
-    with pytest.raises(ValueError):  # dq not fp32
-        bwd(q, k, v, out, dout, lse, delta, dq.half(), dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
-    with pytest.raises(ValueError):  # delta wrong shape
-        bwd(q, k, v, out, dout, lse, delta[:, :, :2], dq, dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
-    with pytest.raises(ValueError):  # dout wrong shape
-        bwd(q, k, v, out, dout[:, :2], lse, delta, dq, dk, dv, softmax_scale=0.1, mask_mode=MASK_FULL)
-    with pytest.raises(ValueError):
-        ast.attention_backward_preprocess(out, dout[..., :8])
-    assert math.isfinite(delta.sum().item())
+
+def test_check_launchable_passes_cpu_tensors_without_asking_for_a_gpu(monkeypatch):
+    def no_gpu(device):
+        raise AssertionError("a CPU tensor needs no GPU properties")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    check_launchable(torch.empty(65536, 1, 65536, 0))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the grid limit applies to CUDA tensors; without a GPU "
+                    "test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit covers it")
+@pytest.mark.parametrize("shape_q, shape_kv", [((1, 2, 65536, 8), (1, 2, 1, 8)), ((65536, 2, 1, 8), (65536, 2, 1, 8))])
+def test_ring_attention_refuses_a_grid_over_the_cuda_limit(shape_q, shape_kv):
+    import seqpar_kernels as sp
+    q = torch.zeros(shape_q, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.zeros(shape_kv, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape(f"got q shape {shape_q}")):
+        sp.ring_attention(q, k, k)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_step import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch
+from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch
 
-# One target per family of tile choices (attention_step._TILE_OVERRIDES): H100
+# One target per family of tile choices (attention_step_tiles._TILE_OVERRIDES): H100
 # (wgmma), A100 (mma.sync, 163 KiB of shared memory per block), RTX 30xx/40xx
 # (mma.sync, 99 KiB; sm_89 compiles like sm_86), B200 (tcgen05), RTX 50xx
 # (mma.sync, 99 KiB).
@@ -171,7 +171,7 @@ TABLE_HEADS, TABLE_SEQLEN = 16, 4096
 @functools.lru_cache(maxsize=None)  # each worker process builds the list once, not per case
 def step_kernel_cases(capability: int):
     """The ring-attention step kernel launches worth compiling for ``capability``
-    (with the shared memory attention_step.SHARED_MEMORY_PER_BLOCK gives it),
+    (with the shared memory attention_step_tiles.SHARED_MEMORY_PER_BLOCK gives it),
     one per distinct compiled kernel: ``[(description, KernelLaunch, args)]``.
 
     Inputs are contiguous (batch 2, seqlen 4096, 16 heads), the layout the ring
@@ -179,7 +179,7 @@ def step_kernel_cases(capability: int):
     and 4 (GQA) on every target: register use differs between them (GQA dk/dv
     at d128 spills on sm_80 with the sm_90 tiles).
     """
-    from .attention_step import cuda_kernel_calls
+    from .attention_step_launch import cuda_kernel_calls
 
     target = GpuTarget.of_capability(capability)
     cases, seen = [], set()

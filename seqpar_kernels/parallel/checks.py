@@ -226,3 +226,25 @@ def fold_scale_sign(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor
     if softmax_scale < 0:
         return q.neg(), -softmax_scale
     return q.mul(0.0), 1.0
+
+
+def check_launchable(q: torch.Tensor) -> None:
+    """Raises ValueError naming q's shape when the ring's Triton step kernels cannot run
+    on the CUDA tensor q (batch, seqlen_local, nheads, headdim): a GPU older than sm_80
+    (no bf16 tensor cores), or batch or nheads above CUDA's grid limit. A CPU tensor
+    passes. Local: the ring runs it before any collective."""
+    if not q.is_cuda:
+        return
+    # Imported here: Triton is needed on GPUs only (CPU-only torch wheels lack it).
+    from seqpar_kernels.kernels.attention_step_tiles import MAX_GRID_YZ, MIN_CAPABILITY
+
+    properties = torch.cuda.get_device_properties(q.device)
+    capability = 10 * properties.major + properties.minor
+    if capability < MIN_CAPABILITY:
+        raise ValueError(
+            f"ring attention's Triton kernels need a GPU of compute capability 8.0 or newer (bf16 "
+            f"tensor cores); {q.device} ({properties.name}) is sm_{capability} (q {tuple(q.shape)})"
+        )
+    if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+        # Heads and batch index grid axes 1 and 2, which CUDA caps at 65535.
+        raise ValueError(f"batch and nheads must be at most {MAX_GRID_YZ}, got q shape {tuple(q.shape)}")

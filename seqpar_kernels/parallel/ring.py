@@ -30,6 +30,7 @@ from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_attention_inputs,
     check_bool,
+    check_launchable,
     check_tensor,
     describe_shapes,
     device_of,
@@ -48,11 +49,7 @@ def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
     shapes = describe_shapes(q, k, v)
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"ring_attention runs on CPU or CUDA tensors, got {q.device} ({shapes})")
-    if q.is_cuda:
-        # Imported here: Triton is needed on GPUs only (CPU-only torch wheels lack it).
-        from seqpar_kernels.kernels.attention_step import check_launchable
-
-        check_launchable(q)  # GPUs older than sm_80, batch or heads over the grid limit
+    check_launchable(q)  # CUDA: GPUs older than sm_80, batch or heads over the grid limit
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and q.shape[1] % 2 != 0:

@@ -12,7 +12,7 @@ exchange (for step i+1) is posted BEFORE step i's attention runs, so the transfe
 overlaps the compute, and waited for only after it. Each step folds its block into a
 running fp32 (out, lse) that starts at (0, -inf):
 
-    CUDA  the Triton step kernel (kernels/attention_step.py), merge fused, no rounding
+    CUDA  the Triton step kernel (kernels/attention_step_kernels.py), merge fused, no rounding
           of the running result to the input dtype between steps.
     CPU   aten's CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) for the
           block's (out, lse), then the attention_merge_ kernel. The Triton kernels would

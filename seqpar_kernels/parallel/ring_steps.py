@@ -113,18 +113,18 @@ class TritonSteps:
     """CUDA (or the Triton interpreter on CPU tensors, in tests): the fused step kernels."""
 
     def prepare_backward(self, out, dout):
-        from seqpar_kernels.kernels.attention_step import attention_backward_preprocess
+        from seqpar_kernels.kernels.attention_step_launch import attention_backward_preprocess
 
         return attention_backward_preprocess(out, dout)
 
     def forward(self, q, k, v, out, lse, scale, causal):
-        from seqpar_kernels.kernels import attention_step as kernels
+        from seqpar_kernels.kernels import attention_step_launch as kernels
 
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
         kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
 
     def backward(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, causal):
-        from seqpar_kernels.kernels import attention_step as kernels
+        from seqpar_kernels.kernels import attention_step_launch as kernels
 
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
         kernels.attention_step_backward(

@@ -1,0 +1,440 @@
+"""Triton kernels of one ring-attention step (the @triton.jit functions only).
+
+In ring attention every rank keeps its own query block and sees the key/value
+blocks of all ranks one after another.  Each arrival is one *step*: attention of
+the local queries against the visiting K/V block, folded into a running result.
+The launchers are in attention_step_launch.py, the tiles and launch options per
+GPU in attention_step_tiles.py.
+
+Forward (``_attention_step_fwd_kernel``)
+    computes the block's attention with an online softmax (FlashAttention-2
+    style, fp32 accumulators) and merges it into the running fp32 ``(out, lse)``
+    pair in the same kernel::
+
+        new_lse = logaddexp(lse, block_lse)
+        out     = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse)
+
+    Start from ``out = 0`` and ``lse = -inf``; after the last step ``out`` is the
+    exact softmax attention over every block seen and ``lse`` its log-sum-exp.
+
+Backward (``_attention_step_bwd_dq_kernel``, ``_attention_step_bwd_dkdv_kernel``)
+    With the *final* ``lse`` (after all steps) the softmax probabilities of any
+    block can be rebuilt locally as ``p = exp(s - lse)``, so each step's
+    gradients are independent and simply add up.  The kernels add this block's
+    contribution to ``dq`` (owned by the local rank) and to ``dk``/``dv`` (which
+    travel around the ring with K/V).  ``_attention_bwd_preprocess_kernel``
+    computes ``delta = rowsum(dout * out)`` once for all steps.
+
+Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
+``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
+``nheads % nheads_kv == 0`` (GQA/MQA: q head ``h`` reads kv head
+``h // (nheads // nheads_kv)``, ``kv_group = nheads // nheads_kv``; K/V are
+never repeated in memory).  ``lse`` and ``delta`` are (batch, nheads,
+seqlen_q).  Every tensor may have arbitrary strides: the kernels take strides.
+
+Grid: axis 0 the q tiles (k tiles for dk/dv), axis 1 the q heads (kv heads for
+dk/dv), axis 2 the batch.
+
+Numerics: all softmax statistics and accumulators are fp32.  Scores are taken
+to base 2 (``log2(e)`` folded into the scale) so the kernels use ``exp2``;
+``lse`` is stored in natural-log units, the convention of flash-attention.
+Rows that see no valid key are never written by the forward (they stay exactly
+as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _offset64(index0, stride0, index1=0, stride1=0, index2=0, stride2=0):
+    # index0 * stride0 + index1 * stride1 + index2 * stride2 in 64 bits: the
+    # element offset of a program's batch, head and first row.  In int32 it
+    # would wrap once an index times its stride reaches 2**31 (e.g. 256K rows of
+    # 64 heads x 128), so every such offset is taken here; offsets inside a
+    # tile stay small int32.  Pairs left out are a constant 0 and compile away.
+    # tl.cast, not .to(): in the interpreter a loop index is a Python int.
+    return (tl.cast(index0, tl.int64) * stride0 + tl.cast(index1, tl.int64) * stride1
+            + tl.cast(index2, tl.int64) * stride2)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    # The Triton CPU interpreter (TRITON_INTERPRET=1) keeps bfloat16 as raw
+    # uint16 bits and its tl.dot multiplies those bits.  There the launcher sets
+    # DOT_UPCAST: operands already rounded to bf16 are widened to fp32 first,
+    # which gives the same numbers as a GPU bf16 dot (exact products, fp32
+    # accumulation).
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attention_fwd_sweep(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
+    offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # Folds the keys [lo, hi) into the online-softmax state (acc, l_i, m_i);
+    # k_ptrs/v_ptrs point at key lo and come back pointing at key hi (rounded
+    # up to a whole tile).  MASKED=False: every key of every tile is valid for
+    # every row, so no key mask and no causal test.
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            cols = start_n + offs_n
+            mask_n = cols < seqlen_k
+            kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        if MASKED:
+            valid = mask_n[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no valid key so far has m_new == -inf; subtracting it
+        # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2 below
+        # then sees -inf and yields exactly 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        if MASKED:
+            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        # p goes to the input dtype so that fp16/bf16 use tensor cores; the
+        # accumulation itself stays fp32.
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i, k_ptrs, v_ptrs
+
+
+@triton.jit
+def _attention_step_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    qk_scale,  # softmax_scale * log2(e)
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    SPLIT_SWEEP: tl.constexpr,
+):
+    # One program owns (q tile, q head, batch) and sweeps the whole K/V block.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // kv_group  # GQA: the kv head shared by this q head's group
+    start_m = pid_m * BLOCK_M
+
+    q_base = Q + _offset64(off_b, stride_qb, off_h, stride_qh, start_m, stride_qm)
+    k_base = K + _offset64(off_b, stride_kb, off_hk, stride_kh)
+    v_base = V + _offset64(off_b, stride_vb, off_hk, stride_vh)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen_q
+    # BLOCK_D is headdim padded to a power of two (80 -> 128): mask the tail.
+    mask_d = offs_d < headdim
+
+    q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    # Online softmax state in base 2: running max m_i, running sum l_i, acc.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Causal (diagonal) block: keys beyond the last row of this q tile are
+    # masked for every row, so the sweep stops there.  Keys before the tile's
+    # first row are visible to all of its rows.
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        all_visible = tl.minimum(start_m, seqlen_k)
+    else:
+        hi = seqlen_k
+        all_visible = seqlen_k
+    k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if SPLIT_SWEEP:
+        # Two sweeps, as in the Triton fused-attention tutorial: the whole k
+        # tiles that every row sees go without a key mask or a causal test, the
+        # rest (the diagonal tiles, a partial last tile) with them.
+        unmasked_end = (all_visible // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, unmasked_end,
+            offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+            False, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+    else:
+        unmasked_end = 0
+    acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, unmasked_end, hi,
+        offs_m, offs_n, mask_d, seqlen_k, qk_scale,
+        True, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+
+    # ---- merge this block into the running (out, lse), in place ----
+    # Rows that saw no valid key in this block (l_i == 0) are not written at
+    # all: the running state stays bit-for-bit what it was.
+    has_keys = mask_m & (l_i > 0.0)
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    m_blk = tl.where(has_keys, m_i, 0.0)
+    block_lse = (m_blk + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
+
+    lse_ptrs = Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm
+    old_lse = tl.load(lse_ptrs, mask=has_keys, other=float("-inf"))
+    o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
+        + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_mask = has_keys[:, None] & mask_d[None, :]
+    old_out = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    # A row whose running lse is -inf carries no information: ignore whatever
+    # its out holds (e.g. torch.empty garbage) instead of letting 0 * NaN in.
+    old_out = tl.where(old_lse[:, None] == float("-inf"), 0.0, old_out)
+
+    # logaddexp written as max + log(1 + exp(-|diff|)): both exponentials stay
+    # <= 1, so large logits cannot overflow.  old_lse may be -inf (first step):
+    # then -|diff| = -inf, exp -> 0 and new_lse == block_lse exactly.
+    # block_lse is always finite here, so no inf - inf appears.
+    mx = tl.maximum(old_lse, block_lse)
+    new_lse = mx + tl.log(1.0 + tl.exp(-tl.abs(old_lse - block_lse)))
+    w_old = tl.exp(old_lse - new_lse)
+    w_blk = tl.exp(block_lse - new_lse) / l_safe  # block_out = acc / l_i
+    new_out = old_out * w_old[:, None] + acc * w_blk[:, None]
+
+    tl.store(o_ptrs, new_out, mask=o_mask)
+    tl.store(lse_ptrs, new_lse, mask=has_keys)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_db, stride_dh, stride_dm,
+    seqlen_q, headdim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # delta_i = sum_d dout[i, d] * out[i, d]; it is the rowsum(P * dP) term of
+    # the softmax backward, computed once for all ring steps.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    start_m = pid_m * BLOCK_M
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < headdim)[None, :]
+    o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
+        + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
+    g_ptrs = DOut + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
+        + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * g, 1)
+    d_ptrs = Delta + _offset64(off_b, stride_db, off_h, stride_dh) + offs_m * stride_dm
+    tl.store(d_ptrs, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attention_step_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_eb, stride_eh, stride_em,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    softmax_scale, qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program owns (q tile, q head, batch) and loops over the k tiles, so
+    # its dq rows have a single writer: deterministic, no atomics.
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // kv_group
+    start_m = pid_m * BLOCK_M
+
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen_q
+    mask_d = offs_d < headdim
+    mask_md = mask_m[:, None] & mask_d[None, :]
+
+    q_ptrs = Q + _offset64(off_b, stride_qb, off_h, stride_qh, start_m, stride_qm) \
+        + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
+        + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    q = tl.load(q_ptrs, mask=mask_md, other=0.0)
+    do = tl.load(do_ptrs, mask=mask_md, other=0.0)
+    lse = tl.load(Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm,
+                  mask=mask_m, other=0.0)
+    delta = tl.load(Delta + _offset64(off_b, stride_eb, off_h, stride_eh) + offs_m * stride_em,
+                    mask=mask_m, other=0.0)
+    # Final lse == -inf means the row saw no key in any step: its probabilities
+    # are all zero.  Using +inf makes exp2(s - lse) exactly 0 instead of NaN/inf.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+    k_base = K + _offset64(off_b, stride_kb, off_hk, stride_kh)
+    v_base = V + _offset64(off_b, stride_vb, off_hk, stride_vh)
+    kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+    else:
+        hi = seqlen_k
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen_k
+        kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST)
+        # Recompute P from the final lse (base 2, scale folded in).
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        valid = mask_m[:, None] & mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+        vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        dp = _dot(do, vt, DOT_PRECISION, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+        kt_ptrs += BLOCK_N * stride_kn
+        k_ptrs += BLOCK_N * stride_kn
+        vt_ptrs += BLOCK_N * stride_vn
+
+    # Accumulate (+=) into the caller's fp32 dq: one ring step's contribution.
+    dq_ptrs = DQ + _offset64(off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm) \
+        + offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    dq_old = tl.load(dq_ptrs, mask=mask_md, other=0.0)
+    tl.store(dq_ptrs, dq_old + dq * softmax_scale, mask=mask_md)
+
+
+@triton.jit
+def _attention_step_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_eb, stride_eh, stride_em,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    seqlen_q, seqlen_k, headdim, kv_group,
+    softmax_scale, qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program owns (k tile, kv head, batch).  It loops over every q head of
+    # the GQA group and every q tile, so all contributions to these dk/dv rows
+    # are summed in registers by a single writer: no atomics, no races, and a
+    # deterministic summation order.
+    pid_n = tl.program_id(0)
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
+    start_n = pid_n * BLOCK_N
+
+    offs_tn = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tn
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < seqlen_k
+    mask_d = offs_d < headdim
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+
+    k_ptrs = K + _offset64(off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn) \
+        + offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + _offset64(off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn) \
+        + offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
+    v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Causal (diagonal) block: q rows before this k tile's first key see none
+    # of its keys, so start at the q tile containing row start_n.
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+
+    for g in range(0, kv_group):
+        off_h = off_hk * kv_group + g
+        q_base = Q + _offset64(off_b, stride_qb, off_h, stride_qh)
+        do_base = DO + _offset64(off_b, stride_gb, off_h, stride_gh)
+        lse_base = Lse + _offset64(off_b, stride_lb, off_h, stride_lh)
+        delta_base = Delta + _offset64(off_b, stride_eb, off_h, stride_eh)
+        for start_m in range(lo, seqlen_q, BLOCK_M):
+            rows = start_m + offs_m
+            mask_m = rows < seqlen_q
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
+            # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
+            # loop (sm_80/86/90).
+            q = tl.load(q_base + _offset64(start_m, stride_qm) + offs_m[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
+            do = tl.load(do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm
+                         + offs_d[None, :] * stride_gd, mask=mask_md, other=0.0)
+            lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
+            delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
+            # lse == -inf: row without any key -> P == 0 (see the dq kernel).
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+            # Transposed scores (keys x queries) so dk/dv come out row-major.
+            st = _dot(k, tl.trans(q), DOT_PRECISION, DOT_UPCAST)
+            pt = tl.exp2(st * qk_scale - lse2[None, :])
+            valid = mask_n[:, None] & mask_m[None, :]
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= offs_n[:, None])
+            pt = tl.where(valid, pt, 0.0)
+            dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
+            dpt = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk += _dot(dst.to(q.dtype), q, DOT_PRECISION, DOT_UPCAST)
+
+    # Accumulate (+=) into the travelling fp32 dk/dv buffers.
+    dk_ptrs = DK + _offset64(off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn) \
+        + offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + _offset64(off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn) \
+        + offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_old = tl.load(dk_ptrs, mask=mask_nd, other=0.0)
+    tl.store(dk_ptrs, dk_old + dk * softmax_scale, mask=mask_nd)
+    dv_old = tl.load(dv_ptrs, mask=mask_nd, other=0.0)
+    tl.store(dv_ptrs, dv_old + dv, mask=mask_nd)

@@ -1,0 +1,209 @@
+"""Launchers of the ring-attention step kernels.
+
+    attention_step_forward         fold one K/V block into the running fp32 (out, lse)
+    attention_backward_preprocess  delta = rowsum(dout * out), once per backward
+    attention_step_backward        add one K/V block's gradients to dq, dk, dv
+
+What the kernels compute is described in attention_step_kernels.py; which tiles
+and launch options a GPU gets, in attention_step_tiles.py.
+
+The launchers trust their callers: they run at every ring step, and the ring
+checks its inputs once, before any collective (seqpar_kernels/parallel/checks.py:
+shapes, dtypes, devices, head dim, the softmax scale, and check_launchable for
+the GPU and the grid limits).  Any tensor may be non-contiguous.
+"""
+
+import os
+
+import torch
+import triton
+
+from .attention_step_tiles import backward_launches, backward_preprocess_launch, cuda_target, forward_launch
+
+__all__ = [
+    "MASK_FULL",
+    "MASK_CAUSAL",
+    "attention_step_forward",
+    "attention_step_backward",
+    "attention_backward_preprocess",
+]
+
+# Mask modes of one ring step.
+MASK_FULL = 0  # every query attends every key of the block
+MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j <= i
+
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+
+
+def _runs_in_interpreter(t):
+    # CPU tensors can only be run by the interpreter; CUDA tensors are run by
+    # it when TRITON_INTERPRET=1.
+    if not t.is_cuda:
+        return True
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------
+# Kernel calls: (KernelLaunch, grid, positional arguments)
+# ----------------------------------------------------------------------------
+
+
+def _forward_call(q, k, v, out, lse, scale, causal, *, target, interpreted):
+    """(KernelLaunch, grid, positional arguments) of the forward step kernel."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    launch = forward_launch(q.dtype, headdim, causal, target=target, interpreted=interpreted)
+    grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
+    args = (q, k, v, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
+            scale * _LOG2E)
+    return launch, grid, args
+
+
+def _backward_preprocess_call(out, dout, delta, *, target):
+    """(KernelLaunch, grid, positional arguments) of the delta = rowsum(dout * out) kernel."""
+    batch, seqlen_q, nheads, headdim = out.shape
+    launch = backward_preprocess_launch(headdim, target=target)
+    grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
+    args = (out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), seqlen_q, headdim)
+    return launch, grid, args
+
+
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, target, interpreted):
+    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal,
+                                               target=target, interpreted=interpreted)
+    inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
+    return [
+        (dq_launch, (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch),
+         (q, k, v, dout, lse, delta, dq, *inputs, *dq.stride(), *sizes_and_scales)),
+        (dkdv_launch, (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch),
+         (q, k, v, dout, lse, delta, dk, dv, *inputs, *dk.stride(), *dv.stride(), *sizes_and_scales)),
+    ]
+
+
+def cuda_kernel_calls(q, k, v, causal, target):
+    """Every kernel launch that one forward and one backward ring step run on CUDA
+    tensors shaped and strided like ``q``, ``k``, ``v`` (which may live on the
+    meta device) on the GPU ``target`` (a GpuTarget), as
+    ``[(KernelLaunch, positional arguments)]``.  The running
+    state (out, lse), dout and the gradients are taken contiguous, as the ring
+    allocates them.  kernels/ahead_of_time.py compiles these for GPU targets."""
+    fp32 = torch.float32
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty(q.shape, dtype=fp32, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=fp32, device=q.device)
+    dout = torch.empty_like(q, memory_format=torch.contiguous_format)
+    delta = torch.empty_like(lse)
+    dq = torch.empty_like(out)
+    dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
+    scale = q.shape[-1] ** -0.5
+    calls = [_forward_call(q, k, v, out, lse, scale, causal, target=target, interpreted=False),
+             _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
+             *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal,
+                              target=target, interpreted=False)]
+    return [(launch, args) for launch, _grid, args in calls]
+
+
+def _is_causal(q, k, mask_mode):
+    # A wrong mask mode or a kv head count that does not divide the q heads
+    # would compute garbage rather than fail: the callers' invariants.
+    assert mask_mode in (MASK_FULL, MASK_CAUSAL), mask_mode
+    assert mask_mode == MASK_FULL or q.shape[1] == k.shape[1], "MASK_CAUSAL needs seqlen_q == seqlen_k"
+    assert k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0, "nheads must be a multiple of nheads_kv"
+    return mask_mode == MASK_CAUSAL
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
+    """Fold one K/V block into the running attention result, in place.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float32/float16/bfloat16.
+        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype as q;
+            nheads % nheads_kv == 0 (q head h uses kv head h // (nheads // nheads_kv)).
+        out: float32 (batch, seqlen_q, nheads, headdim), running output; updated in place.
+        lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
+            updated in place.  Start with out = 0 and lse = -inf.
+        softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5), a finite float.
+        mask_mode: MASK_FULL, or MASK_CAUSAL for the diagonal block
+            (seqlen_q == seqlen_k, query i attends keys j <= i).
+
+    Any tensor may be non-contiguous.  Rows that see no key of this block are
+    left untouched.  Returns (out, lse), the same tensors.
+    """
+    causal = _is_causal(q, k, mask_mode)
+    batch, seqlen_q, nheads, _ = q.shape
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
+        return out, lse  # an empty block changes nothing
+
+    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal,
+                                       target=cuda_target(q), interpreted=_runs_in_interpreter(q))
+    launch(grid, *args)
+    return out, lse
+
+
+def attention_backward_preprocess(out, dout):
+    """delta = rowsum(dout * out) in float32.
+
+    Args:
+        out: (batch, seqlen_q, nheads, headdim), the FINAL attention output
+            (after all ring steps), float32/float16/bfloat16.
+        dout: gradient of out, same shape, float32/float16/bfloat16.
+
+    Returns:
+        delta: new contiguous float32 tensor (batch, nheads, seqlen_q).
+    """
+    batch, seqlen_q, nheads, headdim = out.shape
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    if headdim == 0:
+        return delta.zero_()
+    launch, grid, args = _backward_preprocess_call(out, dout, delta, target=cuda_target(out))
+    launch(grid, *args)
+    return delta
+
+
+def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode):
+    """Add one K/V block's gradients to dq, dk, dv, in place (+=).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
+            same dtype (float32/float16/bfloat16); nheads % nheads_kv == 0.
+        out: (batch, seqlen_q, nheads, headdim) final output; only used to build
+            delta when delta is None.
+        dout: (batch, seqlen_q, nheads, headdim) gradient of the final output.
+        lse: float32 (batch, nheads, seqlen_q), the FINAL log-sum-exp after all
+            ring steps (rows with -inf get zero gradient).
+        delta: float32 (batch, nheads, seqlen_q) = rowsum(dout * out), from
+            attention_backward_preprocess; None computes it here.
+        dq: float32 (batch, seqlen_q, nheads, headdim), accumulated in place.
+        dk, dv: float32 (batch, seqlen_k, nheads_kv, headdim), accumulated in place.
+        softmax_scale, mask_mode: as given to attention_step_forward for this block.
+
+    Deterministic: every output element has a single writer (no atomics).
+    Returns (dq, dk, dv), the same tensors.
+    """
+    causal = _is_causal(q, k, mask_mode)
+    if delta is None:
+        delta = attention_backward_preprocess(out, dout)
+    batch, seqlen_q, nheads, _ = q.shape
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
+        return dq, dk, dv
+
+    for launch, grid, args in _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, causal,
+                                              target=cuda_target(q), interpreted=_runs_in_interpreter(q)):
+        launch(grid, *args)
+    return dq, dk, dv

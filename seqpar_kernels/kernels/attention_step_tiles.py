@@ -1,0 +1,295 @@
+"""Launch configuration of the ring-attention step kernels (attention_step_kernels.py).
+
+Per GPU target: the tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of each
+kernel, the shared memory a target offers, the choices that depend on the
+installed Triton release (SPLIT_FORWARD_SWEEP), and the functions that turn a
+(dtype, head dim, mask, target) into a KernelLaunch.  The launchers
+(attention_step_launch.py) and the ahead-of-time compile (ahead_of_time.py)
+both take their launches from here, so what CI compiles for GPUs that are not
+present is what the launchers run.  docs/tuning.md gives the measurements
+behind the tiles.
+"""
+
+import functools
+import re
+from typing import Any, NamedTuple
+
+import torch
+import triton
+
+from .attention_step_kernels import (
+    _attention_bwd_preprocess_kernel,
+    _attention_step_bwd_dkdv_kernel,
+    _attention_step_bwd_dq_kernel,
+    _attention_step_fwd_kernel,
+)
+
+# The oldest GPUs the kernels run on: bf16 tensor cores came with sm_80.
+MIN_CAPABILITY = 80
+# CUDA's limit on grid axes 1 and 2, which the kernels index by head and by batch.
+MAX_GRID_YZ = 65535
+
+
+class KernelLaunch(NamedTuple):
+    """How a launcher starts one kernel: which kernel, its compile-time
+    (``tl.constexpr``) arguments, and the launch options Triton compiles with."""
+
+    kernel: Any  # the @triton.jit function
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def __call__(self, grid, *args):
+        """Launch the kernel on ``grid`` with the runtime arguments ``args``, on
+        the device of its first tensor argument and that device's current stream."""
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        if device.type != "cuda":
+            self._launch(grid, args)
+            return
+        # Triton launches on the *current* CUDA device; a caller whose tensors
+        # are on cuda:1 while cuda:0 is current would otherwise get cuda:0's
+        # stream and context for cuda:1's pointers.
+        with torch.cuda.device(device):
+            self._launch(grid, args)
+
+    def _launch(self, grid, args):
+        self.kernel[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# ----------------------------------------------------------------------------
+# GPU targets
+# ----------------------------------------------------------------------------
+
+
+class GpuTarget(NamedTuple):
+    """The two properties of a CUDA GPU that decide the step kernels' tiles."""
+
+    capability: int  # 10 * major + minor: 90 for sm_90 (H100/H200)
+    shared_memory_per_block: int  # bytes one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+    @classmethod
+    def of_capability(cls, capability):
+        """The target of a GPU known only by its compute capability (ahead-of-time
+        compiles, tests), with the shared memory that capability has."""
+        if capability not in SHARED_MEMORY_PER_BLOCK:
+            raise ValueError(f"no shared-memory size on record for sm_{capability}; "
+                             f"known: {sorted(SHARED_MEMORY_PER_BLOCK)}")
+        return cls(capability, SHARED_MEMORY_PER_BLOCK[capability])
+
+    @property
+    def matrix_instruction(self):
+        """How Triton drives this GPU's tensor cores: 'mma.sync' (per warp,
+        accumulators in registers: sm_8x and the sm_12x GeForce/workstation
+        Blackwells) or 'warpgroup' (wgmma on sm_90, tcgen05 on sm_100-sm_11x)."""
+        return "warpgroup" if 90 <= self.capability < 120 else "mma.sync"
+
+
+# Largest dynamic shared memory one block may use, by compute capability (CUDA
+# programming guide, "Technical Specifications per Compute Capability").
+SHARED_MEMORY_PER_BLOCK = {
+    80: 166912, 87: 166912,  # A100, A30; Jetson Orin
+    86: 101376, 89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
+    90: 232448, 100: 232448, 103: 232448,  # H100, H200; B200; B300
+    120: 101376, 121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
+}
+# The 99 KiB parts (sm_86/89/12x): a tile must fit there on its own (fp32 dq at
+# d256 with the sm_90 tile takes 133120 B).
+_SMALLEST_SHARED_MEMORY = min(SHARED_MEMORY_PER_BLOCK.values())
+
+
+def cuda_target(t):
+    """The GpuTarget of ``t``'s CUDA device, or None for a tensor that is not on
+    a CUDA device."""
+    if not t.is_cuda:
+        return None
+    return _device_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(device_index):
+    # Asked once per device, not at every ring step's launch.
+    properties = torch.cuda.get_device_properties(device_index)
+    capability = 10 * properties.major + properties.minor
+    # The ring refuses older GPUs before it starts (parallel/checks.py check_launchable).
+    assert capability >= MIN_CAPABILITY, f"sm_{capability} is older than sm_{MIN_CAPABILITY}"
+    # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
+    # and to the smallest size on record for a GPU not in it.
+    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
+        SHARED_MEMORY_PER_BLOCK.get(capability, _SMALLEST_SHARED_MEMORY)
+    return GpuTarget(capability, shared_memory)
+
+
+# ----------------------------------------------------------------------------
+# Tiles
+# ----------------------------------------------------------------------------
+
+# CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by kernel and by (bytes
+# per element, BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.  _TILES holds the
+# sm_90 choice; _TILE_OVERRIDES replace entries for other targets.
+#
+# fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
+# in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
+# warpgroup is what lets Triton use wgmma).  fp32 asks for exact ("ieee")
+# products, which run as FMAs on registers, not on tensor cores: small tiles
+# (the fp16 tiles spill 159 to 15000 accesses per kernel in fp32).
+#
+# Every entry is compiled ahead of time (python -m
+# seqpar_kernels.kernels.ahead_of_time lists them; the test
+# tests/test_attention_step_ahead_of_time.py holds them to it): on every target
+# of that test (sm_80, sm_86, sm_90, sm_100, sm_120) each fits the shared memory
+# and has no register spill inside its K/V or Q sweep.  That check compiles
+# local lengths that are a multiple of 16; other lengths compile to other
+# variants, a few of which spill 1 to 4 accesses in a loop (docs/tuning.md).
+# No GPU has timed these tiles yet: the ring-step-fwd/bwd rows of
+# `python -m bench` (bench/bench_ring.py) time them against SDPA on one.
+_FP32_TILES = (16, 32, 8, 2)
+_FP32_NARROW_TILES = (16, 16, 8, 2)
+_TILES = {
+    # bf16/fp16 d64: (128, 64, 4, 3) spills 1 access on sm_100 (causal GQA): overridden there.
+    "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
+                (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (64, 32, 8, 1),
+           (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    # bf16/fp16 d256: (32, 64, 8, 1) spills 9 to 25 accesses.  fp32: (16, 32, 4, 2)
+    # spills at d64 (1, sm_80) and d256 (up to 294); at d128 with GQA (16, 32, 8, 2)
+    # spills 3 and (16, 16, 8, 2) 2 on sm_120.
+    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
+             (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
+}
+
+
+def _uses_mma_sync(target):
+    return target.matrix_instruction == "mma.sync"
+
+
+def _is_datacenter_blackwell(target):
+    return 100 <= target.capability < 120
+
+
+def _has_small_shared_memory(target):
+    return target.shared_memory_per_block <= _SMALLEST_SHARED_MEMORY
+
+
+# (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
+# The sm_90 tiles they replace, in spill accesses inside the loop:
+# - mma.sync, bf16/fp16 dq d256: (64, 32, 8, 1) spills 365 on sm_80, 238 on sm_120;
+# - mma.sync and sm_100, bf16/fp16 dk/dv d128: (32, 128, 8, 2) spills with GQA,
+#   12-13 on sm_80, 6-24 on sm_120, 37-55 on sm_100;
+# - sm_100, bf16/fp16 forward d64: (128, 64, 4, 3) spills 1 (causal GQA);
+# - 99 KiB of shared memory, fp32 dq d256: (16, 32, 8, 2) takes 133120 B, and
+#   with one stage it spills 800-860.
+_TILE_OVERRIDES = (
+    (_uses_mma_sync, {"dq": {(2, 256): (32, 64, 8, 1)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES}}),
+)
+
+# The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
+# numpy work cheap and still exercise multi-tile loops and edge masks on short
+# test sequences.
+_INTERPRETER_TILES = (16, 32, 4, 1)
+
+
+def all_cuda_tiles():
+    """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
+    tables = [*_TILES.values()] + [table for _, overrides in _TILE_OVERRIDES for table in overrides.values()]
+    return sorted({tiles for table in tables for tiles in table.values()})
+
+
+def _tiles(kernel, dtype, block_d, target):
+    # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors.
+    if target is None:
+        return _INTERPRETER_TILES
+    key = (dtype.itemsize, max(64, block_d))
+    tiles = _TILES[kernel][key]
+    for applies, overrides in _TILE_OVERRIDES:
+        if applies(target) and key in overrides.get(kernel, {}):
+            tiles = overrides[kernel][key]
+    return tiles
+
+
+# ----------------------------------------------------------------------------
+# Choices that depend on the Triton release
+# ----------------------------------------------------------------------------
+
+
+def _triton_version(version=triton.__version__):
+    """(major, minor) of a Triton version string such as '3.6.0' or '3.8.0+git1a2b'."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+# Whether the forward kernel sweeps the whole k tiles that every row sees
+# without masks, apart from the diagonal and partial ones (SPLIT_SWEEP): two
+# loops instead of one.  Triton 3.8 and 3.9 compile the two loops without a
+# spill on every target of the ahead-of-time test.  Older Triton pipelines each
+# loop with its own buffers and the pair does not fit: on sm_90 (bf16, d64 to
+# d256) the split forward spills 40 to 135 accesses in its loops with Triton
+# 3.3 to 3.7, and at d128 takes 163840 B of shared memory where one loop takes
+# 98304 B.  The two forms have not been timed against each other on a GPU.
+SPLIT_FORWARD_SWEEP = _triton_version() >= (3, 8)
+
+
+# ----------------------------------------------------------------------------
+# Launches
+# ----------------------------------------------------------------------------
+
+
+def _block_d(headdim):
+    # tl.arange needs a power of two and tl.dot wants every dim >= 16.
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def _dot_precision(dtype):
+    # fp32 inputs: exact fp32 products ("ieee") rather than TF32, whose ~1e-3
+    # relative error would defeat the point of asking for fp32.  For fp16/bf16
+    # the setting has no effect.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(dtype, interpreted):
+    # bf16 tl.dot is wrong in the Triton interpreter (see _dot in
+    # attention_step_kernels.py): widen there.
+    return dtype == torch.bfloat16 and interpreted
+
+
+def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted, **more_constexprs):
+    block_m, block_n, num_warps, num_stages = tiles
+    constexprs = dict(CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
+                      **more_constexprs)
+    return KernelLaunch(kernel, constexprs, num_warps, num_stages)
+
+
+def forward_launch(dtype, headdim, causal, *, target, interpreted):
+    """The KernelLaunch of ``_attention_step_fwd_kernel``.
+
+    ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
+    used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
+    whether the Triton interpreter runs the kernel.
+    """
+    block_d = _block_d(headdim)
+    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target),
+                        dtype, block_d, causal, interpreted, SPLIT_SWEEP=SPLIT_FORWARD_SWEEP)
+
+
+def backward_preprocess_launch(headdim, *, target):
+    """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
+    the kernel widens out and dout to fp32 before it multiplies)."""
+    # num_warps / num_stages are Triton's defaults, written out so that the
+    # ahead-of-time compile test builds exactly the kernel the launcher runs.
+    return KernelLaunch(_attention_bwd_preprocess_kernel,
+                        dict(BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
+                        num_warps=4, num_stages=3)
+
+
+def backward_launches(dtype, headdim, causal, *, target, interpreted):
+    """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
+    ``target`` and ``interpreted`` as in forward_launch."""
+    block_d = _block_d(headdim)
+    return (
+        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target),
+                     dtype, block_d, causal, interpreted),
+        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target),
+                     dtype, block_d, causal, interpreted),
+    )

@@ -145,9 +145,10 @@ struct RowOdometer {
 // above kMaxRowStreams blocks a visit covers several rows: each block then moves
 // kVisitBytes or more of its flat stream at a time (one page), while the visit's
 // strided rows stay in L2 for the next block. Measured on a 2-core Xeon, one thread,
-// bf16 pack of Ulysses' q, k, v; median ms of 5 runs (permute().contiguous() baseline,
-// before this traversal: row by row up to 64 blocks, block by block above, and now):
-//   blocks  case                        baseline  before  now
+// bf16 pack of Ulysses' q, k, v; median ms of 5 runs of the permute().contiguous()
+// baseline, of the simpler alternative ("simple": row by row up to 64 blocks, block by
+// block above) and of this traversal ("visits"):
+//   blocks  case                        baseline  simple  visits
 //   12      P=4  H=16   D=128 S=2048    6.0       4.9     4.9
 //   24      P=8  H=32/8 D=128 S=2048    5.5       5.9     5.8
 //   48      P=16 H=32/8 D=64  S=2048    6.7       4.7     3.5

@@ -144,16 +144,14 @@ def contiguous_piece(x: torch.Tensor, lengths, rank: int, dim: int = 1) -> torch
 
 def zigzag_piece(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
     """Rank `rank`'s rows of the full sequence x in the zigzag layout: chunks rank and
-    2P-1-rank of 2P equal chunks along dim, concatenated (x.shape[dim] divisible by 2P)."""
-    if x.shape[dim] == 0:
-        return x
-    chunks = x.chunk(2 * world_size, dim=dim)
+    2P-1-rank of the 2P chunks torch.tensor_split cuts dim into, concatenated."""
+    chunks = torch.tensor_split(x, 2 * world_size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
 
 
-def ring_piece(x: torch.Tensor, layout: str, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-    """Rank `rank`'s rows for ring_attention's `layout` ("contiguous" or "zigzag"),
-    every rank holding the same number of rows."""
+def ring_piece(x: torch.Tensor, layout: str, rank: int, world_size: int, dim: int = 1, lengths=None) -> torch.Tensor:
+    """Rank `rank`'s rows for ring_attention's `layout` ("contiguous" or "zigzag").
+    lengths: contiguous only, every rank's rows (default: torch.tensor_split's)."""
     if layout == "zigzag":
         return zigzag_piece(x, rank, world_size, dim)
-    return contiguous_piece(x, even_lengths(x.shape[dim], world_size), rank, dim)
+    return contiguous_piece(x, lengths or even_lengths(x.shape[dim], world_size), rank, dim)

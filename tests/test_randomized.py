@@ -31,6 +31,7 @@ import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, rank_and_world, timeout_group
+from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
 
 FIXED_SEED = 20261123
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -77,14 +78,12 @@ def draw_attention_case(rng: random.Random, world_size: int) -> dict:
         case["scale"] = round(rng.uniform(3.0, 12.0), 3)
     elif case["scale"] == "negative":
         case["scale"] = -round(rng.uniform(0.05, 1.5), 4)
+    case["lengths"] = [rng.choice((0, 1, 2, 3, 4, 5, 7)) for _ in range(world_size)]
     if function == "ring":
         case["layout"] = rng.choice(("contiguous", "zigzag"))
-        local = rng.randint(0, 6)
-        if case["layout"] == "zigzag":
-            local -= local % 2
-        case["lengths"] = [local] * world_size
-    else:
-        case["lengths"] = [rng.choice((0, 1, 2, 3, 4, 5, 7)) for _ in range(world_size)]
+        if case["layout"] == "zigzag":  # the zigzag pieces of a sequence of any length
+            case["lengths"] = zigzag_piece_lengths(rng.randint(0, 6 * world_size), world_size)
+        case["pass_seq_lens"] = rng.random() < 0.3
     return case
 
 
@@ -110,7 +109,7 @@ def draw_movement_case(rng: random.Random, world_size: int) -> dict:
     if function == "reshard":
         case["gather_sizes"] = [rng.randint(0, 4) for _ in range(world_size)]
     elif function == "zigzag":
-        case["shape"][dims[0]] = 2 * world_size * rng.randint(0, 2)
+        case["shape"][dims[0]] = rng.randint(0, 4 * world_size + 3)
     return case
 
 
@@ -217,7 +216,10 @@ def run_attention_case(case: dict, rank: int) -> dict:
 
     def ours_fn(q, k, v):
         if case["function"] == "ring":
-            return sp.ring_attention(q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group)
+            # Compiled code cannot gather the lengths: it is given them.
+            seq_lens = case["lengths"] if case.get("pass_seq_lens") or case.get("compile") else None
+            return sp.ring_attention(q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group,
+                                     seq_lens=seq_lens)
         return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=case["lengths"], group=group)
 
     local_leaves = [_rows(case, t, rank).to(dtype) for t in leaves]

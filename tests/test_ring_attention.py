@@ -28,17 +28,29 @@ import torch.distributed as dist
 
 import reference
 import seqpar_kernels as sp
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
+from seqpar_kernels.parallel.ring_steps import CPU_FLASH_READS_GQA, DEVICE_DEFAULT, AtenCpuSteps
 from seqpar_kernels.testing import ring_attention_with_step_kernels
+from triton_interpreter import runs_triton_on
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
+def local_lengths(case, world_size):
+    """Every rank's local length: case["lengths"](P) (contiguous), the zigzag pieces of
+    case["total"](P) rows, or case["S"] on every rank."""
+    if "lengths" in case:
+        return case["lengths"](world_size)
+    if "total" in case:
+        return zigzag_piece_lengths(case["total"](world_size), world_size)
+    return [case["S"]] * world_size
+
+
 def full_inputs(case, world_size, dtype, seed):
-    """The same full q, k, v, dout (B, S x P, heads, D) on every rank: fp64 draws cast to
-    dtype; case["q_mult"] scales q (large logits)."""
+    """The same full q, k, v, dout (B, N, heads, D) on every rank, N the sum of the
+    local lengths: fp64 draws cast to dtype; case["q_mult"] scales q (large logits)."""
     gen = torch.Generator().manual_seed(seed)
-    total = case["S"] * world_size
+    total = sum(local_lengths(case, world_size))
     draw = lambda heads: torch.randn(case["B"], total, heads, case["D"], generator=gen, dtype=torch.float64)  # noqa: E731
     q, k, v, dout = draw(case["H"]), draw(case["H_kv"]), draw(case["H_kv"]), draw(case["H"])
     q = q * case.get("q_mult", 1.0)
@@ -57,15 +69,17 @@ def run_case(case, dtype, seed=0, group=None, step_kernels=DEVICE_DEFAULT):
     causal, layout = case["causal"], case["layout"]
     scale = case.get("scale", 1.0 / math.sqrt(case["D"]))
     inputs = full_inputs(case, world_size, dtype, seed)
-    piece = lambda x, name: reference.ring_piece(x, layout, rank, world_size, dim=2 if name == "lse" else 1)  # noqa: E731
+    lengths = local_lengths(case, world_size)
+    piece = lambda x, name: reference.ring_piece(  # noqa: E731
+        x, layout, rank, world_size, dim=2 if name == "lse" else 1, lengths=lengths)
     exact = reference.with_grads(
         lambda q, k, v: reference.attention(q, k, v, causal, scale), [t.double() for t in inputs[:3]], inputs[3].double()
     )
-    local = [reference.ring_piece(t, layout, rank, world_size) for t in inputs]
+    local = [piece(t, "") for t in inputs]
     ours = reference.with_grads(
         lambda q, k, v: ring_attention_with_step_kernels(
             q, k, v, step_kernels, group=group, causal=causal, softmax_scale=case.get("scale"),
-            layout=layout, return_lse=True,
+            layout=layout, return_lse=True, seq_lens=lengths if case.get("pass_seq_lens") else None,
         ),
         local[:3], local[3],
     )  # fmt: skip
@@ -98,7 +112,23 @@ def _case(id, H, H_kv, D, S, causal, layout, B=1, **extra):
     return dict(id=id, H=H, H_kv=H_kv, D=D, S=S, causal=causal, layout=layout, B=B, **extra)
 
 
-# Local lengths (S) are per rank; the full sequence is S x P.
+def _with_empty_pieces(world_size):
+    """Contiguous local lengths that differ by rank, an empty one from P = 2 on."""
+    return [5, 0, 3, 1, 4, 2][:world_size]
+
+
+def _indivisible_total(world_size):
+    """A full length no 2P divides: zigzag chunks of two lengths."""
+    return 4 * world_size + 3
+
+
+def _short_total(world_size):
+    """Fewer rows than zigzag chunks: empty chunks (an empty piece at P = 4)."""
+    return world_size + 1
+
+
+# Local lengths (S) are per rank and the full sequence S x P, unless "lengths" (every
+# rank's, contiguous) or "total" (the full length, zigzag) says otherwise.
 CASE_GROUPS = {
     "mha": [
         _case("contig-full", H=4, H_kv=4, D=64, S=8, causal=False, layout="contiguous", B=2),
@@ -121,6 +151,16 @@ CASE_GROUPS = {
         _case("D96-full", H=2, H_kv=1, D=96, S=4, causal=False, layout="contiguous"),
         _case("D256-zigzag", H=1, H_kv=1, D=256, S=4, causal=True, layout="zigzag"),
     ],
+    "uneven-lengths": [
+        _case("uneven-contig-causal", H=4, H_kv=2, D=64, S=None, causal=True, layout="contiguous",
+              lengths=_with_empty_pieces),
+        _case("uneven-contig-full-seq-lens", H=3, H_kv=1, D=64, S=None, causal=False, layout="contiguous",
+              lengths=_with_empty_pieces, pass_seq_lens=True),
+        _case("uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag", B=2,
+              total=_indivisible_total),
+        _case("short-zigzag-causal-seq-lens", H=2, H_kv=1, D=64, S=None, causal=True, layout="zigzag",
+              total=_short_total, pass_seq_lens=True),
+    ],
 }
 
 def failures_of(per_rank, limit_for):
@@ -142,7 +182,7 @@ def test_fp32_matches_fp64_reference(ranks, group):
 
 
 def run_cases_with_repeated_kv_heads(cases, dtype):
-    """As on torch releases whose CPU flash kernel cannot read GQA (2.6): kv heads
+    """As on torch releases whose CPU flash kernel cannot read GQA (before 2.9): kv heads
     repeated for the local kernel, their gradients summed back."""
     return run_cases(cases, dtype, step_kernels="aten-repeated-kv")
 
@@ -151,6 +191,31 @@ def test_gqa_with_kv_heads_repeated_for_the_cpu_kernel(ranks):
     per_rank = ranks.run(run_cases_with_repeated_kv_heads, CASE_GROUPS["gqa-mqa"], torch.float32)
     failures = failures_of(per_rank, lambda name, yardsticks: reference.FP32_TOLERANCE)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not CPU_FLASH_READS_GQA, reason="this torch's CPU flash kernel misreads GQA (its backward "
+                    "corrupts the heap): the CPU ring repeats kv heads, tested above")
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_flash_kernel_reads_gqa_where_the_guard_says_so(kv_heads, causal):
+    """CPU_FLASH_READS_GQA on this torch: one step of aten's CPU flash kernels given the
+    kv heads as they are matches the same step given them repeated, forward and backward."""
+    gen = torch.Generator().manual_seed(3)
+    batch, seqlen, heads, head_dim, scale = 2, 300, 8, 64, 0.125
+    q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, generator=gen) for _ in range(2))
+    results = []
+    for steps in (AtenCpuSteps(repeat_kv_heads=False), AtenCpuSteps(repeat_kv_heads=True)):
+        out, lse = torch.zeros(q.shape), torch.full((batch, heads, seqlen), float("-inf"))
+        steps.forward(q, k, v, out, lse, scale, causal)
+        grads = [torch.zeros(t.shape) for t in (q, k, v)]
+        steps.backward(dout, q, k, v, out, lse, None, *grads, scale, causal)
+        results.append([out, lse, *grads])
+    # The kv gradients add up a group's heads in another order: rounding apart (1.4e-6
+    # at most on torch 2.14, where the rest is bitwise equal); a kernel that misreads
+    # GQA errs by up to 1e38.
+    for name, native, repeated in zip(NAMES, *results):
+        torch.testing.assert_close(native, repeated, atol=1e-5, rtol=0, msg=name)
 
 
 LOW_PRECISION_CASES = [
@@ -211,9 +276,14 @@ TRITON_CASES = [
     _case("triton-zigzag-gqa", H=2, H_kv=1, D=64, S=4, causal=True, layout="zigzag"),
     _case("triton-contig-causal", H=1, H_kv=1, D=80, S=3, causal=True, layout="contiguous"),
     _case("triton-full-gqa", H=4, H_kv=2, D=64, S=3, causal=False, layout="contiguous"),
+    _case("triton-uneven-contig-causal", H=2, H_kv=1, D=64, S=None, causal=True, layout="contiguous",
+          lengths=_with_empty_pieces),
+    _case("triton-uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag",
+          total=_indivisible_total),
 ]
 
 
+@runs_triton_on("cpu")
 def test_triton_step_path_matches_reference(ranks):
     per_rank = ranks.run(run_cases_with_kernels, "triton", TRITON_CASES, torch.float32)
     failures = failures_of(per_rank, lambda name, yardsticks: reference.FP32_TOLERANCE)
@@ -260,6 +330,7 @@ TRITON_BF16_CASES = [
 ]
 
 
+@runs_triton_on("cpu")
 def test_triton_step_path_bf16_within_twice_plain_torch_error(ranks):
     # bf16 through the Triton step kernels (the interpreter widens bf16 dot operands,
     # see the kernels' _dot, and here rounds to bf16 as a GPU does): the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,6 +15,7 @@ import reference
 import seqpar_kernels as sp
 from on_ranks import rank_and_world
 from seqpar_kernels.parallel import checks as checks_module
+from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -44,6 +46,26 @@ def compiled_ring_matches_eager():
         out, lse = sp.ring_attention(q * 0.5, k, v, causal=True, layout="zigzag", return_lse=True)
         return out * 2.0, lse
 
+    return _compiled_matches_eager(block, q, k, v, dout)
+
+
+def compiled_uneven_ring_matches_eager():
+    """As compiled_ring_matches_eager, with local lengths that differ by rank (an empty
+    one from P = 2 on), passed as seq_lens (compiled code cannot gather them)."""
+    rank, world_size = rank_and_world()
+    torch._dynamo.reset()
+    lengths = [5, 0, 3, 1][:world_size]
+    q, k, v, dout = (reference.contiguous_piece(t, lengths, rank)
+                     for t in _full_inputs(4, 2, 16, sum(lengths), 1, seed=6))  # fmt: skip
+
+    def block(q, k, v):
+        out, lse = sp.ring_attention(q * 0.5, k, v, causal=True, seq_lens=lengths, return_lse=True)
+        return out * 2.0, lse
+
+    return _compiled_matches_eager(block, q, k, v, dout)
+
+
+def _compiled_matches_eager(block, q, k, v, dout):
     results = []
     for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -54,9 +76,11 @@ def compiled_ring_matches_eager():
     return {name: reference.max_error(c, e) for name, c, e in zip(NAMES, compiled, eager)}
 
 
-def test_compile_fullgraph_matches_eager(ranks):
+@pytest.mark.parametrize("lengths", ["equal", "uneven"])
+def test_compile_fullgraph_matches_eager(ranks, lengths):
     # aot_eager runs the same kernels as eager: the results must agree exactly.
-    for rank, errors in enumerate(ranks.run(compiled_ring_matches_eager)):
+    run = compiled_ring_matches_eager if lengths == "equal" else compiled_uneven_ring_matches_eager
+    for rank, errors in enumerate(ranks.run(run)):
         assert all(err == 0.0 for err in errors.values()), f"rank {rank}: compiled differs from eager: {errors}"
 
 
@@ -70,22 +94,25 @@ def opcheck_ops():
     group_name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(rank)
     results = []
-    for causal, zigzag in ((True, True), (False, False)):
-        q = torch.randn(1, 4, 2, 16, generator=gen, requires_grad=True)
-        k = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
-        v = torch.randn(1, 4, 1, 16, generator=gen, requires_grad=True)
-        args = (q, k, v, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
+    for causal, zigzag in ((True, True), (False, False), (True, False)):
+        # Zigzag: the pieces of 4P + 1 rows; contiguous: lengths that differ by rank.
+        seq_lens = zigzag_piece_lengths(4 * world_size + 1, world_size) if zigzag else [2 + r % 3 for r in range(world_size)]
+        q = torch.randn(1, seq_lens[rank], 2, 16, generator=gen, requires_grad=True)
+        k = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
+        v = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
+        args = (q, k, v, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT, seq_lens)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
         out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
         dout = torch.randn(out.shape, generator=gen)
-        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT)
+        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name,
+                         DEVICE_DEFAULT, seq_lens)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
         results.append(True)
     return results
 
 
 def test_opcheck(ranks):
-    assert ranks.run(opcheck_ops) == [[True] * 2] * ranks.world_size
+    assert ranks.run(opcheck_ops) == [[True] * 3] * ranks.world_size
 
 
 def test_opcheck_single_process():
@@ -93,7 +120,7 @@ def test_opcheck_single_process():
     q = torch.randn(2, 6, 4, 32, requires_grad=True)
     k = torch.randn(2, 6, 2, 32, requires_grad=True)
     v = torch.randn(2, 6, 2, 32, requires_grad=True)
-    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", DEVICE_DEFAULT))
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", DEVICE_DEFAULT, [6]))
     out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
     expected, expected_lse = reference.attention(q.double(), k.double(), v.double(), True, 32**-0.5)
     assert reference.max_error(out, expected) <= reference.FP32_TOLERANCE and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
@@ -145,16 +172,17 @@ def bad_inputs_raise_everywhere():
         "devices": lambda: sp.ring_attention(q.to("meta"), k, v),
         "meta device": lambda: sp.ring_attention(*(t.to("meta") for t in (q, k, v))),
         "layout": lambda: sp.ring_attention(q, k, v, layout="striped"),
-        "zigzag odd length": lambda: sp.ring_attention(*_qkv((1, 3, 2, 16), (1, 3, 2, 16)), layout="zigzag"),
         "softmax_scale": lambda: sp.ring_attention(q, k, v, softmax_scale=float("nan")),
-        "zigzag_split length": lambda: sp.zigzag_split(torch.randn(2, 2 * world_size + 1), dim=1),
-        "zigzag_gather odd": lambda: sp.zigzag_gather(torch.randn(3, 2), dim=0),
+        "seq_lens of other ranks": lambda: sp.ring_attention(q, k, v, seq_lens=[4] * (world_size + 1)),
+        "seq_lens without this rank's": lambda: sp.ring_attention(q, k, v, seq_lens=[5] * world_size),
+        "zigzag_split dim": lambda: sp.zigzag_split(torch.randn(2, 2 * world_size + 1), dim=2),
+        "zigzag_gather dim": lambda: sp.zigzag_gather(torch.randn(3, 2), dim=-3),
     }
     if world_size > 1:
         # Each rank alone is fine; together they disagree. The metadata all_gather makes
         # every rank raise.
-        length = 4 if rank == 0 else 6
-        bad["unequal lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)))
+        length = 1 if rank == 0 else 6  # never the zigzag pieces of their sum
+        bad["zigzag lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)), layout="zigzag")
         bad["ranks disagree on causal"] = lambda: sp.ring_attention(q, k, v, causal=rank == 0)
         bad["ranks disagree on heads"] = lambda: sp.ring_attention(
             *_qkv((1, 4, 2 + 2 * (rank == 0), 16), (1, 4, 2, 16))
@@ -213,26 +241,30 @@ def zigzag_round_trip():
     rank, world_size = rank_and_world()
     gen = torch.Generator().manual_seed(11)
     results = {}
-    full = torch.randn(2, 4 * world_size, 3, generator=gen)
-    weights = torch.randn(full.shape, generator=gen)
-    for dim in (1, -2):
+    # A length 2P divides, one it does not (chunks of two lengths), fewer rows than chunks.
+    for total, dim in ((4 * world_size, 1), (4 * world_size, -2), (4 * world_size + 3, 1), (world_size + 1, -2)):
+        full = torch.randn(2, total, 3, generator=gen)
+        weights = torch.randn(full.shape, generator=gen)
+        case = f"N={total} dim {dim}"
         x = full.clone().requires_grad_()
         piece = sp.zigzag_split(x, dim)
-        results[f"split dim {dim}"] = torch.equal(piece, reference.ring_piece(full, "zigzag", rank, world_size))
+        results[f"split {case}"] = torch.equal(piece, reference.ring_piece(full, "zigzag", rank, world_size))
         # split's backward gathers: x.grad is the full gradient, the same on every rank.
         (piece * reference.ring_piece(weights, "zigzag", rank, world_size)).sum().backward()
-        results[f"split grad dim {dim}"] = torch.equal(x.grad, weights)
+        results[f"split grad {case}"] = torch.equal(x.grad, weights)
         leaf = piece.detach().requires_grad_()
         gathered = sp.zigzag_gather(leaf, dim)
-        results[f"gather dim {dim}"] = torch.equal(gathered, full)
+        results[f"gather {case}"] = torch.equal(gathered, full)
         (gathered * weights).sum().backward()
-        results[f"gather grad dim {dim}"] = torch.equal(leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size))
+        results[f"gather grad {case}"] = torch.equal(leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size))
     # End to end: zigzag pieces of full q/k/v -> causal ring attention -> gathered out
-    # equals attention over the full sequence.
-    q, k, v, _ = _full_inputs(2, 1, 64, 4, world_size, seed=3)
-    out = sp.ring_attention(*(sp.zigzag_split(t, 1) for t in (q, k, v)), causal=True, layout="zigzag")
-    expected, _ = reference.attention(q.double(), k.double(), v.double(), True, 64**-0.5)
-    results["end to end"] = reference.max_error(sp.zigzag_gather(out, 1), expected) <= reference.FP32_TOLERANCE
+    # equals attention over the full sequence (2P dividing the length or not).
+    for seqlen_local in (4, 3):
+        q, k, v, _ = _full_inputs(2, 1, 64, seqlen_local, world_size, seed=3)
+        out = sp.ring_attention(*(sp.zigzag_split(t, 1) for t in (q, k, v)), causal=True, layout="zigzag")
+        expected, _ = reference.attention(q.double(), k.double(), v.double(), True, 64**-0.5)
+        error = reference.max_error(sp.zigzag_gather(out, 1), expected)
+        results[f"end to end N={q.shape[1]}"] = error <= reference.FP32_TOLERANCE
     return results
 
 

@@ -11,7 +11,7 @@ import torch
 
 import seqpar_kernels as sp
 from on_ranks import rank_and_world
-from seqpar_kernels.parallel.ring_driver import step_block
+from seqpar_kernels.parallel.ring_driver import RingPieces, step_block, zigzag_chunk_lengths, zigzag_piece_lengths
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -22,44 +22,51 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 # ----------------------------------------------------------------------------------
 
 
-def _global_positions(rank, world_size, seqlen, zigzag):
+def _global_positions(rank, pieces):
     """Global sequence positions of a rank's local rows (its K/V block's too)."""
-    if not zigzag:
-        return list(range(rank * seqlen, (rank + 1) * seqlen))
-    half = seqlen // 2
-    return [chunk * half + i for chunk in (rank, 2 * world_size - 1 - rank) for i in range(half)]
+    world_size = len(pieces.lengths)
+    if not pieces.zigzag:
+        start = sum(pieces.lengths[:rank])
+        return list(range(start, start + pieces.lengths[rank]))
+    chunks = zigzag_chunk_lengths(sum(pieces.lengths), world_size)
+    starts = [sum(chunks[:chunk]) for chunk in range(2 * world_size)]
+    return [starts[chunk] + i for chunk in (rank, 2 * world_size - 1 - rank) for i in range(chunks[chunk])]
 
 
-def _step_scores(step, rank, world_size, seqlen, zigzag):
+def _step_scores(step, rank, pieces):
     """The (query position, key position) pairs whose scores `rank` computes at causal
     ring step `step`, as ring_driver.step_block says: its rows x the block's first
     kv_len keys, a causal block masked by local index (the diagonal's exact count)."""
-    block = step_block(step, rank, world_size, seqlen, True, zigzag)
+    block = step_block(step, rank, pieces, True)
     if block is None:
         return []
-    src = (rank - step) % world_size
-    rows = _global_positions(rank, world_size, seqlen, zigzag)[block.q_start : block.q_start + block.q_len]
-    keys = _global_positions(src, world_size, seqlen, zigzag)[: block.kv_len]
+    src = (rank - step) % len(pieces.lengths)
+    rows = _global_positions(rank, pieces)[block.q_start : block.q_start + block.q_len]
+    keys = _global_positions(src, pieces)[: block.kv_len]
     return [(q, k) for i, q in enumerate(rows) for j, k in enumerate(keys) if not block.causal or j <= i]
 
 
-def _causal_schedule(world_size, seqlen, zigzag):
+def _causal_schedule(pieces):
     """(work[step][rank]: number of scores computed, every score computed, with repeats)."""
+    world_size = len(pieces.lengths)
     work, computed = [], []
     for step in range(world_size):
-        per_rank = [_step_scores(step, rank, world_size, seqlen, zigzag) for rank in range(world_size)]
+        per_rank = [_step_scores(step, rank, pieces) for rank in range(world_size)]
         work.append([len(scores) for scores in per_rank])
         computed += [pair for scores in per_rank for pair in scores]
     return work, computed
 
 
+def _causal_pairs(total):
+    return sorted((q, k) for q in range(total) for k in range(q + 1))
+
+
 @pytest.mark.parametrize("world_size", range(1, 9), ids=lambda size: f"P{size}")
 def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
     for seqlen in (2, 4, 6, 10):
-        total = world_size * seqlen
-        causal_pairs = sorted((q, k) for q in range(total) for k in range(q + 1))
         for zigzag in (True, False):
-            work, computed = _causal_schedule(world_size, seqlen, zigzag)
+            pieces = RingPieces.of([seqlen] * world_size, zigzag)
+            work, computed = _causal_schedule(pieces)
             unequal = [(step, per_rank) for step, per_rank in enumerate(work) if len(set(per_rank)) > 1]
             if zigzag:
                 assert not unequal, f"P={world_size} S={seqlen}: zigzag work per rank differs at (step, work) {unequal}"
@@ -67,7 +74,23 @@ def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
                 # The same check fails for the contiguous layout (rank r works r+1 steps).
                 assert unequal, f"P={world_size} S={seqlen}: the contiguous layout looks balanced"
             # Both layouts: every causal score exactly once, nothing else.
-            assert sorted(computed) == causal_pairs, f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores"
+            assert sorted(computed) == _causal_pairs(world_size * seqlen), (
+                f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores")
+
+
+@pytest.mark.parametrize("world_size", range(1, 9), ids=lambda size: f"P{size}")
+def test_uneven_pieces_compute_every_causal_score_once(world_size):
+    # Contiguous pieces of any lengths (empty ones too), and the zigzag pieces of any
+    # full length (chunks of two lengths; fewer rows than chunks).
+    gen = torch.Generator().manual_seed(world_size)
+    for trial in range(6):
+        lengths = torch.randint(0, 7, (world_size,), generator=gen).tolist()
+        pieces = RingPieces.of(lengths, False)
+        assert sorted(_causal_schedule(pieces)[1]) == _causal_pairs(sum(lengths)), f"contiguous {lengths}"
+    for total in range(0, 4 * world_size + 3):
+        pieces = RingPieces.of(zigzag_piece_lengths(total, world_size), True)
+        work, computed = _causal_schedule(pieces)
+        assert sorted(computed) == _causal_pairs(total), f"P={world_size} zigzag of {total} rows: wrong scores"
 
 
 # ----------------------------------------------------------------------------------
@@ -76,13 +99,22 @@ def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
 
 
 def measure_bytes(dtype):
+    """(forward bytes, their formula, backward bytes, their formula, forward calls,
+    backward calls) per case; the formula of seqpar_kernels/parallel/ring_driver.py."""
     rank, world_size = rank_and_world()
+    uneven = [5, 0, 3, 1][:world_size]
+    zigzag_uneven = zigzag_piece_lengths(4 * world_size + 3, world_size)
     results = []
-    for layout, causal, heads_kv in (("contiguous", True, 2), ("zigzag", True, 1), ("contiguous", False, 4)):
+    for layout, causal, heads_kv, lengths in (
+        ("contiguous", True, 2, [6] * world_size), ("zigzag", True, 1, [6] * world_size),
+        ("contiguous", False, 4, [6] * world_size), ("contiguous", True, 2, uneven),
+        ("zigzag", True, 1, zigzag_uneven),
+    ):  # fmt: skip
         gen = torch.Generator().manual_seed(rank)
-        q = torch.randn(2, 6, 4, 64, generator=gen).to(dtype).requires_grad_()
-        k = torch.randn(2, 6, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
-        v = torch.randn(2, 6, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
+        seqlen = lengths[rank]
+        q = torch.randn(2, seqlen, 4, 64, generator=gen).to(dtype).requires_grad_()
+        k = torch.randn(2, seqlen, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
+        v = torch.randn(2, seqlen, heads_kv, 64, generator=gen).to(dtype).requires_grad_()
         with sp.comm_stats() as forward:
             out = sp.ring_attention(q, k, v, causal=causal, layout=layout)
         with sp.comm_stats() as backward:
@@ -91,11 +123,14 @@ def measure_bytes(dtype):
             worker = threading.Thread(target=out.sum().backward)
             worker.start()
             worker.join()
-        kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-        grad_kv_bytes = 4 * (k.numel() + v.numel())  # fp32 dk|dv travel
+        row_elements = 2 * heads_kv * 64 * 2  # batch x kv heads x head dim, for K and V
+        total = sum(lengths)
+        sent_rows = total - lengths[(rank + 1) % world_size] if world_size > 1 else 0
+        sent_grad_rows = total - lengths[rank] if world_size > 1 else 0
+        kv_bytes = sent_rows * row_elements * k.element_size()
+        grad_kv_bytes = sent_grad_rows * row_elements * 4  # fp32 dk|dv travel
         results.append(
-            (forward.bytes_sent, (world_size - 1) * kv_bytes,
-             backward.bytes_sent, (world_size - 1) * (kv_bytes + grad_kv_bytes),
+            (forward.bytes_sent, kv_bytes, backward.bytes_sent, kv_bytes + grad_kv_bytes,
              forward.calls, backward.calls)
         )  # fmt: skip
     return results
@@ -105,8 +140,8 @@ def measure_bytes(dtype):
 def test_comm_stats_count_the_ring(ranks, dtype):
     for per_case in ranks.run(measure_bytes, dtype):
         for fwd, fwd_theory, bwd, bwd_theory, fwd_calls, bwd_calls in per_case:
-            assert fwd == fwd_theory  # (P-1) x local KV bytes
-            assert bwd == bwd_theory  # (P-1) x (KV bytes + fp32 dKV bytes)
+            assert fwd == fwd_theory  # equal pieces: (P-1) x local KV bytes
+            assert bwd == bwd_theory  # equal pieces: (P-1) x (KV bytes + fp32 dKV bytes)
             assert fwd_calls == ranks.world_size - 1
             assert bwd_calls == 2 * (ranks.world_size - 1)
 

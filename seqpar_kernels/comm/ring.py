@@ -68,16 +68,15 @@ class Ring:
 
     def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor) -> RingWork:
         """Posts the send of `send_buffer` to the next rank and the receive of the previous
-        rank's buffer into `recv_buffer` (both flat, contiguous, same size and dtype).
-        Neither may be written (send) or read (recv) until `wait()` returns.
+        rank's buffer into `recv_buffer` (both flat, contiguous, one dtype). Their sizes
+        may differ (ranks may hold blocks of different lengths): `recv_buffer` must have
+        the size of what the previous rank sends. Neither may be written (send) or read
+        (recv) until `wait()` returns.
 
         World size 1: no communication; the ring of one rank hands the buffer to itself."""
-        if send_buffer.shape != recv_buffer.shape or send_buffer.dtype != recv_buffer.dtype:
-            raise ValueError(
-                f"ring exchange needs equal buffers, got send {tuple(send_buffer.shape)} "
-                f"{send_buffer.dtype}, recv {tuple(recv_buffer.shape)} {recv_buffer.dtype}"
-            )
+        assert send_buffer.dtype == recv_buffer.dtype, (send_buffer.dtype, recv_buffer.dtype)
         if self.world_size == 1:
+            assert send_buffer.shape == recv_buffer.shape, (send_buffer.shape, recv_buffer.shape)
             recv_buffer.copy_(send_buffer)
             return RingWork([])
         ops = [
@@ -97,20 +96,32 @@ class DoubleBuffer:
     """The block a rank holds now (`current`) and the spare buffer the next one arrives
     in. `post()` sends `current` onward and receives into the spare; `advance()` waits
     for that exchange and swaps, so the received block becomes `current` and the old one
-    (already sent) becomes the spare for the next exchange."""
+    (already sent) becomes the spare for the next exchange.
 
-    def __init__(self, ring: Ring, first: torch.Tensor):
+    sizes: the number of elements of the block held after 0, 1, 2, ... advances, when
+    blocks differ in size (ranks holding sequence pieces of different lengths). `first`
+    then has room for the largest (its first sizes[0] elements are the block), and
+    both buffers are that large; None: every block is the size of `first`."""
+
+    def __init__(self, ring: Ring, first: torch.Tensor, sizes: list[int] | None = None):
         self.ring = ring
-        self.current = first
-        self._spare = ring.spare_for(first)
+        self._sizes = sizes
+        self._held = 0  # advances so far
+        self._buffer, self._spare = first, ring.spare_for(first)
+        self.current = first if sizes is None else first[: sizes[0]]
         self._work: RingWork | None = None
+
+    def _size(self, advances: int) -> int:
+        return self._buffer.numel() if self._sizes is None else self._sizes[advances]
 
     def post(self) -> None:
         assert self._work is None, "post() twice without advance()"
-        self._work = self.ring.start(self.current, self._spare)
+        self._work = self.ring.start(self.current, self._spare[: self._size(self._held + 1)])
 
     def advance(self) -> None:
         assert self._work is not None, "advance() without post()"
         self._work.wait()
         self._work = None
-        self.current, self._spare = self._spare, self.current
+        self._held += 1
+        self._buffer, self._spare = self._spare, self._buffer
+        self.current = self._buffer[: self._size(self._held)]

@@ -26,26 +26,29 @@ def ring_attention_forward(
     zigzag: bool,
     group_name: str,
     step_kernels: str,
+    seq_lens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's q over the K/V of every rank of the group.
 
-    q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; every rank the same shapes
-    (checked by seqpar_kernels.parallel.ring.ring_attention, not here).
-    zigzag: causal positions follow the zigzag layout (rank r holds chunks r and
-    2P-1-r of 2P); S must be even. Ignored when not causal.
+    q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; every rank the same B, H,
+    H_kv, D; S may differ by rank (checked by seqpar_kernels.parallel.ring.ring_attention,
+    not here).
+    zigzag: causal positions follow the zigzag layout (rank r holds chunks r and 2P-1-r
+    of the 2P chunks torch.tensor_split cuts the sequence into). Ignored when not causal.
     step_kernels: which kernels compute each step (parallel/ring_steps.py: a name of
     STEP_KERNELS, or DEVICE_DEFAULT).
+    seq_lens: every rank's S, in group rank order.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log; -inf for a row that saw no key, whose out is 0)."""
     steps = step_kernels_for(step_kernels, q.device)
-    return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps)
+    return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 
 
 @ring_attention_forward.register_fake
-def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels):
+def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens):
     batch, seqlen, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
@@ -63,37 +66,40 @@ def ring_attention_backward(
     zigzag: bool,
     group_name: str,
     step_kernels: str,
+    seq_lens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ring_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
     of each block accumulate in fp32 while they travel the ring."""
     steps = step_kernels_for(step_kernels, q.device)
-    return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps)
+    return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 
 @ring_attention_backward.register_fake
-def _ring_attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels):
+def _ring_attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels,
+                                  seq_lens):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels = inputs
+    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, softmax_scale, zigzag, group_name, step_kernels)
+    ctx.args = (causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens)
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
     # lse is treated as a non-differentiable output (as flash-attn's returned lse):
     # its gradient, if any, is ignored; ring_attention hands it out detached.
     q, k, v, out, lse = ctx.saved_tensors
+    no_grads = (None,) * len(ctx.args)
     if grad_out is None:
-        return None, None, None, None, None, None, None, None
+        return None, None, None, *no_grads
     dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, *no_grads
 
 
 ring_attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)

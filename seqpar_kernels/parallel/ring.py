@@ -4,8 +4,8 @@
                                   K/V blocks travel a ring of ranks, each rank folds every
                                   block into its queries' running (out, lse).
     zigzag_split / zigzag_gather  the causal load-balancing layout: the sequence is cut
-                                  into 2P equal chunks and rank r holds chunks r and
-                                  2P-1-r, in that order.
+                                  into 2P chunks (torch.tensor_split: any length) and
+                                  rank r holds chunks r and 2P-1-r, in that order.
 
 Why zigzag: under a causal mask with the contiguous layout, rank r's queries see r+1 of
 the P blocks, so the last rank works P times as long as the first and every ring step
@@ -25,12 +25,14 @@ import torch.distributed as dist
 
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
+from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_attention_inputs,
     check_bool,
     check_launchable,
+    check_local_sizes,
     check_tensor,
     describe_shapes,
     device_of,
@@ -52,20 +54,26 @@ def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
     check_launchable(q)  # CUDA: GPUs older than sm_80, batch or heads over the grid limit
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "zigzag" and q.shape[1] % 2 != 0:
-        raise ValueError(
-            f"layout='zigzag' needs an even local sequence length (two equal chunks per rank), "
-            f"got {q.shape[1]} ({shapes})"
-        )
     check_bool("causal", causal)
     return resolve_softmax_scale(softmax_scale, q)
 
 
-def _check_equal_lengths(lengths, info: GroupInfo, describe: str, shape) -> None:
-    if any(length != lengths[0] for length in lengths):
+def _check_zigzag_lengths(lengths, info: GroupInfo, describe: str, shape) -> None:
+    """Every rank's local length must be its zigzag piece of their sum (as zigzag_split
+    cuts it), or the ranks would place their rows at other global positions than the
+    zigzag layout says. Run on every rank with the same lengths: all raise alike."""
+    total = sum(lengths)
+    expected = zigzag_piece_lengths(total, info.world_size)
+    wrong = [
+        f"rank {rank} holds {length} rows where the layout puts {expected[rank]}"
+        for rank, length in enumerate(lengths) if length != expected[rank]
+    ]  # fmt: skip
+    if wrong:
         raise ValueError(
-            f"{describe} needs the same local sequence length on every rank, got {lengths} "
-            f"(rank {info.rank} has shape {tuple(shape)})"
+            f"{describe}: local lengths {list(lengths)} are not the zigzag pieces of a sequence of "
+            f"{total} rows (chunks r and 2P-1-r of torch.tensor_split into 2P = {2 * info.world_size}, "
+            f"as zigzag_split makes them): {'; '.join(wrong)}. This rank ({info.rank}) has shape "
+            f"{tuple(shape)}"
         )
 
 
@@ -80,53 +88,67 @@ def ring_attention(
     layout: str = "contiguous",
     return_lse: bool = False,
     check_ranks: bool = True,
+    seq_lens: list[int] | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
         headdim) with nheads % nheads_kv == 0 (GQA, MQA: only the nheads_kv heads travel,
         never repeated). fp16, bf16 or fp32, one dtype; CPU or CUDA; head dim up to 256
-        (64, 80, 96, 128, 256 are the tested ones); any strides.
-        seqlen_local must be the same on every rank (and even for zigzag).
+        (64, 80, 96, 128, 256 are the tested ones); any strides. seqlen_local may
+        differ by rank (0 too); batch, heads and head dim may not.
     causal: mask by global position.
     layout: where this rank's rows sit in the global sequence:
-        "contiguous"  rank r holds rows [r * S, (r + 1) * S).
-        "zigzag"      the sequence is cut into 2P chunks of S/2 rows; rank r holds chunks
-                      r and 2P-1-r, in that order (zigzag_split makes it). Balances the
-                      causal work; the same as "contiguous" without a causal mask.
+        "contiguous"  rank r holds the rows after those of ranks 0..r-1.
+        "zigzag"      the sequence of N rows is cut into 2P chunks by torch.tensor_split
+                      (any N); rank r holds chunks r and 2P-1-r, in that order
+                      (zigzag_split makes it). Balances the causal work; the same as
+                      "contiguous" without a causal mask.
     softmax_scale: default 1/sqrt(headdim).
     return_lse: also return the log-sum-exp (natural log) of each row's scores.
     check_ranks: check, with one small all_gather, that every rank passed valid inputs
-        with the same local length, shapes and options, so that a bad input or a
+        with the same shapes and options (and learn every rank's local length), so
+        that a bad input or a
         mismatch on any rank raises on every rank instead of giving wrong results or a
         hang. On NCCL that all_gather synchronises the host with the GPU at every call
         (every layer); False skips it, for models whose ranks are known to agree (a bad
         input then raises on its own rank only; SEQPAR_DEBUG=1 turns the check back
         on). Under torch.compile it is always skipped.
+    seq_lens: every rank's seqlen_local, in group rank order. None: found by the
+        check_ranks all_gather; where that is skipped (check_ranks=False, under
+        torch.compile) every rank's is taken to be this rank's, so pass seq_lens there
+        when they differ. Given, it also skips the all_gather (as check_ranks=False).
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached: its gradient is not propagated].
 
     Autograd: dq, dk, dv through the ring backward (dK/dV accumulate in fp32 while they
     travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
-    (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather.
+    (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather (with local
+    lengths that differ: seqpar_kernels/parallel/ring_driver.py gives the formula).
     """
     return _ring_attention(
         q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-        return_lse=return_lse, check_ranks=check_ranks, step_kernels=DEVICE_DEFAULT,
+        return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, step_kernels=DEVICE_DEFAULT,
     )  # fmt: skip
 
 
-def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, step_kernels):
+def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, seq_lens,
+                    step_kernels):
     """ring_attention with the step kernels named `step_kernels` (parallel/ring_steps.py)."""
     info = resolve_group(group)
-    with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=check_ranks is not False) as checks:
+    exchange = check_ranks is not False and seq_lens is None
+    with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=exchange) as checks:
         scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
         check_bool("check_ranks", check_ranks)
         batch, seqlen, heads, head_dim = q.shape
-        checks.share(seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale))
-    _check_equal_lengths(checks.sizes, info, "ring_attention", q.shape)
+        if seq_lens is not None:
+            seq_lens = check_local_sizes(seq_lens, info, seqlen, "seq_lens", q.shape, 1)
+        checks.share(seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens))
+    seq_lens = checks.sizes if seq_lens is None else seq_lens
+    if layout == "zigzag":
+        _check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
     q, scale = fold_scale_sign(q, scale)
-    out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels)
+    out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -139,56 +161,51 @@ def _zigzag_chunks(rank: int, world_size: int) -> tuple[int, int]:
     return rank, 2 * world_size - 1 - rank
 
 
-def _zigzag_gather(x: torch.Tensor, dim: int, group, info: GroupInfo) -> torch.Tensor:
-    """zigzag_gather once sizes are known to be equal (no metadata exchange)."""
+def _zigzag_gather(x: torch.Tensor, dim: int, group, info: GroupInfo, lengths: list[int]) -> torch.Tensor:
+    """zigzag_gather once every rank's length is known (and checked to be its zigzag
+    piece): no metadata exchange."""
     world_size = info.world_size
-    local = x.shape[dim]
     # gather_sequence concatenates the ranks' pieces in rank order: chunks
-    # [0, 2P-1, 1, 2P-2, ...]; one index_select puts them in sequence order. Its
-    # autograd (and gather_sequence's) makes the backward zigzag_split's selection.
-    gathered = gather_sequence(x, dim, group, sizes=[local] * world_size)
+    # [0, 2P-1, 1, 2P-2, ...]; putting them back in sequence order is one cat of views.
+    # Its autograd (and gather_sequence's) makes the backward zigzag_split's selection.
+    gathered = gather_sequence(x, dim, group, sizes=lengths)
     if world_size == 1:
         return gathered
-    position = {}
-    for rank in range(world_size):
-        first, second = _zigzag_chunks(rank, world_size)
-        position[first], position[second] = 2 * rank, 2 * rank + 1
-    order = torch.tensor([position[chunk] for chunk in range(2 * world_size)], device=x.device)
-    chunks = gathered.unflatten(dim, (2 * world_size, local // 2))
-    return chunks.index_select(dim, order).flatten(dim, dim + 1)
+    chunk_lengths = zigzag_chunk_lengths(sum(lengths), world_size)
+    in_rank_order = [chunk for rank in range(world_size) for chunk in _zigzag_chunks(rank, world_size)]
+    pieces = dict(zip(in_rank_order, gathered.split([chunk_lengths[c] for c in in_rank_order], dim)))
+    return torch.cat([pieces[chunk] for chunk in range(2 * world_size)], dim)
 
 
 class _ZigzagSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, info):
+        total = x.shape[dim]
         ctx.dim, ctx.group, ctx.info = dim, group, info
-        chunk = x.shape[dim] // (2 * info.world_size)
+        ctx.lengths = zigzag_piece_lengths(total, info.world_size)
+        chunks = torch.tensor_split(x, 2 * info.world_size, dim)
         first, second = _zigzag_chunks(info.rank, info.world_size)
-        return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim)
+        return torch.cat([chunks[first], chunks[second]], dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _zigzag_gather(grad, ctx.dim, ctx.group, ctx.info), None, None, None
+        return _zigzag_gather(grad, ctx.dim, ctx.group, ctx.info, ctx.lengths), None, None, None
 
 
 def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's zigzag piece of the full sequence `x` (the same on every rank).
 
-    x: any shape; x.shape[dim] (the full length N) must be divisible by 2P.
-    Returns chunks r and 2P-1-r of the 2P equal chunks along `dim`, concatenated in that
-    order: x.shape with N/P along dim (a new tensor). One small collective checks that
-    every rank passed the same shape, dtype and dim (a bad input on any rank raises on
-    every rank).
+    x: any shape, any length N along `dim` (0 and lengths below 2P too).
+    Returns chunks r and 2P-1-r of the 2P chunks torch.tensor_split cuts `dim` into (the
+    first N % 2P chunks one row longer), concatenated in that order: a new tensor of
+    x.shape with this rank's rows along dim (N/P when 2P divides N). One small
+    collective checks that every rank passed the same shape, dtype and dim (a bad input
+    on any rank raises on every rank).
     Backward: zigzag_gather of the gradient."""
     info = resolve_group(group)
     with CheckedOnEveryRank("zigzag_split", info, device_of(x), exchange=True) as checks:
         check_tensor(x, "zigzag_split")
         dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        if x.shape[dim] % (2 * info.world_size) != 0:
-            raise ValueError(
-                f"zigzag_split needs the length along dim {dim} to be divisible by 2 x world size "
-                f"= {2 * info.world_size}, got shape {tuple(x.shape)}"
-            )
         checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
     return _ZigzagSplit.apply(x, dim, group, info)
 
@@ -196,20 +213,16 @@ def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = No
 def zigzag_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full sequence from every rank's zigzag piece (the inverse of zigzag_split).
 
-    x: this rank's piece, chunks r and 2P-1-r concatenated along `dim`; the same shape
-    on every rank, with an even length along dim.
-    Returns x.shape with P times the length along dim, on every rank (one all-to-all
+    x: this rank's piece, chunks r and 2P-1-r concatenated along `dim`, as zigzag_split
+    makes them: the local lengths must be the zigzag pieces of their sum (checked, on
+    every rank); the other dims the same on every rank.
+    Returns x.shape with the full length along dim, on every rank (one all-to-all
     through gather_sequence, plus one small metadata all_gather that checks the ranks
     agree). Backward: each rank keeps its zigzag piece of the gradient."""
     info = resolve_group(group)
     with CheckedOnEveryRank("zigzag_gather", info, device_of(x), exchange=True) as checks:
         check_tensor(x, "zigzag_gather")
         dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        if x.shape[dim] % 2 != 0:
-            raise ValueError(
-                f"zigzag_gather needs an even local length along dim {dim} (two equal chunks), "
-                f"got shape {tuple(x.shape)}"
-            )
         checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :])))
-    _check_equal_lengths(checks.sizes, info, "zigzag_gather", x.shape)
-    return _zigzag_gather(x, dim, group, info)
+    _check_zigzag_lengths(checks.sizes, info, "zigzag_gather", x.shape)
+    return _zigzag_gather(x, dim, group, info, checks.sizes)

@@ -30,22 +30,32 @@ block: the home rank keeps its own (step 0) share; the accumulator starts at ran
 share is added. Each step computes into a scratch buffer first and adds it to the
 received accumulator only then, so that transfer also overlaps the step's compute.
 
+Pieces may differ in length by rank (empty ones too): every buffer has room for the
+largest block, and each exchange sends and receives exactly the blocks' rows. Under
+zigzag the 2P chunks follow torch.tensor_split of the global length.
+
 Which part of a block a step computes (src is the K/V block's home rank):
     non-causal                     every step: all of q x all of the block
     causal, contiguous layout      src == r: causal diagonal; src < r: full; src > r: skip
     causal, zigzag layout          (rank r holds chunks r and 2P-1-r of 2P)
-        step 0                     causal on the whole local block
-        src < r                    all local q x the FIRST half of the block (chunk src)
-        src > r                    the SECOND half of local q (chunk 2P-1-r) x all of it
+        step 0                     causal on the whole local block (its rows are in
+                                   global order: chunk r, then chunk 2P-1-r)
+        src < r                    all local q x the block's FIRST chunk (chunk src)
+        src > r                    local q's SECOND chunk (2P-1-r) x all of the block
     so under zigzag every step costs the same on every rank (ring-flash-attention's
-    zigzag variant). Half-blocks are views (narrow along the sequence).
+    zigzag variant; to a row where the chunks differ by one). Chunks are views (narrow
+    along the sequence). A step with no rows or no keys launches nothing.
 
-Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x (k + v bytes) for
-K|V plus (P-1) x fp32 (dk + dv) for the gradients.
+Bytes sent by rank r, with n_j the rows of rank j and N their sum (rank r never sends
+the block of rank r+1, the last it receives, nor the accumulator of its own block):
+    forward   (N - n_{r+1}) x B x H_kv x D x 2 x element size            (K|V)
+    backward  the same for K|V, plus (N - n_r) x B x H_kv x D x 2 x 4    (fp32 dK|dV)
+With equal pieces: (P-1) x (k + v bytes), and (P-1) x fp32 (dk + dv) more backward.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,21 +78,63 @@ class StepBlock:
     causal: bool
 
 
-def step_block(step: int, rank: int, world_size: int, seqlen: int, causal: bool, zigzag: bool):
+@dataclass(frozen=True)
+class RingPieces:
+    """Where every rank's rows sit in the global sequence.
+
+    lengths[r]: rank r's local length (its K/V block's too).
+    first_chunk[r]: zigzag only, the rows of rank r's first chunk (chunk r of the 2P
+    chunks; its second, chunk 2P-1-r, has the rest). Contiguous: equal to lengths."""
+
+    lengths: tuple[int, ...]
+    first_chunk: tuple[int, ...]
+    zigzag: bool
+
+    @classmethod
+    def of(cls, lengths, zigzag: bool) -> RingPieces:
+        """The pieces of ranks holding `lengths` rows in the contiguous layout, or in the
+        zigzag layout of their sum (chunks as zigzag_chunk_lengths cuts them)."""
+        lengths = tuple(lengths)
+        if not zigzag:
+            return cls(lengths, lengths, False)
+        chunks = zigzag_chunk_lengths(sum(lengths), len(lengths))
+        return cls(lengths, tuple(chunks[: len(lengths)]), True)
+
+
+def zigzag_chunk_lengths(total: int, world_size: int) -> list[int]:
+    """The lengths of the 2P zigzag chunks of a sequence of `total` rows, cut as
+    torch.tensor_split cuts it: the first total % 2P chunks one row longer."""
+    count = 2 * world_size
+    return [total // count + (chunk < total % count) for chunk in range(count)]
+
+
+def zigzag_piece_lengths(total: int, world_size: int) -> list[int]:
+    """Every rank's local length in the zigzag layout of `total` rows: chunks r and 2P-1-r."""
+    chunks = zigzag_chunk_lengths(total, world_size)
+    return [chunks[rank] + chunks[2 * world_size - 1 - rank] for rank in range(world_size)]
+
+
+def step_block(step: int, rank: int, pieces: RingPieces, causal: bool):
     """The StepBlock of ring step `step` on `rank`, or None when the step computes
-    nothing (contiguous causal, block from a later rank). See the module docstring."""
-    src = (rank - step) % world_size
+    nothing (contiguous causal, block from a later rank; an empty piece). See the module
+    docstring."""
+    src = (rank - step) % len(pieces.lengths)
+    seqlen, block_len = pieces.lengths[rank], pieces.lengths[src]
     if not causal:
-        return StepBlock(0, seqlen, seqlen, False)
-    if src == rank:
-        return StepBlock(0, seqlen, seqlen, True)
-    if not zigzag:
-        return StepBlock(0, seqlen, seqlen, False) if src < rank else None
-    half = seqlen // 2
-    if src < rank:  # chunks (src, 2P-1-src): only chunk src precedes both local chunks
-        return StepBlock(0, seqlen, half, False)
-    # src > r: both of the block's chunks precede local chunk 2P-1-r, none precedes chunk r
-    return StepBlock(half, seqlen - half, seqlen, False)
+        block = StepBlock(0, seqlen, block_len, False)
+    elif src == rank:
+        # Zigzag too: the local rows are in global order, chunk r then chunk 2P-1-r.
+        block = StepBlock(0, seqlen, seqlen, True)
+    elif not pieces.zigzag:
+        block = StepBlock(0, seqlen, block_len, False) if src < rank else None
+    elif src < rank:  # chunks (src, 2P-1-src): only chunk src precedes both local chunks
+        block = StepBlock(0, seqlen, pieces.first_chunk[src], False)
+    else:  # src > r: both of the block's chunks precede local chunk 2P-1-r, none chunk r
+        first = pieces.first_chunk[rank]
+        block = StepBlock(first, seqlen - first, block_len, False)
+    if block is None or block.q_len == 0 or block.kv_len == 0:
+        return None
+    return block
 
 
 # ----------------------------------------------------------------------------------
@@ -90,19 +142,32 @@ def step_block(step: int, rank: int, world_size: int, seqlen: int, causal: bool,
 # ----------------------------------------------------------------------------------
 
 
-def _pack_pair(a: torch.Tensor, b: torch.Tensor, dtype=None) -> torch.Tensor:
-    """a and b (same shape, any strides) copied into one flat contiguous buffer."""
+def _pack_pair(a: torch.Tensor, b: torch.Tensor, capacity: int, dtype=None) -> torch.Tensor:
+    """a and b (same shape, any strides) copied into the front of one flat contiguous
+    buffer of `capacity` elements (room for the largest block of the ring)."""
     numel = a.numel()
-    buffer = torch.empty(2 * numel, dtype=dtype or a.dtype, device=a.device)
+    buffer = torch.empty(capacity, dtype=dtype or a.dtype, device=a.device)
     buffer[:numel].view(a.shape).copy_(a)
-    buffer[numel:].view(b.shape).copy_(b)
+    buffer[numel : 2 * numel].view(b.shape).copy_(b)
     return buffer
 
 
 def _unpack_pair(buffer: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two (contiguous) views of a buffer written by _pack_pair."""
-    numel = buffer.numel() // 2
-    return buffer[:numel].view(shape), buffer[numel:].view(shape)
+    """The two (contiguous) views of `shape` at the front of a buffer written by
+    _pack_pair (or laid out like one)."""
+    numel = math.prod(shape)
+    return buffer[:numel].view(shape), buffer[numel : 2 * numel].view(shape)
+
+
+def _block_shape(k: torch.Tensor, length: int) -> tuple[int, ...]:
+    """The shape of a K (or V) block of `length` rows: (B, length, H_kv, D)."""
+    return (k.shape[0], length, *k.shape[2:])
+
+
+def _block_numels(k: torch.Tensor, rank: int, pieces: RingPieces) -> list[int]:
+    """Elements of the K|V (or dK|dV) buffer of the block `rank` holds at each step."""
+    world_size = len(pieces.lengths)
+    return [2 * math.prod(_block_shape(k, pieces.lengths[(rank - step) % world_size])) for step in range(world_size)]
 
 
 # ----------------------------------------------------------------------------------
@@ -110,25 +175,37 @@ def _unpack_pair(buffer: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tenso
 # ----------------------------------------------------------------------------------
 
 
-def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Ring):
+def _pieces(ring, seqlen: int, zigzag: bool, seq_lens) -> RingPieces:
+    lengths = [seqlen] * ring.world_size if seq_lens is None else seq_lens
+    assert len(lengths) == ring.world_size and lengths[ring.rank] == seqlen, (lengths, ring.rank, seqlen)
+    return RingPieces.of(lengths, zigzag)
+
+
+def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
     steps: the per-step kernels (seqpar_kernels.parallel.ring_steps); exchange: makes the
     rings, exchange(group_name, tag) -> comm.ring.Ring or anything with its interface
-    (seqpar_kernels.testing replaces it to time the compute alone)."""
+    (seqpar_kernels.testing replaces it to time the compute alone); seq_lens: every
+    rank's local length (None: all equal to this rank's)."""
     batch, seqlen, heads, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     ring = exchange(group_name, KV_TAG)
-    if q.numel() == 0 or k.numel() == 0:
-        return out.to(q.dtype), lse  # nothing to attend; every rank has the same shapes
+    # Every rank agrees on batch, heads and head dim, so every rank returns here alike;
+    # an empty piece (seqlen 0) still relays the other ranks' blocks below.
+    if batch * heads * k.shape[2] * q.shape[3] == 0:
+        return out.to(q.dtype), lse
     world_size, rank = ring.world_size, ring.rank
-    kv = DoubleBuffer(ring, _pack_pair(k, v)) if world_size > 1 else None
+    pieces = _pieces(ring, seqlen, zigzag, seq_lens)
+    numels = _block_numels(k, rank, pieces)
+    kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if world_size > 1 else None
     for step in range(world_size):
         if step + 1 < world_size:
             kv.post()  # the next block travels while this one is computed
-        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, k.shape)
-        block = step_block(step, rank, world_size, seqlen, causal, zigzag)
+        src = (rank - step) % world_size
+        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, pieces.lengths[src]))
+        block = step_block(step, rank, pieces, causal)
         if block is not None:
             steps.forward(
                 q.narrow(1, block.q_start, block.q_len),
@@ -144,38 +221,46 @@ def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Rin
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, steps, exchange=Ring):
+def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None):
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
-    are its final results. steps, exchange: as in ring_forward."""
-    seqlen = q.shape[1]
+    are its final results. steps, exchange, seq_lens: as in ring_forward."""
+    batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grad_kv_numel = 2 * k.numel()
     fp32 = dict(dtype=torch.float32, device=q.device)
-    own = torch.zeros(grad_kv_numel, **fp32)  # dK|dV of the local block from step 0
+    own = torch.zeros(2 * k.numel(), **fp32)  # dK|dV of the local block from step 0
     ring = exchange(group_name, KV_TAG)
     world_size, rank = ring.world_size, ring.rank
-    if q.numel() == 0 or k.numel() == 0:
+    if batch * heads * k.shape[2] * q.shape[3] == 0:  # as in ring_forward
         return _backward_outputs(dq, own, q, k)
+    pieces = _pieces(ring, seqlen, zigzag, seq_lens)
     delta = steps.prepare_backward(out, dout)
     if world_size > 1:
-        kv = DoubleBuffer(ring, _pack_pair(k, v))
+        numels = _block_numels(k, rank, pieces)
+        capacity = max(numels)
+        kv = DoubleBuffer(ring, _pack_pair(k, v, capacity), numels)
         grad_ring = exchange(group_name, GRAD_KV_TAG)
-        scratch = torch.empty(grad_kv_numel, **fp32)
-        # The travelling accumulator: sent from one, received into the other.
-        travelling, arriving = torch.zeros(grad_kv_numel, **fp32), torch.empty(grad_kv_numel, **fp32)
+        scratch = torch.empty(capacity, **fp32)
+        # The travelling accumulator: sent from one, received into the other. At step
+        # i >= 1 it belongs to the block held at step i (numels[i]); the one received
+        # then belongs to the block of step i + 1, the local one after the last step.
+        travelling, arriving = torch.zeros(capacity, **fp32), torch.empty(capacity, **fp32)
         grad_work = None
     for step in range(world_size):
         if step + 1 < world_size:
             kv.post()
-        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, k.shape)
-        block = step_block(step, rank, world_size, seqlen, causal, zigzag)
+        src = (rank - step) % world_size
+        block_shape = _block_shape(k, pieces.lengths[src])
+        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shape)
+        block = step_block(step, rank, pieces, causal)
         # Step 0: the home share; step 1: starts the accumulator that leaves; later
         # steps: a scratch share, added to the accumulator once it has arrived.
         target = own if step == 0 else travelling if step == 1 else scratch
+        if step == 1:
+            travelling[: numels[1]].zero_()  # a buffer of another block's size before
         if step >= 2 and block is not None:
             scratch.zero_()
         if block is not None:
-            dk_target, dv_target = _unpack_pair(target, k.shape)
+            dk_target, dv_target = _unpack_pair(target, block_shape)
             q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
             kv_rows = lambda x: x.narrow(1, 0, block.kv_len)  # noqa: E731
             steps.backward(
@@ -189,14 +274,15 @@ def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, st
             grad_work.wait()
             travelling, arriving = arriving, travelling
             if block is not None:
-                travelling.add_(scratch)
+                travelling[: numels[step]].add_(scratch[: numels[step]])
         if step >= 1:
-            grad_work = grad_ring.start(travelling, arriving)
+            receives = numels[(step + 1) % world_size]
+            grad_work = grad_ring.start(travelling[: numels[step]], arriving[:receives])
         if step + 1 < world_size:
             kv.advance()
     if world_size > 1:
         grad_work.wait()  # the local block's accumulator is home
-        own.add_(arriving)
+        own.add_(arriving[: own.numel()])
     return _backward_outputs(dq, own, q, k)
 
 

@@ -1,9 +1,13 @@
-"""The unfused baselines: what sequence-parallel code does without seqpar's kernels.
+"""The baselines: what sequence-parallel code does without seqpar's kernels, and the
+single-device attention the ring benchmarks compare with.
 
 Each exchange copies its input into the send layout (permute + contiguous, or
 tensor_split + contiguous + cat), calls dist.all_to_all_single, and copies what arrives
 into the output layout (cat), one collective per tensor. Ours does each side in one
 kernel and sends q, k and v in one collective.
+
+Ring attention's baseline is torch SDPA over the whole sequence on one device (sdpa);
+the GPU step kernel's is SDPA restricted to one backend (bench_ring_step.py: sdpa_with).
 """
 
 from __future__ import annotations
@@ -113,9 +117,22 @@ def unfused_heads_to_sequence(x: torch.Tensor, counter: SentBytes | None = None)
     return torch.cat(recv.unbind(0), dim=2)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """Local attention on (B, h, S, D) q and (B, h_kv, S, D) k/v; returns (B, h, S, D)."""
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """torch SDPA on (B, S, H, D) tensors, passed as (B, H, S, D) views as the ring passes
+    its blocks to aten; returns (B, S, H, D). Ring attention's single-device baseline
+    (over the whole sequence) and, under sdpa_kernel, the step kernel's."""
+    return sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal).transpose(1, 2)
+
+
+def leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Fresh autograd leaves with the tensors' values: the inputs of a candidate whose
+    backward is timed or checked (its gradients w.r.t. them)."""
+    return [tensor.detach().clone().requires_grad_() for tensor in tensors]
 
 
 def unfused_ulysses_attention(

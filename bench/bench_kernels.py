@@ -27,8 +27,9 @@ import torch
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ranges
 
 from bench.baselines import heads_to_front, repeat_kv_heads
+from bench.cases import run_case, timed_row
 from bench.context import Context
-from bench.results import Row, gbps, short_dtype, timed_row
+from bench.rows import Row, gbps, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
 
@@ -166,6 +167,6 @@ def run(ctx: Context) -> list[Row]:
                 ctx.log(f"skipped {case.label(destinations)}: heads do not split evenly")
                 continue
             for bench, measure in (("pack", measure_pack), ("unpack", measure_unpack)):
-                rows.append(ctx.run_case(bench, measure, case, destinations))
+                rows.append(run_case(ctx, bench, measure, case, destinations))
     ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
     return rows

@@ -14,8 +14,9 @@ import torch
 from seqpar_kernels import all_to_all_reshard
 
 from bench.baselines import SentBytes, unfused_reshard
+from bench.cases import exchange_row, run_case
 from bench.context import Context
-from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, short_dtype
+from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -115,5 +116,5 @@ def measure(case: ReshardCase, ctx: Context) -> Row:
 def run(ctx: Context) -> list[Row]:
     rows = []
     for case in cases(ctx):
-        rows.append(ctx.run_case("reshard", measure, case))
+        rows.append(run_case(ctx, "reshard", measure, case))
     return rows

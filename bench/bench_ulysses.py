@@ -19,8 +19,9 @@ import seqpar_kernels.parallel.ulysses as ulysses_module
 from seqpar_kernels import ulysses_attention
 
 from bench.baselines import SentBytes, unfused_ulysses_attention
+from bench.cases import exchange_row, run_case, timed_row
 from bench.context import Context
-from bench.results import OURS_DEFAULT_CALL, Row, exchange_row, short_dtype, timed_row
+from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 
@@ -196,5 +197,5 @@ def run(ctx: Context) -> list[Row]:
         if reason:
             ctx.log(f"skipped {case.label}: {reason}")
             continue
-        rows.append(ctx.run_case(bench, measure, case))
+        rows.append(run_case(ctx, bench, measure, case))
     return rows

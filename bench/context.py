@@ -7,15 +7,12 @@ import gc
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from bench import hardware
-
-if TYPE_CHECKING:
-    from bench.results import Row
+from bench.rows import Row
 
 
 @dataclass
@@ -30,7 +27,8 @@ class Context:
     reps: int  # timed rounds at least; the median is reported
     max_reps: int  # timed rounds at most, for cases cheap enough ...
     seconds_per_case: float  # ... to fill this much time with samples
-    # Every row as it is made (bench/suite.py: rewritten to the results files at once).
+    # Takes every row as bench/cases.py's run_case makes it (bench/suite.py: rewrites the
+    # results files at once).
     record_row: Callable[[Row], None] | None = None
 
     @property
@@ -45,31 +43,6 @@ class Context:
         """Rank 0 prints, flushed at once so progress shows while the run goes on."""
         if self.is_root:
             print(message, flush=True)
-
-    def run_case(self, bench: str | None, measure: Callable[..., Row], case, *extra) -> Row:
-        """The row of one case, measure(case, self, *extra), logged as a progress line and
-        recorded (record_row). A case that raises (no cuDNN, out of memory, a Triton
-        compile error) gives a FAILED row instead, named `bench` (None: the case's own
-        .bench), and the bench goes on with its next case; the run exits non-zero at the
-        end (bench/suite.py)."""
-        from bench.results import failed_row, progress_line, short_dtype
-
-        failed = False
-        try:
-            row = measure(case, self, *extra)
-        except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
-            name = bench or getattr(case, "bench", measure.__name__)
-            dtype = short_dtype(case.dtype) if hasattr(case, "dtype") else ""
-            row = failed_row(self, name, _case_text(case, "label", self, extra), error,
-                             shape=_case_text(case, "shape", self, extra), dtype=dtype)  # fmt: skip
-            self.report_failure(f"{name} {row.case}")
-            failed = True
-        if failed:
-            self.release_memory()  # out of the except block: the traceback's frames are gone
-        self.log(progress_line(row))
-        if self.record_row is not None:
-            self.record_row(row)
-        return row
 
     def report_failure(self, what: str) -> None:
         """Inside an except block: rank 0 prints the traceback (the log is all a remote run
@@ -124,14 +97,3 @@ class Context:
         """(dense bf16 TFLOP/s, source): the spec sheet for known GPUs, else None."""
         return hardware.peak_bf16_tflops(self.device, self.device_name)
 
-
-def _case_text(case, attribute: str, ctx: Context, extra: tuple) -> str:
-    """A case's label or shape, whether a property or a method of the case's world size
-    (ring: label(P)) or of the call's extra argument (kernels: label(destinations))."""
-    value = getattr(case, attribute, "")
-    if callable(value):
-        try:
-            value = value(*extra) if extra else value(ctx.world_size)
-        except Exception:  # noqa: BLE001 - only a name for a row that failed anyway
-            value = ""
-    return str(value)

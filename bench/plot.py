@@ -12,15 +12,12 @@ matplotlib.use("Agg")  # no display: rank 0 may run on a headless node
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from bench.results import (  # noqa: E402
+from bench.rows import KERNEL_BENCHES, RING_ALL, STEP_BENCHES, Row  # noqa: E402
+from bench.targets import (  # noqa: E402
     GPU_BANDWIDTH_TARGET,
     GPU_SPEEDUP_TARGET,
-    KERNEL_BENCHES,
     OVERLAP_TARGET,
-    RING_ALL,
-    STEP_BENCHES,
     ZIGZAG_IDEAL_TARGET,
-    Row,
 )
 
 BENCH_COLORS = {

@@ -3,8 +3,8 @@
 Results survive a failure or a kill partway: rank 0 rewrites the CSV and JSON after every
 case (the PNG comes at the end), and a case that raises (no cuDNN, out of memory, a
 Triton compile error ...) becomes a row whose check is "FAILED <error type>" (the message
-in detail; Context.run_case, which every bench's case loop calls) while the other cases
-go on; the run then exits with status 1.
+in detail; bench/cases.py's run_case, which every bench's case loop calls) while the other
+cases go on; the run then exits with status 1.
 """
 
 from __future__ import annotations
@@ -22,24 +22,30 @@ import torch
 import seqpar_kernels
 from seqpar_kernels._extension import build_info
 
-from bench import bench_kernels, bench_reshard, bench_ring, bench_ulysses, hardware
+from bench import (
+    bench_kernels,
+    bench_reshard,
+    bench_ring,
+    bench_ring_probe,
+    bench_ring_step,
+    bench_ulysses,
+    hardware,
+)
+from bench.cases import failed_row
 from bench.context import Context
 from bench.plot import plot_results
-from bench.results import (
-    Row,
-    failed_row,
-    is_failed,
-    progress_line,
-    summary_table,
-    target_checks,
-    write_results,
-)
+from bench.results import progress_line, summary_table, write_results
+from bench.rows import Row, is_failed
+from bench.targets import target_checks
 
+# The benchmark families, one module each, under the names --only selects them by: each
+# name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
+# (GPU) its step kernel alone and the single-GPU overlap probe.
 BENCHES = {
-    "reshard": bench_reshard.run,
-    "ulysses": bench_ulysses.run,
-    "kernels": bench_kernels.run,
-    "ring": bench_ring.run,
+    "reshard": (bench_reshard,),
+    "ulysses": (bench_ulysses,),
+    "kernels": (bench_kernels,),
+    "ring": (bench_ring, bench_ring_step, bench_ring_probe),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -126,10 +132,12 @@ class ResultsFiles:
 
 def run_bench(ctx: Context, name: str, results: ResultsFiles) -> None:
     """One bench, its rows into results as they are made (a case that raises is a FAILED
-    row: Context.run_case); an error outside its cases stops only this bench."""
+    row: bench/cases.py's run_case); an error outside its cases stops only this bench
+    (all of its modules' remaining cases)."""
     ctx.record_row = results.add
     try:
-        BENCHES[name](ctx)
+        for family in BENCHES[name]:
+            family.run(ctx)
         return
     except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
         row = failed_row(ctx, name, BENCH_STOPPED, error)

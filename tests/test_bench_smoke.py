@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 from bench import hardware
-from bench.results import Row, failed_row, is_failed, progress_line, summary_table, target_checks
+from bench.cases import failed_row
+from bench.results import progress_line, summary_table
+from bench.rows import Row, is_failed
+from bench.targets import target_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,7 +180,8 @@ def test_step_bench_drops_a_baseline_that_computes_wrong():
     # error rule must not become the baseline (its speed would mean nothing).
     import torch
 
-    from bench.bench_ring import StepCase, check_step, sdpa
+    from bench.baselines import sdpa
+    from bench.bench_ring_step import StepCase, check_step
 
     case = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=False)
     generator = torch.Generator().manual_seed(0)

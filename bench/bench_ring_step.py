@@ -1,0 +1,226 @@
+"""(GPU) The ring's step kernel alone against SDPA's flash and cuDNN backends.
+
+Rows (bench column):
+  ring-step-fwd   one forward step (attention_step_forward) merging into a running fp32
+                  (out, lse), as in the ring, full or causal
+  ring-step-bwd   one backward step (attention_backward_preprocess +
+                  attention_step_backward)
+against SDPA restricted to each backend (sdpa_kernel), the faster of those that run the
+case within the accuracy rule (the baseline); TFLOP/s of both (FLOPs: forward 4 B H S^2
+D, backward 2.5x that, causal half) and ours as a fraction of the spec-sheet dense bf16
+peak. check: ours against the exact fp64 result on the first head, by the tests'
+accuracy rule with the trusted baseline's error in the yardstick (bench/verify.py:
+accuracy_verdict).
+
+Rank 0 runs the cases on its GPU while the other ranks wait; on CPU nothing runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.baselines import leaves, sdpa
+from bench.cases import run_on_one_gpu, timed_row
+from bench.context import Context
+from bench.rows import Row, short_dtype
+from bench.timing import time_side_by_side
+from bench.verify import Accuracy, accuracy_verdict, chunked_attention, within_error_rule
+from tests.reference import ERROR_FACTOR, max_error
+
+
+@dataclass(frozen=True)
+class StepCase:
+    batch: int
+    seqlen: int  # q and k/v rows of the one step
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    causal: bool
+    backward: bool
+
+    @property
+    def bench(self) -> str:
+        return "ring-step-bwd" if self.backward else "ring-step-fwd"
+
+    @property
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"{mask} S={self.seqlen} D={self.head_dim} {short_dtype(self.dtype)}"
+
+    @property
+    def shape(self) -> str:
+        return f"B={self.batch} S_q=S_k={self.seqlen} H={self.heads} D={self.head_dim}"
+
+    @property
+    def flops(self) -> float:
+        """Matmul FLOPs: forward 2 matmuls (4 B H S^2 D), backward 2.5x (5 matmuls, the
+        recomputation of the scores included), as flash-attention counts; causal half."""
+        forward = 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim
+        return forward * (2.5 if self.backward else 1.0) * (0.5 if self.causal else 1.0)
+
+
+def step_cases(ctx: Context) -> list[StepCase]:
+    """S = 4K, 8K, 16K, D = 128, bf16, 32 heads (--quick: 512 rows, 4 heads)."""
+    seqlens, heads = ((512,), 4) if ctx.quick else ((4096, 8192, 16384), 32)
+    cases = []
+    for backward in (False, True):
+        for seqlen in seqlens:
+            for causal in (False, True):
+                cases.append(StepCase(1, seqlen, heads, 128, torch.bfloat16, causal, backward))
+    return cases
+
+
+def sdpa_backends():
+    """{name: SDPBackend} of the SDPA kernels the step kernel is compared with."""
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def sdpa_with(backend, q, k, v, causal):
+    """SDPA restricted to one backend: raises (never falls back) when it cannot run."""
+    with sdpa_kernel([backend]):
+        return sdpa(q, k, v, causal)
+
+
+def usable_backends(case: StepCase, q, k, v) -> tuple[dict, list[str]]:
+    """The SDPA backends that run this case, and why the others cannot (said in the
+    row's detail and the log: a missing backend must not pass unnoticed). Raises when
+    none runs."""
+    usable, missing = {}, []
+    for name, backend in sdpa_backends().items():
+        try:
+            inputs = leaves(q, k, v) if case.backward else (q, k, v)
+            out = sdpa_with(backend, *inputs, case.causal)
+            if case.backward:  # a backend may run forward only
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+        except RuntimeError as error:
+            missing.append(f"{name} unavailable: {str(error).strip().splitlines()[0][:160]}")
+        else:
+            usable[name] = backend
+    if not usable:
+        raise RuntimeError(f"no SDPA backend among {list(sdpa_backends())} runs {case.shape}: {missing}")
+    return usable, missing
+
+
+def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
+    """{"ours": fn, <backend name>: fn, ...}, each fn returning what it computes: the
+    forward output, or (dq, dk, dv). Ours is one ring step from a fresh running
+    (out, lse) = (0, -inf); its backward includes the delta = rowsum(dout * out) pass
+    (SDPA's backward computes its own)."""
+    # Imported here, where a GPU runs the kernels: the module imports Triton, which a
+    # CPU-only install may lack (seqpar_kernels imports it as lazily).
+    from seqpar_kernels.kernels import attention_step_launch as kernels
+
+    mode = kernels.MASK_CAUSAL if case.causal else kernels.MASK_FULL
+    scale = 1.0 / math.sqrt(case.head_dim)
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape, **fp32)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), **fp32)
+    kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    out_low, final_lse = out.to(q.dtype), lse.clone()  # the backward's saved results
+    if not case.backward:  # the forward's first (checked) call starts from scratch
+        out.zero_()
+        lse.fill_(float("-inf"))
+    dq, dk, dv = torch.zeros(q.shape, **fp32), torch.zeros(k.shape, **fp32), torch.zeros(v.shape, **fp32)
+
+    # Timed calls do not reset the running results (that would add passes over fp32
+    # tensors SDPA does not make): each forward merges the same block again, as a later
+    # ring step merges into a running (out, lse) (out stays, lse grows by ln 2); each
+    # backward adds to dq, dk, dv. The first call (the check's) starts from scratch.
+    def ours_forward():
+        kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+        return [out]
+
+    def ours_backward():
+        delta = kernels.attention_backward_preprocess(out_low, dout)
+        kernels.attention_step_backward(q, k, v, out_low, dout, final_lse, delta, dq, dk, dv,
+                                        softmax_scale=scale, mask_mode=mode)  # fmt: skip
+        return [dq, dk, dv]
+
+    candidates = {"ours": ours_backward if case.backward else ours_forward}
+    for name, backend in backends.items():
+        if case.backward:
+            inputs = leaves(q, k, v)
+            graph = sdpa_with(backend, *inputs, case.causal)  # the backward runs the same backend
+
+            def theirs(graph=graph, inputs=inputs):
+                return list(torch.autograd.grad(graph, inputs, dout, retain_graph=True))
+        else:
+
+            def theirs(backend=backend):
+                return [sdpa_with(backend, q, k, v, case.causal)]
+
+        candidates[name] = theirs
+    return candidates
+
+
+def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accuracy, list[str], list[str]]:
+    """Every candidate against the exact result on the first head.
+
+    Returns ours' verdict (accuracy_verdict's rule, SDPA error from the first trusted
+    backend), the SDPA backends trusted as baselines, and a note for each one that is
+    not: a backend outside the accuracy rule with plain torch as the yardstick
+    (within_error_rule) is not timed against, so a broken baseline cannot make ours
+    look slow or fast."""
+    head = slice(0, 1)
+    results = {name: [t[:, :, head] for t in fn()] for name, fn in candidates.items()}
+    names = ["dq", "dk", "dv"] if case.backward else ["out"]
+    subset = (q[:, :, head], k[:, :, head], v[:, :, head], dout[:, :, head] if case.backward else None)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    exact, lse_magnitude = chunked_attention(*subset, case.causal, scale, torch.float64)
+    plains, _ = chunked_attention(*subset, case.causal, scale, case.dtype)
+    if case.backward:
+        exact, plains = exact[1:], plains[1:]
+    trusted, untrusted = [], []
+    for backend in (name for name in candidates if name != "ours"):
+        errors = [(name, max_error(theirs, truth), max_error(plain, truth), truth)
+                  for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
+        wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
+                 for name, error, plain_error, truth in errors
+                 if not within_error_rule(error, plain_error, truth, lse_magnitude, case.dtype)]
+        if wrong:
+            untrusted.append(f"{backend} not used as a baseline: {', '.join(wrong)}")
+        else:
+            trusted.append(backend)
+    if not trusted:
+        raise RuntimeError(f"no SDPA backend computes {case.shape} within the error rule: {untrusted}")
+    accuracy = accuracy_verdict(results["ours"], plains, results[trusted[0]], exact, lse_magnitude,
+                                names, case.dtype)  # fmt: skip
+    return accuracy, trusted, untrusted
+
+
+def measure_step(case: StepCase, ctx: Context) -> Row:
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    q, k, v, dout = (ctx.random(shape, case.dtype, seed) for seed in (20, 21, 22, 23))
+    backends, missing = usable_backends(case, q, k, v)
+    for reason in missing:
+        ctx.log(f"WARNING {case.bench} {case.label}: {reason}")
+    candidates = step_candidates(case, backends, q, k, v, dout)
+    accuracy, trusted, untrusted = check_step(case, candidates, q, k, v, dout)
+    for note in untrusted:
+        ctx.log(f"WARNING {case.bench} {case.label}: {note}")
+    candidates = {name: fn for name, fn in candidates.items() if name == "ours" or name in trusted}
+    timings = time_side_by_side(candidates, ctx, collective=False)
+    tflops = {name: case.flops / timing.median_s / 1e12 for name, timing in timings.items()}
+    best = max(trusted, key=lambda name: tflops[name])
+    timings["baseline"] = timings[best]
+    peak, peak_source = ctx.peak_flops
+    rates = ", ".join(f"{name} {tflops[name]:.3g}" for name in trusted)
+    detail = "; ".join([f"TFLOP/s: ours {tflops['ours']:.3g}, {rates}; baseline = {best}",
+                        *missing, *untrusted, accuracy.detail])  # fmt: skip
+    return timed_row(
+        ctx, timings,
+        bench=case.bench, case=case.label, shape=case.shape, dtype=short_dtype(case.dtype),
+        check=accuracy.check, error_vs_plain=accuracy.vs_plain,
+        ours_tflops=tflops["ours"], baseline_tflops=tflops[best],
+        peak_tflops=peak, peak_tflops_source=peak_source,
+        ours_fraction_of_peak_tflops=None if peak is None else tflops["ours"] / peak,
+        detail=detail,
+    )  # fmt: skip
+
+
+def run(ctx: Context) -> list[Row]:
+    return run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)

@@ -1,0 +1,97 @@
+"""The result row: one case's CSV columns, the benchmark names it can carry, and the
+small conversions its fields use. Imports nothing from bench/: every other module may
+import it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Row.bench of the families whose rows read differently from a fused-vs-unfused row
+# (progress lines, the summary, the targets, the plot).
+KERNEL_BENCHES = ("pack", "unpack")  # bench_kernels.py: the kernels alone, no collective
+RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single-device SDPA
+STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
+PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap probe
+RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
+# The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
+# the error is in the detail column.
+FAILED = "FAILED"
+# The timing candidate name for ours called without sizes (see Row.ours_default_call_s).
+OURS_DEFAULT_CALL = "ours default call"
+
+
+@dataclass
+class Row:
+    """One case: ours and the baseline measured side by side. CSV columns in this order."""
+
+    bench: str  # reshard | ulysses | ulysses-exchange | pack | unpack | ring | ring-train | ...
+    case: str  # short label, e.g. "S->T bf16"
+    shape: str  # the case's shapes
+    dtype: str
+    world_size: int
+    backend: str
+    device: str
+    ours_s: float
+    baseline_s: float
+    speedup: float  # baseline_s / ours_s: above 1, ours is faster
+    ours_faster_share: float  # fraction of rounds in which ours beat the baseline
+    noise: float  # the larger interquartile range / median of the two timings
+    reps: int  # timed rounds (one call of each candidate); the medians are over these
+    check: str  # do ours and the baseline agree: "identical", "max err 1e-3", "MISMATCH ..."
+    # Ours as a user calls it by default, with the ranks' sizes exchanged inside the
+    # call (one small extra collective); ours_s passes the sizes, as the baseline
+    # implicitly does (it assumes even sizes). Empty where not measured.
+    ours_default_call_s: float | None = None
+    bytes_sent_ours: int | None = None  # comm_stats().bytes_sent on rank 0
+    bytes_sent_theory: int | None = None  # the formula's value on rank 0
+    volume_at_theory: bool | None = None  # measured == theory on every rank
+    bytes_sent_baseline: int | None = None  # counted around the baseline's collectives
+    gbps_basis: str = ""  # which bytes the GB/s columns divide by the time
+    ours_gbps: float | None = None
+    baseline_gbps: float | None = None
+    peak_gbps: float | None = None  # memory bandwidth reference (kernels rows)
+    peak_source: str = ""  # "spec sheet" or "measured large copy"
+    ours_fraction_of_peak: float | None = None
+    # Ring attention (bench_ring.py, bench_ring_step.py, bench_ring_probe.py); empty
+    # elsewhere. In ring / ring-train rows ours is the ring on P ranks and the baseline
+    # single-device SDPA of the whole sequence.
+    layout: str = ""  # contiguous | zigzag
+    ideal_s: float | None = None  # baseline_s / P: a perfectly parallel ring
+    time_ratio: float | None = None  # ours_s / ideal_s: 1.0 is ideal
+    compute_only_s: float | None = None  # the ring with its exchange removed
+    exchange_only_s: float | None = None  # the ring's exchanges alone (probe: the copies)
+    overlap_efficiency: float | None = None  # compute_only_s / ours_s
+    # No overlap: compute_only_s + exchange_only_s, each timed on its own (so without the
+    # ring's step-by-step coupling of the ranks); probe: measured (copy on the compute stream).
+    serial_s: float | None = None
+    compute_per_step_s: float | None = None  # compute_only_s / steps
+    transfer_per_step_s: float | None = None  # exchange_only_s / exchanges
+    ours_tflops: float | None = None  # ring-step rows: matmul FLOPs / time
+    baseline_tflops: float | None = None  # SDPA's best backend
+    peak_tflops: float | None = None  # spec-sheet dense bf16
+    peak_tflops_source: str = ""
+    ours_fraction_of_peak_tflops: float | None = None
+    # Largest error / plain torch's error in the same dtype, against an exact result
+    # (the flash-attention rule: at most targets.FLASH_RULE_FACTOR).
+    error_vs_plain: float | None = None
+    detail: str = ""  # per-case notes: errors against the exact result, backends ...
+
+
+CSV_COLUMNS = [field.name for field in dataclasses.fields(Row)]
+
+
+def is_failed(row: Row) -> bool:
+    return row.check.startswith(FAILED)
+
+
+def short_dtype(dtype) -> str:
+    """torch.bfloat16 -> "bf16", as the case labels spell dtypes."""
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+    name = str(dtype).removeprefix("torch.")
+    return names.get(name, name)
+
+
+def gbps(num_bytes: int, seconds: float) -> float | None:
+    """num_bytes / seconds in GB/s; None when nothing moved (world size 1 sends nothing)."""
+    return num_bytes / seconds / 1e9 if num_bytes and seconds > 0 else None

@@ -141,7 +141,7 @@ def _device_target(device_index):
 # local lengths that are a multiple of 16; other lengths compile to other
 # variants, a few of which spill 1 to 4 accesses in a loop (docs/tuning.md).
 # No GPU has timed these tiles yet: the ring-step-fwd/bwd rows of
-# `python -m bench` (bench/bench_ring.py) time them against SDPA on one.
+# `python -m bench` (bench/bench_ring_step.py) time them against SDPA on one.
 _FP32_TILES = (16, 32, 8, 2)
 _FP32_NARROW_TILES = (16, 16, 8, 2)
 _TILES = {

@@ -17,6 +17,7 @@ import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
 from seqpar_kernels.testing import ring_attention_with_step_kernels
+from triton_interpreter import runs_triton_on
 
 
 def _same(x):
@@ -155,6 +156,7 @@ def test_cpu_paths_take_any_layout(ranks, path, causal):
     assert not failures, "\n".join(failures)
 
 
+@runs_triton_on("cpu")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_ring_takes_any_layout(ranks, causal):
     if ranks.world_size != 3:

@@ -24,6 +24,7 @@ from seqpar_kernels.kernels import attention_step_kernels as kernels  # noqa: E4
 from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
 from seqpar_kernels.parallel.checks import check_launchable  # noqa: E402
+from triton_interpreter import runs_triton_on  # noqa: E402
 MASK_FULL, MASK_CAUSAL = launchers.MASK_FULL, launchers.MASK_CAUSAL
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,6 +107,7 @@ def _ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32):
 # ----------------------------------------------------------------------------
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize(
     "h, hk, d, mode, sq, sk, q_transposed",
     [
@@ -136,6 +138,7 @@ def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "h, hk, d, mode, sq, sk",
@@ -166,6 +169,7 @@ def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
 # ----------------------------------------------------------------------------
 
 
+@runs_triton_on(DEVICE)
 def test_forward_merge_three_steps_matches_full_attention():
     torch.manual_seed(2)
     b, sq, h, hk, d = 2, 17, 4, 2, 64
@@ -183,6 +187,7 @@ def test_forward_merge_three_steps_matches_full_attention():
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
 
+@runs_triton_on(DEVICE)
 def test_forward_merge_strided_kv_and_garbage_initial_out():
     # K/V with a head-dim stride of 2 and a batch-major permutation; the initial
     # out holds NaN garbage (torch.empty-like): lse = -inf must make it ignored.
@@ -204,6 +209,7 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_large_logits(dtype):
     # q scaled by 40: logits of several hundred; naive exp would overflow.
@@ -228,6 +234,7 @@ def test_forward_large_logits(dtype):
 # ----------------------------------------------------------------------------
 
 
+@runs_triton_on(DEVICE)
 def test_fully_masked_rows_stay_untouched():
     torch.manual_seed(5)
     b, sq, h, hk, d = 1, 17, 2, 2, 64
@@ -258,6 +265,7 @@ def test_fully_masked_rows_stay_untouched():
     assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
 
 
+@runs_triton_on(DEVICE)
 def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     torch.manual_seed(6)
     b, sq, h, hk, d = 1, 17, 2, 1, 64
@@ -303,6 +311,7 @@ def test_backward_preprocess():
     torch.testing.assert_close(delta.double(), want, atol=1e-5, rtol=0)
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize(
     "h, hk, d, full_lens",
     [
@@ -318,6 +327,7 @@ def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
     _check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the CUDA tiles in every test")
 @pytest.mark.parametrize("tiles", step_tiles.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
 def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
@@ -328,6 +338,7 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     _check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
 
 
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
 def test_forward_with_and_without_the_split_sweep(monkeypatch, split_sweep):
     # Triton 3.8+ compiles the forward with its unmasked sweep split off, older
@@ -386,6 +397,7 @@ def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
     torch.testing.assert_close(dv_all.double(), vr.grad, atol=1e-4, rtol=0)
 
 
+@runs_triton_on(DEVICE)
 def test_backward_bf16_single_causal_step():
     # Low-precision inputs (P and dS are rounded to bf16 before the products,
     # as in flash-attention): check against the fp64 reference loosely.

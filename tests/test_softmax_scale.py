@@ -13,6 +13,7 @@ import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 from seqpar_kernels.testing import ring_attention_with_step_kernels
+from triton_interpreter import runs_triton_on
 
 SCALES = (0.0, -0.3, -1.0, 0.25)
 B, H, H_KV, D, S_LOCAL = 1, 4, 2, 8, 4
@@ -53,7 +54,9 @@ def run_scales(path):
     return errors
 
 
-@pytest.mark.parametrize("path", ["ring", "ring-zigzag", "ring-triton", "ulysses"])
+@pytest.mark.parametrize(
+    "path", ["ring", "ring-zigzag", pytest.param("ring-triton", marks=runs_triton_on("cpu")), "ulysses"]
+)
 def test_any_finite_scale_is_exact(ranks, path):
     if path == "ring-triton" and ranks.world_size not in (1, 2):
         pytest.skip("the interpreter is slow: world sizes 1 and 2")

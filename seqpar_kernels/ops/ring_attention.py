@@ -9,6 +9,8 @@ seqpar_kernels/parallel/ring.py. Tests: tests/test_ring_attention.py.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from seqpar_kernels.ops.all_to_all import register_as_collective
@@ -26,7 +28,7 @@ def ring_attention_forward(
     zigzag: bool,
     group_name: str,
     step_kernels: str,
-    seq_lens: list[int],
+    seq_lens: List[int],  # typing.List: torch 2.6's schema inference knows no list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's q over the K/V of every rank of the group.
 
@@ -66,7 +68,7 @@ def ring_attention_backward(
     zigzag: bool,
     group_name: str,
     step_kernels: str,
-    seq_lens: list[int],
+    seq_lens: List[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ring_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV

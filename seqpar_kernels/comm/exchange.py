@@ -15,6 +15,14 @@ from seqpar_kernels.comm.plan import offsets
 from seqpar_kernels.ops import all_to_all_single, pack_blocks, unpack_blocks
 from seqpar_kernels.ops.block_copy import block_numel
 
+# torch.compile traces an autograd.Function's backward refusing Tensor.is_contiguous on
+# its tensors in torch 2.6 ("Illegal getattr invocation is_contiguous in strict mode",
+# from split_sequence's backward, which gathers with exchange_blocks); 2.7.1, 2.8.0,
+# 2.13.0 and 2.14.1 trace it (measured, fullgraph). Under torch.compile on 2.6 the send
+# side therefore always packs: right for any strides, one copy more for an input that
+# is already laid out as the send buffer.
+COMPILE_READS_CONTIGUITY = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+
 
 def _rank_split_sizes(shapes, split_dims, lengths, world_size) -> list[int]:
     """Elements per rank of a buffer laid out as pack_blocks writes it."""
@@ -52,6 +60,7 @@ def exchange_blocks(
     recv_splits = _rank_split_sizes(out_shapes, recv_dims, recv_lengths, world_size)
     if (
         len(inputs) == 1
+        and (COMPILE_READS_CONTIGUITY or not torch.compiler.is_compiling())
         and inputs[0].is_contiguous()
         and _ranges_tile_memory(in_shapes[0], send_dims[0], send_starts, send_lengths)
     ):

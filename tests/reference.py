@@ -85,7 +85,10 @@ def sdpa(q, k, v, causal=False, scale=None):
     contiguous copies: the layout models hand it, for which torch runs its fused (flash)
     kernel. Which backend SDPA runs depends on the layout it is given, and its math
     backend is exact where the flash backward cancels (a one-hot softmax), so the
-    yardstick fixes the layout. A negative or zero scale is given as the same scores
+    yardstick fixes the layout. GQA/MQA kv heads are repeated, not passed with
+    enable_gqa: on the CPU torch 2.6 runs its math backend for enable_gqa (dk exact to
+    1e-11 on one-hot rows, where the flash backward errs by 2.2e-3), 2.13 and 2.14 the
+    flash kernel either way. A negative or zero scale is given as the same scores
     with a positive one (-q, or zero q with scale 1): SDPA's CPU kernel masks causal
     scores before scaling them and returns NaN otherwise."""
     scale = default_scale(q) if scale is None else scale
@@ -93,10 +96,11 @@ def sdpa(q, k, v, causal=False, scale=None):
         q, scale = -q, -scale
     elif scale == 0:
         q, scale = q * 0, 1.0
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(
-        *(t.transpose(1, 2).contiguous() for t in (q, k, v)),
-        is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-    )  # fmt: skip
+        *(t.transpose(1, 2).contiguous() for t in (q, k, v)), is_causal=causal, scale=scale
+    )
     return out.transpose(1, 2), None
 
 

@@ -5,6 +5,7 @@ on every rank.
         ...local checks, which raise ValueError...
         checks.share(local_size, agreed)
     checks.sizes                        every rank's local size
+    checks.extras                       every rank's `extra` ints (extra_count=, share(extra=))
 
 Local checks (no communication):
     normalize_dim(dim, ndim, name, shape)   a dim argument in [0, ndim)
@@ -50,7 +51,8 @@ class CheckedOnEveryRank:
     raised still joins it, and a second gather, run only then, brings every bad rank's
     message, so the others raise naming the bad ranks and their reasons (the bad ranks
     raise their own error). Ranks whose metadata differ raise alike. `sizes` then holds
-    every rank's local size.
+    every rank's local size, and `extras` every rank's `extra_count` further ints (what
+    a caller must learn from every rank besides the size: 0s from a rank that raised).
 
     exchange=False (the caller passed the sizes, or check_ranks=False) skips the
     collective unless SEQPAR_DEBUG=1: a local error then raises on its rank only, and
@@ -58,16 +60,23 @@ class CheckedOnEveryRank:
     torch.compile (sizes cannot be read while tracing). On NCCL the gather synchronises
     the host with the GPU (`data_device`: the input's GPU, see metadata_device)."""
 
-    def __init__(self, describe: str, group: GroupInfo, data_device: torch.device | None, exchange: bool):
+    def __init__(
+        self, describe: str, group: GroupInfo, data_device: torch.device | None, exchange: bool, extra_count: int = 0
+    ):
         self.describe, self.group, self.data_device = describe, group, data_device
         self.exchange = (
             (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
         )
         self.local_size, self.agreed = 0, None
+        # The same count on every rank (a rank that raises before share() sends 0s), so
+        # every rank's row of the gather has the same length.
+        self.local_extra = [0] * extra_count
         self.sizes: list[int] | None = None
+        self.extras: list[list[int]] | None = None
 
-    def share(self, local_size: int, agreed) -> None:
-        self.local_size, self.agreed = local_size, agreed
+    def share(self, local_size: int, agreed, extra: Sequence[int] = ()) -> None:
+        assert len(extra) == len(self.local_extra), (len(extra), len(self.local_extra))
+        self.local_size, self.agreed, self.local_extra = local_size, agreed, [int(value) for value in extra]
 
     def __enter__(self) -> CheckedOnEveryRank:
         return self
@@ -75,10 +84,11 @@ class CheckedOnEveryRank:
     def __exit__(self, error_type, error, traceback) -> bool:
         if not self.exchange:
             self.sizes = [self.local_size] * self.group.world_size
+            self.extras = [self.local_extra] * self.group.world_size
             return False  # a local error raises on this rank
         failed = error is not None
         rows = all_gather_ints(
-            [self.local_size, 0 if failed else _fingerprint(self.agreed), int(failed)],
+            [self.local_size, 0 if failed else _fingerprint(self.agreed), int(failed), *self.local_extra],
             self.group.name, self.data_device,
         )  # fmt: skip
         bad_ranks = [rank for rank, row in enumerate(rows) if row[2]]
@@ -93,6 +103,7 @@ class CheckedOnEveryRank:
         if any(row[1] != rows[0][1] for row in rows):
             raise ValueError(f"{self.describe}: {self._disagreement(rows)}")
         self.sizes = [row[0] for row in rows]
+        self.extras = [row[3:] for row in rows]
         return False
 
     def _disagreement(self, rows: list[list[int]]) -> str:

@@ -21,15 +21,21 @@ receives exactly the kv heads its q heads read (a kv head shared by q heads on s
 ranks is sent to each of them); K/V are never repeated. The backward is the autograd
 of the pack/exchange/unpack ops, each the adjoint of the other: gradients of a kv head
 sent to several ranks are summed in fp32.
+
+The two exchanges, sequence_to_heads and heads_to_sequence (with the UlyssesPlan that
+says who holds which rows and heads), are also the Ulysses half of USP
+(seqpar_kernels/parallel/usp.py), which runs a ring between them instead of SDPA.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar_kernels.comm.groups import resolve_group
+from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
 from seqpar_kernels.parallel.checks import (
@@ -88,6 +94,77 @@ def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
+@dataclass(frozen=True)
+class UlyssesPlan:
+    """Who holds what around a Ulysses exchange over P ranks. Before: rank r holds rows
+    [seq_starts[r], +seq_lens[r]) of the sequence, all heads. After: rank r holds the
+    whole sequence (sum(seq_lens) rows) of q heads [head_starts[r], +head_counts[r])
+    (torch.tensor_split of num_heads) and of the kv heads they read, [kv_starts[r],
+    +kv_counts[r]) (ranges of ranks may overlap: a kv head serving q heads on several
+    ranks goes to each)."""
+
+    num_heads: int
+    seq_lens: list[int]
+    seq_starts: list[int]
+    head_starts: list[int]
+    head_counts: list[int]
+    kv_starts: list[int]
+    kv_counts: list[int]
+
+    @classmethod
+    def of(cls, seq_lens: list[int], num_heads: int, num_kv_heads: int) -> UlyssesPlan:
+        """The plan of ranks holding seq_lens rows each, of num_heads q heads reading
+        num_kv_heads kv heads (num_heads % num_kv_heads == 0)."""
+        head_starts, head_counts = tensor_split_ranges(num_heads, len(seq_lens))
+        kv_starts, kv_counts = kv_head_ranges(head_starts, head_counts, num_heads, num_kv_heads)
+        return cls(num_heads, list(seq_lens), offsets(seq_lens), head_starts, head_counts, kv_starts, kv_counts)
+
+
+def sequence_to_heads(q, k, v, plan: UlyssesPlan, info: GroupInfo):
+    """Sequence-sharded -> head-sharded: q, k and v in one exchange.
+
+    q: (B, S_r, H, D), k, v: (B, S_r, H_kv, D), this rank's rows, any strides.
+    Returns q (B, S, n, D) and k, v (B, S, n_kv, D): the whole sequence (S rows, in
+    rank order) of this rank's heads in the plan, stored (B, n, S, D) in memory (what
+    SDPA and the CPU flash kernels read without a copy)."""
+    batch, _, _, head_dim = q.shape
+    total_len = sum(plan.seq_lens)
+    my_heads, my_kv_heads = plan.head_counts[info.rank], plan.kv_counts[info.rank]
+    return exchange_blocks(
+        [q, k, v], [2, 2, 2],
+        interleave([plan.head_starts, plan.kv_starts, plan.kv_starts]),
+        interleave([plan.head_counts, plan.kv_counts, plan.kv_counts]),
+        [
+            (batch, total_len, my_heads, head_dim),
+            (batch, total_len, my_kv_heads, head_dim),
+            (batch, total_len, my_kv_heads, head_dim),
+        ],
+        [1, 1, 1],
+        interleave([plan.seq_starts] * 3),
+        interleave([plan.seq_lens] * 3),
+        info,
+        out_dim_orders=[HEADS_MAJOR] * 3,
+    )  # fmt: skip
+
+
+def heads_to_sequence(x: torch.Tensor, plan: UlyssesPlan, info: GroupInfo, seq_dim: int = 1, heads_dim: int = 2):
+    """Head-sharded -> sequence-sharded: the reverse of sequence_to_heads for one tensor.
+
+    x: the whole sequence (along seq_dim) of this rank's q heads in the plan (along
+    heads_dim), any strides: out (B, S, n, D) with the defaults, an lse (B, n, S) with
+    seq_dim=2, heads_dim=1.
+    Returns this rank's rows of all plan.num_heads heads, contiguous: (B, S_r, H, D),
+    or (B, H, S_r) for the lse."""
+    out_shape = list(x.shape)
+    out_shape[seq_dim], out_shape[heads_dim] = plan.seq_lens[info.rank], plan.num_heads
+    (out,) = exchange_blocks(
+        [x], [seq_dim], plan.seq_starts, plan.seq_lens,
+        [out_shape], [heads_dim], plan.head_starts, plan.head_counts,
+        info,
+    )  # fmt: skip
+    return out
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,45 +202,16 @@ def ulysses_attention(
             seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
         checks.share(local_len, (batch, num_heads, k.shape[2], head_dim, causal, q.dtype, scale, seq_lens))
     seq_lens = checks.sizes if seq_lens is None else seq_lens
-    num_kv_heads = k.shape[2]
-    total_len = sum(seq_lens)
-    seq_starts = offsets(seq_lens)
-    head_starts, head_counts = tensor_split_ranges(num_heads, info.world_size)
-    kv_starts, kv_counts = kv_head_ranges(head_starts, head_counts, num_heads, num_kv_heads)
-    my_heads, my_kv_heads = head_counts[info.rank], kv_counts[info.rank]
+    plan = UlyssesPlan.of(seq_lens, num_heads, k.shape[2])
     q, scale = fold_scale_sign(q, scale)
-
-    # Sequence-sharded -> head-sharded: one exchange for q, k and v.
-    q_heads, k_heads, v_heads = exchange_blocks(
-        [q, k, v], [2, 2, 2],
-        interleave([head_starts, kv_starts, kv_starts]),
-        interleave([head_counts, kv_counts, kv_counts]),
-        [
-            (batch, total_len, my_heads, head_dim),
-            (batch, total_len, my_kv_heads, head_dim),
-            (batch, total_len, my_kv_heads, head_dim),
-        ],
-        [1, 1, 1],
-        interleave([seq_starts] * 3),
-        interleave([seq_lens] * 3),
-        info,
-        out_dim_orders=[HEADS_MAJOR] * 3,
-    )  # fmt: skip
-
+    q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
     out_heads = _local_attention(
         q_heads.transpose(1, 2),
         k_heads.transpose(1, 2),
         v_heads.transpose(1, 2),
-        head_starts[info.rank],
-        num_heads // num_kv_heads,
+        plan.head_starts[info.rank],
+        num_heads // k.shape[2],
         causal,
         scale,
     )  # (B, n, S, D)
-
-    # Head-sharded -> sequence-sharded.
-    (out,) = exchange_blocks(
-        [out_heads.transpose(1, 2)], [1], seq_starts, seq_lens,
-        [(batch, local_len, num_heads, head_dim)], [2], head_starts, head_counts,
-        info,
-    )  # fmt: skip
-    return out
+    return heads_to_sequence(out_heads.transpose(1, 2), plan, info)  # (B, S_r, H, D)

@@ -4,6 +4,7 @@ Public API:
     all_to_all_reshard, split_sequence, gather_sequence   (DSP and friends)
     ulysses_attention                                      (DeepSpeed-Ulysses)
     ring_attention, zigzag_split, zigzag_gather            (ring attention)
+    usp_attention, usp_split, usp_gather, make_usp_groups  (USP: Ulysses inside a ring)
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
@@ -13,6 +14,7 @@ from seqpar_kernels.comm.stats import comm_stats
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,5 +25,9 @@ __all__ = [
     "ring_attention",
     "zigzag_split",
     "zigzag_gather",
+    "usp_attention",
+    "usp_split",
+    "usp_gather",
+    "make_usp_groups",
     "comm_stats",
 ]

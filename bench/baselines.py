@@ -129,6 +129,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
     return sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal).transpose(1, 2)
 
 
+def single_device_attention(q, k, v, dout, causal: bool, backward: bool) -> list[torch.Tensor]:
+    """torch SDPA over the whole sequence on this device: [out], or [out, dq, dk, dv]
+    with dout as the output's gradient (backward), detached: the fused yardstick that
+    sequence-parallel attention is judged with (bench/verify.py: judge_attention)."""
+    if not backward:
+        with torch.no_grad():
+            return [sdpa(q, k, v, causal)]
+    q, k, v = leaves(q, k, v)
+    out = sdpa(q, k, v, causal)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
 def leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Fresh autograd leaves with the tensors' values: the inputs of a candidate whose
     backward is timed or checked (its gradients w.r.t. them)."""

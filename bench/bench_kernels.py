@@ -167,6 +167,6 @@ def run(ctx: Context) -> list[Row]:
                 ctx.log(f"skipped {case.label(destinations)}: heads do not split evenly")
                 continue
             for bench, measure in (("pack", measure_pack), ("unpack", measure_unpack)):
-                rows.append(run_case(ctx, bench, measure, case, destinations))
+                rows += run_case(ctx, bench, measure, case, destinations)
     ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
     return rows

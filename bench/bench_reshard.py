@@ -116,5 +116,5 @@ def measure(case: ReshardCase, ctx: Context) -> Row:
 def run(ctx: Context) -> list[Row]:
     rows = []
     for case in cases(ctx):
-        rows.append(run_case(ctx, "reshard", measure, case))
+        rows += run_case(ctx, "reshard", measure, case)
     return rows

@@ -32,7 +32,7 @@ result (computed chunk by chunk, never S x S at once), ours is within the tests'
 rule (tests/reference.py: at most 2x the error of torch in the same dtype, plain
 attention or fused SDPA, whichever errs more, plus about a unit of roundoff at the
 tensor's magnitude), for out and, in ring-train, dq, dk and dv; "MISMATCH ..."
-otherwise (bench/verify.py: accuracy_verdict). error_vs_plain: the flash-attention
+otherwise (bench/verify.py: judge_attention). error_vs_plain: the flash-attention
 rule's measure (the ring tests' yardstick), ours' error / plain torch's, at most 2 by
 that rule (judged in the summary, apart from check). The errors (ours, plain, SDPA) are
 in the detail column. On GPU the check covers the first kv head and its group of q heads
@@ -53,13 +53,13 @@ from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT, step_kernels_for
 from seqpar_kernels.testing import ReplacedExchange
 
-from bench.baselines import leaves, sdpa
-from bench.cases import run_case, timed_row
+from bench.baselines import leaves, sdpa, single_device_attention
+from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
 from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, run_driver
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
-from bench.verify import Accuracy, accuracy_verdict, chunked_attention, measure_volume
+from bench.verify import Accuracy, checked_heads, judge_attention, measure_volume
 
 REFERENCE_NOTE = (
     "reference = torch SDPA over the whole sequence, run by every rank at once (slowest "
@@ -69,33 +69,10 @@ REFERENCE_NOTE = (
 
 
 @dataclass(frozen=True)
-class RingCase:
-    batch: int
-    local_len: int  # S_l, each rank's rows; the sequence has P x S_l
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    layout: str  # "contiguous" | "zigzag"
-    causal: bool
-    backward: bool  # forward + backward (ring-train) or forward only (ring)
-
+class RingCase(AttentionCase):
     @property
     def bench(self) -> str:
         return "ring-train" if self.backward else "ring"
-
-    @property
-    def attention(self) -> str:
-        return "MHA" if self.kv_heads == self.heads else ("MQA" if self.kv_heads == 1 else "GQA")
-
-    def label(self, world_size: int) -> str:
-        mask = "causal" if self.causal else "full"
-        return (f"{self.layout[:6]} {mask} {self.attention} S={world_size * self.local_len} "
-                f"{short_dtype(self.dtype)}")  # fmt: skip
-
-    def shape(self, world_size: int) -> str:
-        return (f"B={self.batch} S={world_size * self.local_len} (S_l={self.local_len}) "
-                f"H={self.heads} H_kv={self.kv_heads} D={self.head_dim}")  # fmt: skip
 
 
 def ring_cases(ctx: Context) -> list[RingCase]:
@@ -146,16 +123,6 @@ def rows_of(rank: int, world_size: int, local_len: int, layout: str, device) -> 
                       torch.arange(second * half, (second + 1) * half, device=device)])  # fmt: skip
 
 
-def full_inputs(case: RingCase, ctx: Context):
-    """q (B, S, H, D), k, v (B, S, H_kv, D) and dout of the whole sequence: the same on
-    every rank (seeded), so that every rank can run the reference."""
-    seqlen = ctx.world_size * case.local_len
-    q_shape = (case.batch, seqlen, case.heads, case.head_dim)
-    kv_shape = (case.batch, seqlen, case.kv_heads, case.head_dim)
-    return (ctx.random(q_shape, case.dtype, 10), ctx.random(kv_shape, case.dtype, 11),
-            ctx.random(kv_shape, case.dtype, 12), ctx.random(q_shape, case.dtype, 13))  # fmt: skip
-
-
 def gather_rows(local: torch.Tensor, case: RingCase, ctx: Context) -> torch.Tensor | None:
     """Every rank's (B, S_l, ...) piece put back in sequence order, on rank 0 (None
     elsewhere). A plain all_gather, not seqpar's gather: the check trusts no seqpar code."""
@@ -169,35 +136,14 @@ def gather_rows(local: torch.Tensor, case: RingCase, ctx: Context) -> torch.Tens
     return full
 
 
-def check_heads(case: RingCase, ctx: Context) -> tuple[slice, slice]:
-    """(q heads, kv heads) the check covers: all on CPU; on GPU the first kv head and
-    its group of q heads (dK/dV of that kv head depend on no other q head)."""
-    if not ctx.on_gpu:
-        return slice(None), slice(None)
-    return slice(0, case.heads // case.kv_heads), slice(0, 1)
-
-
 def check_ring(case, ctx, full, ours_local, scale) -> Accuracy:
-    """Gathers ours to rank 0 and judges it there (accuracy_verdict)."""
-    q, k, v, dout = full
+    """Gathers ours to rank 0 and judges it there (judge_attention)."""
     gathered = [gather_rows(tensor, case, ctx) for tensor in ours_local]
     if not ctx.is_root:
         return Accuracy("(checked on rank 0)", "", math.nan)
-    qh, kvh = check_heads(case, ctx)
-    names, heads = (["out", "dq", "dk", "dv"], [qh, qh, kvh, kvh]) if case.backward else (["out"], [qh])
-    if case.backward:
-        q_, k_, v_ = leaves(q, k, v)
-        out = sdpa(q_, k_, v_, case.causal)
-        sdpas = [out, *torch.autograd.grad(out, (q_, k_, v_), dout)]
-    else:
-        with torch.no_grad():
-            sdpas = [sdpa(q, k, v, case.causal)]
-    subset = (q[:, :, qh], k[:, :, kvh], v[:, :, kvh], dout[:, :, qh] if case.backward else None)
-    exact, lse_magnitude = chunked_attention(*subset, case.causal, scale, torch.float64)
-    plains, _ = chunked_attention(*subset, case.causal, scale, case.dtype)
-    ours = [tensor[:, :, h] for tensor, h in zip(gathered, heads)]
-    sdpas = [tensor.detach()[:, :, h] for tensor, h in zip(sdpas, heads)]
-    return accuracy_verdict(ours, plains, sdpas, exact, lse_magnitude, names, case.dtype)
+    sdpas = single_device_attention(*full, case.causal, case.backward)
+    heads = checked_heads(ctx.on_gpu, case.heads, case.kv_heads)
+    return judge_attention(gathered, sdpas, full, case.causal, scale, heads)
 
 
 def theory_bytes(case: RingCase, ctx: Context) -> int:
@@ -239,7 +185,7 @@ def exchange_only(case: RingCase, ctx: Context, group_name: str):
 
 
 def measure_ring(case: RingCase, ctx: Context) -> Row:
-    full = full_inputs(case, ctx)
+    full = case.full_inputs(ctx)
     rows = local_rows(case, ctx)
     q, k, v, dout = (tensor.index_select(1, rows) for tensor in full)
     scale = 1.0 / math.sqrt(case.head_dim)
@@ -314,7 +260,7 @@ def run(ctx: Context) -> list[Row]:
         if reason:
             ctx.log(f"skipped {case.bench} {case.label(ctx.world_size)}: {reason}")
             continue
-        rows.append(run_case(ctx, None, measure_ring, case))
+        rows += run_case(ctx, None, measure_ring, case)
     return rows
 
 

@@ -197,5 +197,5 @@ def run(ctx: Context) -> list[Row]:
         if reason:
             ctx.log(f"skipped {case.label}: {reason}")
             continue
-        rows.append(run_case(ctx, bench, measure, case))
+        rows += run_case(ctx, bench, measure, case)
     return rows

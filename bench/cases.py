@@ -1,11 +1,15 @@
 """Making a case's row and running a case: every benchmark's case loop calls run_case,
 which measures the case (its row from timed_row or exchange_row), or records a FAILED row
-when it raises, prints the progress line and hands the row to the suite at once."""
+when it raises, prints the progress line and hands the row to the suite at once. And the
+case of the benches of sequence-parallel attention over P ranks (ring, USP)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from bench.context import Context
 from bench.results import progress_line
@@ -14,28 +18,32 @@ from bench.timing import Timing, share_faster
 from bench.verify import Volume
 
 
-def run_case(ctx: Context, bench: str | None, measure: Callable[..., Row], case, *extra) -> Row:
-    """The row of one case, measure(case, ctx, *extra), logged as a progress line and
+def run_case(ctx: Context, bench: str | None, measure: Callable[..., Row | list[Row]], case,
+             *extra) -> list[Row]:  # fmt: skip
+    """The rows of one case, measure(case, ctx, *extra) (one row, or a list where a case
+    measures several candidates side by side), each logged as a progress line and
     recorded (ctx.record_row). A case that raises (no cuDNN, out of memory, a Triton
-    compile error) gives a FAILED row instead, named `bench` (None: the case's own
+    compile error) gives one FAILED row instead, named `bench` (None: the case's own
     .bench), and the bench goes on with its next case; the run exits non-zero at the
     end (bench/suite.py)."""
     failed = False
     try:
-        row = measure(case, ctx, *extra)
+        measured = measure(case, ctx, *extra)
+        rows = measured if isinstance(measured, list) else [measured]
     except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
         name = bench or getattr(case, "bench", measure.__name__)
         dtype = short_dtype(case.dtype) if hasattr(case, "dtype") else ""
         row = failed_row(ctx, name, _case_text(case, "label", ctx, extra), error,
                          shape=_case_text(case, "shape", ctx, extra), dtype=dtype)  # fmt: skip
         ctx.report_failure(f"{name} {row.case}")
-        failed = True
+        rows, failed = [row], True
     if failed:
         ctx.release_memory()  # out of the except block: the traceback's frames are gone
-    ctx.log(progress_line(row))
-    if ctx.record_row is not None:
-        ctx.record_row(row)
-    return row
+    for row in rows:
+        ctx.log(progress_line(row))
+        if ctx.record_row is not None:
+            ctx.record_row(row)
+    return rows
 
 
 def run_on_one_gpu(ctx: Context, benches: str, bench: str | None, measure: Callable[..., Row],
@@ -46,7 +54,7 @@ def run_on_one_gpu(ctx: Context, benches: str, bench: str | None, measure: Calla
     if not ctx.on_gpu:
         ctx.log(f"{benches}: GPU only (not run on CPU)")
         return []
-    rows = [run_case(ctx, bench, measure, case) for case in cases(ctx)] if ctx.is_root else []
+    rows = [row for case in cases(ctx) for row in run_case(ctx, bench, measure, case)] if ctx.is_root else []
     ctx.barrier()
     return rows
 
@@ -110,3 +118,42 @@ def _case_text(case, attribute: str, ctx: Context, extra: tuple) -> str:
         except Exception:  # noqa: BLE001 - only a name for a row that failed anyway
             value = ""
     return str(value)
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """Attention over P ranks, each holding S_l rows of a sequence of S = P x S_l (the
+    sequence grows with P) in `layout`; forward, or forward + backward. A bench's
+    subclass names its rows (bench)."""
+
+    batch: int
+    local_len: int  # S_l, each rank's rows; the sequence has P x S_l
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    layout: str  # "contiguous" | "zigzag"
+    causal: bool
+    backward: bool  # forward + backward, or forward only
+
+    @property
+    def attention(self) -> str:
+        return "MHA" if self.kv_heads == self.heads else ("MQA" if self.kv_heads == 1 else "GQA")
+
+    def label(self, world_size: int) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"{self.layout[:6]} {mask} {self.attention} S={world_size * self.local_len} "
+                f"{short_dtype(self.dtype)}")  # fmt: skip
+
+    def shape(self, world_size: int) -> str:
+        return (f"B={self.batch} S={world_size * self.local_len} (S_l={self.local_len}) "
+                f"H={self.heads} H_kv={self.kv_heads} D={self.head_dim}")  # fmt: skip
+
+    def full_inputs(self, ctx: Context):
+        """q (B, S, H, D), k, v (B, S, H_kv, D) and dout of the whole sequence: the same
+        on every rank (seeded), so that every rank can run the reference."""
+        seqlen = ctx.world_size * self.local_len
+        q_shape = (self.batch, seqlen, self.heads, self.head_dim)
+        kv_shape = (self.batch, seqlen, self.kv_heads, self.head_dim)
+        return (ctx.random(q_shape, self.dtype, 10), ctx.random(kv_shape, self.dtype, 11),
+                ctx.random(kv_shape, self.dtype, 12), ctx.random(q_shape, self.dtype, 13))  # fmt: skip

@@ -1,6 +1,6 @@
 """The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
-kernel's TFLOP/s against SDPA's."""
+kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # no display: rank 0 may run on a headless node
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from bench.rows import KERNEL_BENCHES, RING_ALL, STEP_BENCHES, Row  # noqa: E402
+from bench.rows import KERNEL_BENCHES, RING_ALL, STEP_BENCHES, USP_BENCHES, Row, usp_grid_label  # noqa: E402
 from bench.targets import (  # noqa: E402
     GPU_BANDWIDTH_TARGET,
     GPU_SPEEDUP_TARGET,
@@ -173,21 +173,89 @@ def _plot_step_tflops(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.set_title("ring step kernel (one step) vs SDPA", pad=PAD_FOR_LEGEND)
 
 
+# USP: a color per Ulysses degree U (the grid U x R of a run's world), in the order they come.
+GRID_COLORS = ("tab:blue", "tab:purple", "tab:red", "tab:orange", "tab:olive", "tab:cyan")
+USP_GAP = 0.6  # blank space between two cases' bars
+
+
+def _usp_positions(rows: list[Row]) -> list[float]:
+    """A bar per row, a case's grids next to each other, a gap between cases."""
+    positions, position, previous = [], 0.0, None
+    for row in rows:
+        case = (row.bench, row.case.removesuffix(" " + usp_grid_label(row.ulysses_degree, row.ring_degree)))
+        if previous is not None and case != previous:
+            position += USP_GAP
+        positions.append(position)
+        position, previous = position + 1, case
+    return positions
+
+
+def _grid_name(row: Row) -> str:
+    kind = "pure ring" if row.ulysses_degree == 1 else ("pure Ulysses" if row.ring_degree == 1 else "hybrid")
+    return f"{usp_grid_label(row.ulysses_degree, row.ring_degree)} ({kind})"
+
+
+def _usp_axis(axis, positions: list[float], labels: list[str], title: str) -> None:
+    axis.set_yticks(positions, labels, fontsize=7)
+    axis.invert_yaxis()
+    _legend_on_top(axis)
+    axis.set_title(title, pad=PAD_FOR_LEGEND)
+
+
+def _plot_usp_times(axis, rows: list[Row]) -> None:
+    """Each grid's median time per call, the grids of a case side by side (fwd: usp,
+    fwd + bwd: usp-train), with x = its baseline / it."""
+    positions = _usp_positions(rows)
+    degrees = list(dict.fromkeys(row.ulysses_degree for row in rows))
+    for degree, color in zip(degrees, GRID_COLORS):
+        mine = [(position, row) for position, row in zip(positions, rows) if row.ulysses_degree == degree]
+        axis.barh([p for p, _ in mine], [row.ours_s * 1e3 for _, row in mine], 0.8,
+                  color=color, label=_grid_name(mine[0][1]))  # fmt: skip
+        for position, row in mine:
+            axis.text(row.ours_s * 1e3, position, f" {row.ours_s * 1e3:.1f} ms x{row.speedup:.2f}",
+                      va="center", fontsize=6)  # fmt: skip
+    axis.set_xlim(0, max(row.ours_s for row in rows) * 1e3 * 1.35)
+    axis.set_xlabel("ms per call (median); x = baseline / this grid (hybrid: the faster pure grid)")
+    _usp_axis(axis, positions, [f"{row.bench}: {row.case}" for row in rows],
+              "USP: time per degree split U x R, forward (usp) and forward + backward (usp-train)")  # fmt: skip
+
+
+def _plot_usp_bytes(axis, rows: list[Row]) -> None:
+    """Bytes rank 0 sent per call in each group, stacked: the Ulysses all-to-all, then the
+    ring; the bars line up with the time panel's (labelled by grid only)."""
+    positions = _usp_positions(rows)
+    largest = max((row.bytes_sent_ulysses_group or 0) + (row.bytes_sent_ring_group or 0) for row in rows)
+    unit, scale = ("MiB", 2**20) if largest >= 2**20 else ("KiB", 2**10)
+    ulysses = [(row.bytes_sent_ulysses_group or 0) / scale for row in rows]
+    ring = [(row.bytes_sent_ring_group or 0) / scale for row in rows]
+    axis.barh(positions, ulysses, 0.8, color="tab:orange", label="Ulysses group (all-to-all)")
+    axis.barh(positions, ring, 0.8, left=ulysses, color="tab:blue", label="ring group (point to point)")
+    for position, row, first, second in zip(positions, rows, ulysses, ring):
+        verdict = "" if row.volume_at_theory else " != theory"
+        axis.text(first + second, position, f" {first:.3g} + {second:.3g}{verdict}", va="center", fontsize=6)
+    axis.set_xlim(0, max(largest / scale, 1e-9) * 1.4)
+    axis.set_xlabel(f"{unit} sent by rank 0 per call: Ulysses group + ring group (comm_stats; "
+                    "every rank at the formulas unless marked)")  # fmt: skip
+    _usp_axis(axis, positions, [usp_grid_label(row.ulysses_degree, row.ring_degree) for row in rows],
+              "USP: bytes sent per group")  # fmt: skip
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
-    general = [row for row in rows if row.bench not in RING_ALL]
+    general = [row for row in rows if row.bench not in RING_ALL and row.bench not in USP_BENCHES]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
+    usp = [row for row in rows if row.bench in USP_BENCHES]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels.
-    panel_rows = [len(panel) for panel in (general, ring, steps) if panel] or [0]
+    # the step kernels; USP.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps):
+    if general or not (ring or steps or usp):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -199,6 +267,10 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
         left, right = next(line)
         _plot_step_tflops(left, steps, on_gpu)
         right.set_axis_off()
+    if usp:
+        left, right = next(line)
+        _plot_usp_times(left, usp)
+        _plot_usp_bytes(right, usp)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

@@ -9,7 +9,7 @@ import io
 import json
 from pathlib import Path
 
-from bench.rows import CSV_COLUMNS, FAILED, PROBE_BENCH, RING_ALL, STEP_BENCHES, Row, is_failed
+from bench.rows import CSV_COLUMNS, FAILED, PROBE_BENCH, RING_ALL, STEP_BENCHES, USP_BENCHES, Row, is_failed
 from bench.targets import Check
 
 
@@ -78,12 +78,30 @@ def _ring_progress_line(row: Row) -> str:
     return " | ".join(parts)
 
 
+def usp_line(row: Row) -> str:
+    """The part of a USP row's line that says how it went (progress and summary): the
+    speed against its baseline, what it is compared with (the first two parts of the
+    detail column, bench_usp.py's), the bytes per group."""
+    compared = "; ".join(row.detail.split("; ")[:2])
+    sent = (f"Ulysses group {_bytes(row.bytes_sent_ulysses_group)} + ring group "
+            f"{_bytes(row.bytes_sent_ring_group)} " + ("= theory" if row.volume_at_theory else
+                                                       f"!= theory {_bytes(row.bytes_sent_theory)}"))  # fmt: skip
+    parts = [f"x{row.speedup:5.2f} (won {row.ours_faster_share:4.0%}; {compared})", sent]
+    if row.error_vs_plain is not None:
+        parts.append(f"err {row.error_vs_plain:.1f}x plain torch's")
+    return ", ".join(parts)
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
         return f"{row.bench:<16} {row.case:<32} {FAILED}: {row.detail}"
     if row.bench in RING_ALL:
         return _ring_progress_line(row)
+    if row.bench in USP_BENCHES:
+        first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
+                 f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
+        return " | ".join([first, usp_line(row), row.check])
     parts = [
         f"{row.bench:<16} {row.case:<32} ours {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
         f"  x{row.speedup:5.2f} (ours faster in {row.ours_faster_share:4.0%} of {row.reps} rounds, "
@@ -102,24 +120,41 @@ def progress_line(row: Row) -> str:
     return " | ".join(parts)
 
 
+def _ring_summary(row: Row) -> str:
+    return ring_line(row) + (f"  {_sent(row)}" if row.bytes_sent_theory is not None else "")
+
+
+def _usp_summary(row: Row) -> str:
+    return f"{_ms(row.ours_s):>11}  {usp_line(row)}"
+
+
+# The summary's sections for the benches whose rows read differently from a
+# fused-vs-unfused row: (benches, heading, what a row's line says, case column width).
+SUMMARY_SECTIONS = (
+    (RING_ALL, "Ring (ratio = ring time / (single-device time / P): 1.0 ideal; overlap = compute-only "
+     "time / ring time; serial est. = compute only / (compute only + exchange only), timed apart; "
+     "probe: serial measured)", _ring_summary, 32),
+    (USP_BENCHES, "USP (one row per grid U x R of the ranks, all of a case timed side by side; x = "
+     "baseline time / this grid's: a hybrid's baseline is the faster pure grid, a pure grid's the "
+     "other pure grid)", _usp_summary, 48),
+)  # fmt: skip
+
+
 def summary_table(rows: list[Row], checks: list[Check]) -> str:
     lines = ["", "Summary (x = baseline time / ours: above 1 ours is faster; won = share of paired "
              "rounds in which ours was faster)"]  # fmt: skip
     failed = [row for row in rows if is_failed(row)]
     rows = [row for row in rows if not is_failed(row)]
     for row in rows:
-        if row.bench in RING_ALL:
+        if row.bench in RING_ALL or row.bench in USP_BENCHES:
             continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")
-    ring = [row for row in rows if row.bench in RING_ALL]
-    if ring:
-        lines += ["", "Ring (ratio = ring time / (single-device time / P): 1.0 ideal; overlap = "
-                  "compute-only time / ring time; serial est. = compute only / (compute only + "
-                  "exchange only), timed apart; probe: serial measured)"]  # fmt: skip
-        for row in ring:
-            sent = f"  {_sent(row)}" if row.bytes_sent_theory is not None else ""
-            lines.append(f"  {row.bench:<16} {row.case:<32} {ring_line(row)}{sent}  {row.check}")
+    for benches, heading, describe, width in SUMMARY_SECTIONS:
+        section = [row for row in rows if row.bench in benches]
+        if section:
+            lines += ["", heading]
+            lines += [f"  {row.bench:<16} {row.case:<{width}} {describe(row)}  {row.check}" for row in section]
     if failed:
         lines += ["", f"FAILED ({len(failed)} cases raised; the run goes on and exits non-zero)"]
         lines += [f"  {row.bench:<16} {row.case:<32} {row.detail}" for row in failed]

@@ -14,6 +14,7 @@ RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single
 STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
 PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap probe
 RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
+USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid U x R of the ranks
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -25,7 +26,7 @@ OURS_DEFAULT_CALL = "ours default call"
 class Row:
     """One case: ours and the baseline measured side by side. CSV columns in this order."""
 
-    bench: str  # reshard | ulysses | ulysses-exchange | pack | unpack | ring | ring-train | ...
+    bench: str  # reshard | ulysses | ulysses-exchange | pack | unpack | ring | ring-train | usp | ...
     case: str  # short label, e.g. "S->T bf16"
     shape: str  # the case's shapes
     dtype: str
@@ -75,6 +76,12 @@ class Row:
     # Largest error / plain torch's error in the same dtype, against an exact result
     # (the flash-attention rule: at most targets.FLASH_RULE_FACTOR).
     error_vs_plain: float | None = None
+    # USP (bench_usp.py): the row's grid, U Ulysses ranks per ring slot x R ring slots,
+    # and the bytes rank 0 sent in each group (their sum is bytes_sent_ours); empty elsewhere.
+    ulysses_degree: int | None = None
+    ring_degree: int | None = None
+    bytes_sent_ulysses_group: int | None = None
+    bytes_sent_ring_group: int | None = None
     detail: str = ""  # per-case notes: errors against the exact result, backends ...
 
 
@@ -90,6 +97,11 @@ def short_dtype(dtype) -> str:
     names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
     name = str(dtype).removeprefix("torch.")
     return names.get(name, name)
+
+
+def usp_grid_label(ulysses_degree: int, ring_degree: int) -> str:
+    """How a USP row's case label ends: "U2xR2" (the plot groups a case's grids by the rest)."""
+    return f"U{ulysses_degree}xR{ring_degree}"
 
 
 def gbps(num_bytes: int, seconds: float) -> float | None:

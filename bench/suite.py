@@ -29,6 +29,7 @@ from bench import (
     bench_ring_probe,
     bench_ring_step,
     bench_ulysses,
+    bench_usp,
     hardware,
 )
 from bench.cases import failed_row
@@ -40,12 +41,14 @@ from bench.targets import target_checks
 
 # The benchmark families, one module each, under the names --only selects them by: each
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
-# (GPU) its step kernel alone and the single-GPU overlap probe.
+# (GPU) its step kernel alone and the single-GPU overlap probe; "usp" every grid U x R
+# of the P ranks, pure Ulysses, pure ring and the hybrids.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
     "kernels": (bench_kernels,),
     "ring": (bench_ring, bench_ring_step, bench_ring_probe),
+    "usp": (bench_usp,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -94,6 +97,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
     }
     if "ring" in only:
         metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
+    if "usp" in only:
+        metadata["usp_baseline"] = bench_usp.BASELINE_NOTE
     return metadata
 
 
@@ -167,7 +172,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
         f"{', quick' if ctx.quick else ''}"
     )
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
-            "all_to_all_single); x = baseline time / ours (ring: see its own note)")  # fmt: skip
+            "all_to_all_single); x = baseline time / ours (ring, usp: see their own notes)")  # fmt: skip
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")

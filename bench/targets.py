@@ -8,7 +8,7 @@ never asserted.
     CPU: fused no slower than unfused          speedup >= 1 (the fused-vs-unfused benches)
     GPU: pack/unpack                           >= GPU_BANDWIDTH_TARGET of peak memory
                                                bandwidth and >= GPU_SPEEDUP_TARGET x unfused
-    ring: error                                <= FLASH_RULE_FACTOR x plain torch's
+    ring, USP: error                           <= FLASH_RULE_FACTOR x plain torch's
     ring: zigzag                               >= ZIGZAG_IDEAL_TARGET of ideal (single device / P)
     ring: overlap efficiency                   >= OVERLAP_TARGET where step compute > transfer
     GPU: step kernel                           forward / backward >= STEP_TARGETS x SDPA's best
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.rows import KERNEL_BENCHES, RING_ALL, RING_BENCHES, Row, is_failed
+from bench.rows import KERNEL_BENCHES, RING_ALL, RING_BENCHES, USP_BENCHES, Row, is_failed
 from tests.reference import ERROR_FACTOR
 
 # On a GPU the pack/unpack kernels should reach this fraction of the memory bandwidth
@@ -75,7 +75,8 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     target = "CPU: fused no slower than unfused"
     if on_gpu:
         return Check(target, "n/a (GPU run)", "")
-    rows = [row for row in rows if row.bench not in RING_ALL]  # no unfused baseline there
+    # No unfused baseline in the ring's and USP's rows.
+    rows = [row for row in rows if row.bench not in RING_ALL and row.bench not in USP_BENCHES]
     if not rows:
         return Check(target, "n/a (not run)", "")
     not_slower = [row for row in rows if row.speedup >= 1.0]
@@ -117,10 +118,10 @@ def _zigzag_check(rows: list[Row]) -> Check:
 
 
 def _flash_rule_check(rows: list[Row]) -> Check:
-    target = f"ring: error <= {FLASH_RULE_FACTOR:g}x plain torch's (flash-attention rule)"
+    target = f"ring, USP: error <= {FLASH_RULE_FACTOR:g}x plain torch's (flash-attention rule)"
     judged = [row for row in rows if row.error_vs_plain is not None]
     if not judged:
-        return Check(target, "n/a (ring not run)", "")
+        return Check(target, "n/a (ring, USP not run)", "")
     met = [row for row in judged if row.error_vs_plain <= FLASH_RULE_FACTOR]
     detail = f"{_count(met, judged)}; " + _worst(
         judged, lambda row: -row.error_vs_plain, lambda row: f"{row.error_vs_plain:.1f}x"

@@ -1,8 +1,8 @@
 """Checks made once per case before timing: do ours and the baseline agree (data
 movement: bit for bit; attention: within the tests' accuracy rule against an exact
 result), and does ours send exactly the theoretical volume. agreement and measure_volume
-run on every rank and their verdict covers all; the attention check (accuracy_verdict)
-judges the tensors it is given."""
+run on every rank and their verdict covers all; the attention check (judge_attention,
+accuracy_verdict) judges the tensors it is given."""
 
 from __future__ import annotations
 
@@ -155,6 +155,34 @@ def accuracy_verdict(ours, plains, sdpas, exact, lse_magnitude: float, names, dt
     if math.isnan(vs_plain):
         vs_plain = math.inf
     return Accuracy(verdict, "; ".join(details), vs_plain)
+
+
+def checked_heads(on_gpu: bool, heads: int, kv_heads: int) -> tuple[slice, slice]:
+    """(q heads, kv heads) an attention check covers: all on CPU; on GPU the first kv
+    head and its group of q heads (dK/dV of that kv head depend on no other q head; the
+    exact reference of every head at GPU lengths would take minutes)."""
+    if not on_gpu:
+        return slice(None), slice(None)
+    return slice(0, heads // kv_heads), slice(0, 1)
+
+
+def judge_attention(ours, sdpas, full, causal: bool, scale: float, heads: tuple[slice, slice]) -> Accuracy:
+    """accuracy_verdict of sequence-parallel attention gathered whole: ours and sdpas
+    ([out] or [out, dq, dk, dv] over the whole sequence; sdpas from torch SDPA on one
+    device) against the exact result of full = (q, k, v, dout), for the q and kv heads
+    in `heads` (checked_heads), with plain attention in the inputs' dtype as the
+    other yardstick."""
+    q, k, v, dout = full
+    q_heads, kv_heads = heads
+    backward = len(ours) > 1
+    names = ["out", "dq", "dk", "dv"][: len(ours)]
+    per_tensor = [q_heads, q_heads, kv_heads, kv_heads][: len(ours)]
+    subset = (q[:, :, q_heads], k[:, :, kv_heads], v[:, :, kv_heads], dout[:, :, q_heads] if backward else None)
+    exact, lse_magnitude = chunked_attention(*subset, causal, scale, torch.float64)
+    plains, _ = chunked_attention(*subset, causal, scale, q.dtype)
+    ours = [tensor[:, :, h] for tensor, h in zip(ours, per_tensor)]
+    sdpas = [tensor[:, :, h] for tensor, h in zip(sdpas, per_tensor)]
+    return accuracy_verdict(ours, plains, sdpas, exact, lse_magnitude, names, q.dtype)
 
 
 def within_error_rule(error: float, yardstick: float, truth: torch.Tensor, lse_magnitude: float,

@@ -36,6 +36,17 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert all(row["check"] in ("identical", "matches") for row in rows), rows
     assert {row["bench"] for row in rows} >= {"ring", "ring-train"}
     assert all(row["volume_at_theory"] == "True" for row in rows if row["volume_at_theory"]), rows
+    # USP: every grid of the 4 ranks (pure ring 1x4, hybrid 2x2, pure Ulysses 4x1), forward
+    # and forward + backward, each matching the exact reference (so they agree with each
+    # other), its bytes split between the two groups (none in a group of one rank).
+    usp = [row for row in rows if row["bench"] in ("usp", "usp-train")]
+    grids = {(row["bench"], int(row["ulysses_degree"]), int(row["ring_degree"])) for row in usp}
+    assert grids == {(bench, u, 4 // u) for bench in ("usp", "usp-train") for u in (1, 2, 4)}, usp
+    assert all(row["check"] == "matches" for row in usp), usp
+    for row in usp:
+        ulysses, ring = int(row["bytes_sent_ulysses_group"]), int(row["bytes_sent_ring_group"])
+        assert ulysses + ring == int(row["bytes_sent_ours"]) > 0, row
+        assert (ulysses == 0) == (row["ulysses_degree"] == "1") and (ring == 0) == (row["ring_degree"] == "1"), row
 
 
 # A run with failures injected (python -c, patches made before the ranks fork): the

@@ -234,10 +234,9 @@ def _plot_usp_bytes(axis, rows: list[Row]) -> None:
         verdict = "" if row.volume_at_theory else " != theory"
         axis.text(first + second, position, f" {first:.3g} + {second:.3g}{verdict}", va="center", fontsize=6)
     axis.set_xlim(0, max(largest / scale, 1e-9) * 1.4)
-    axis.set_xlabel(f"{unit} sent by rank 0 per call: Ulysses group + ring group (comm_stats; "
-                    "every rank at the formulas unless marked)")  # fmt: skip
+    axis.set_xlabel(f"{unit} sent by rank 0 per call (comm_stats): Ulysses + ring group")
     _usp_axis(axis, positions, [usp_grid_label(row.ulysses_degree, row.ring_degree) for row in rows],
-              "USP: bytes sent per group")  # fmt: skip
+              "USP: bytes sent per group (marked where not at the formulas)")  # fmt: skip
 
 
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:

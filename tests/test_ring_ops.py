@@ -257,6 +257,8 @@ def zigzag_round_trip():
         results[f"gather {case}"] = torch.equal(gathered, full)
         (gathered * weights).sum().backward()
         results[f"gather grad {case}"] = torch.equal(leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size))
+        sizes = zigzag_piece_lengths(total, world_size)
+        results[f"gather with sizes {case}"] = torch.equal(sp.zigzag_gather(piece.detach(), dim, sizes=sizes), full)
     # End to end: zigzag pieces of full q/k/v -> causal ring attention -> gathered out
     # equals attention over the full sequence (2P dividing the length or not).
     for seqlen_local in (4, 3):

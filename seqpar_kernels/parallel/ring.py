@@ -20,6 +20,8 @@ raises on every rank instead of leaving some waiting in the ring.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -210,19 +212,27 @@ def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = No
     return _ZigzagSplit.apply(x, dim, group, info)
 
 
-def zigzag_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def zigzag_gather(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, *, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     """The full sequence from every rank's zigzag piece (the inverse of zigzag_split).
 
     x: this rank's piece, chunks r and 2P-1-r concatenated along `dim`, as zigzag_split
     makes them: the local lengths must be the zigzag pieces of their sum (checked, on
     every rank); the other dims the same on every rank.
+    sizes: every rank's length along dim. None: found by one small metadata all_gather
+    that also checks the ranks agree; under torch.compile (nothing can be gathered while
+    tracing) every rank's is taken to be this rank's, so pass sizes there when they
+    differ (2P not dividing the full length). Passing them skips the all_gather.
     Returns x.shape with the full length along dim, on every rank (one all-to-all
-    through gather_sequence, plus one small metadata all_gather that checks the ranks
-    agree). Backward: each rank keeps its zigzag piece of the gradient."""
+    through gather_sequence). Backward: each rank keeps its zigzag piece of the gradient."""
     info = resolve_group(group)
-    with CheckedOnEveryRank("zigzag_gather", info, device_of(x), exchange=True) as checks:
+    with CheckedOnEveryRank("zigzag_gather", info, device_of(x), exchange=sizes is None) as checks:
         check_tensor(x, "zigzag_gather")
         dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :])))
-    _check_zigzag_lengths(checks.sizes, info, "zigzag_gather", x.shape)
-    return _zigzag_gather(x, dim, group, info, checks.sizes)
+        if sizes is not None:
+            sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]), sizes))
+    sizes = checks.sizes if sizes is None else sizes
+    _check_zigzag_lengths(sizes, info, "zigzag_gather", x.shape)
+    return _zigzag_gather(x, dim, group, info, sizes)

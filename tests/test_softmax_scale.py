@@ -67,3 +67,23 @@ def test_any_finite_scale_is_exact(ranks, path):
         if not error <= 2e-5  # fp32 against fp64; NaN fails too
     ]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("function", [sp.ring_attention, sp.ulysses_attention], ids=lambda fn: fn.__name__)
+def test_compiled_call_takes_a_scale_that_changes_between_calls(function):
+    # torch.compile traces a float argument that changed since the last call as a
+    # symbolic float: the scale's checks must take one (math.isfinite cannot), and every
+    # scale must still give eager's answer.
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, S_LOCAL, heads, D, generator=gen) for heads in (H, H_KV, H_KV))
+
+    def attention(q, k, v, scale):
+        return function(q, k, v, causal=True, softmax_scale=scale)
+
+    torch._dynamo.reset()  # this test's other function compiled the same code object
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    for scale in (0.5, 0.7, *SCALES):
+        assert torch.equal(compiled(q, k, v, scale), attention(q, k, v, scale)), f"scale {scale}"
+    # The check still raises; fullgraph compile reports the ValueError inside its own.
+    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match="softmax_scale must be finite"):
+        compiled(q, k, v, float("nan"))

@@ -11,7 +11,9 @@ import itertools
 
 def tensor_split_sizes(total: int, world_size: int) -> list[int]:
     """torch.tensor_split's piece sizes: the first total % world_size ranks get one more."""
-    base, extra = divmod(total, world_size)
+    # // and %, not divmod: torch.compile traces a size that changed since the last
+    # call as a symbolic int, which divmod cannot take.
+    base, extra = total // world_size, total % world_size
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
 
 

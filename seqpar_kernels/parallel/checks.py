@@ -218,9 +218,11 @@ def resolve_softmax_scale(softmax_scale, q: torch.Tensor) -> float:
         return 1.0 / math.sqrt(q.shape[3])
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise ValueError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
+    # Comparisons, not math.isfinite and float(): torch.compile traces a float argument
+    # that changes between calls as a symbolic float, which those two cannot take.
+    if not -math.inf < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
-    return float(softmax_scale)
+    return softmax_scale * 1.0
 
 
 def fold_scale_sign(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, float]:

@@ -14,6 +14,7 @@ Local checks (no communication):
     check_attention_inputs(q, k, v)     shapes, dtypes, devices, GQA heads, head dim
     resolve_softmax_scale(scale, q)     the default, and ValueError for a bad one
     check_local_sizes(sizes, ...)       per-rank sizes passed by the caller
+    check_gather_arguments(...)         a gather's tensor, dim and sizes (every rank)
     fold_scale_sign(q, scale)           a non-positive scale rewritten as a positive one
 """
 
@@ -125,6 +126,20 @@ class CheckedOnEveryRank:
             [len(encoded), *encoded, *[0] * (_REASON_BYTES - len(encoded))], self.group.name, self.data_device
         )
         return [bytes(row[1 : 1 + row[0]]).decode(errors="replace") for row in rows]
+
+
+def check_gather_arguments(describe: str, x, dim, group: GroupInfo, sizes) -> tuple[int, list[int]]:
+    """The checks of a gather of every rank's piece of `x` along `dim` (gather_sequence,
+    zigzag_gather), run so that a bad input on any rank raises on every rank. `sizes`:
+    every rank's length along dim, or None to find them in the metadata all_gather.
+    Returns (dim in [0, x.dim()), every rank's length)."""
+    with CheckedOnEveryRank(describe, group, device_of(x), exchange=sizes is None) as checks:
+        check_tensor(x, describe)
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        if sizes is not None:
+            sizes = check_local_sizes(sizes, group, x.shape[dim], "sizes", x.shape, dim)
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]), sizes))
+    return dim, checks.sizes if sizes is None else sizes
 
 
 def _fingerprint(value) -> int:

@@ -17,6 +17,7 @@ from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
+    check_gather_arguments,
     check_local_sizes,
     check_tensor,
     device_of,
@@ -129,11 +130,5 @@ def gather_sequence(
     """The whole tensor from every rank's piece along `dim` (pieces may differ in size;
     `sizes` lists them, else they are exchanged as in all_to_all_reshard).
     Backward: each rank keeps its own piece of the gradient, as split_sequence does."""
-    info = resolve_group(group)
-    with CheckedOnEveryRank("gather_sequence", info, device_of(x), exchange=sizes is None) as checks:
-        check_tensor(x, "gather_sequence")
-        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        if sizes is not None:
-            sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
-        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]), sizes))
-    return _GatherSequence.apply(x, dim, group, checks.sizes if sizes is None else sizes)
+    dim, sizes = check_gather_arguments("gather_sequence", x, dim, resolve_group(group), sizes)
+    return _GatherSequence.apply(x, dim, group, sizes)

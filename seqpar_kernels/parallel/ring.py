@@ -31,6 +31,7 @@ from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_pie
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
+    check_gather_arguments,
     check_attention_inputs,
     check_bool,
     check_launchable,
@@ -227,12 +228,6 @@ def zigzag_gather(
     Returns x.shape with the full length along dim, on every rank (one all-to-all
     through gather_sequence). Backward: each rank keeps its zigzag piece of the gradient."""
     info = resolve_group(group)
-    with CheckedOnEveryRank("zigzag_gather", info, device_of(x), exchange=sizes is None) as checks:
-        check_tensor(x, "zigzag_gather")
-        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        if sizes is not None:
-            sizes = check_local_sizes(sizes, info, x.shape[dim], "sizes", x.shape, dim)
-        checks.share(x.shape[dim], (x.dtype, tuple(x.shape[:dim]), tuple(x.shape[dim + 1 :]), sizes))
-    sizes = checks.sizes if sizes is None else sizes
+    dim, sizes = check_gather_arguments("zigzag_gather", x, dim, info, sizes)
     _check_zigzag_lengths(sizes, info, "zigzag_gather", x.shape)
     return _zigzag_gather(x, dim, group, info, sizes)

@@ -255,10 +255,8 @@ def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, st
         # Step 0: the home share; step 1: starts the accumulator that leaves; later
         # steps: a scratch share, added to the accumulator once it has arrived.
         target = own if step == 0 else travelling if step == 1 else scratch
-        if step == 1:
-            travelling[: numels[1]].zero_()  # a buffer of another block's size before
         if step >= 2 and block is not None:
-            scratch.zero_()
+            scratch[: numels[step]].zero_()  # only this block's share is added below
         if block is not None:
             dk_target, dv_target = _unpack_pair(target, block_shape)
             q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731

@@ -5,6 +5,7 @@ Public API:
     ulysses_attention                                      (DeepSpeed-Ulysses)
     ring_attention, zigzag_split, zigzag_gather            (ring attention)
     usp_attention, usp_split, usp_gather, make_usp_groups  (USP: Ulysses inside a ring)
+    varlen_plan                                            (packed documents: varlen=plan)
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
@@ -15,6 +16,7 @@ from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence,
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
 from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
+from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
 
 __version__ = "0.1.0"
 __all__ = [
@@ -29,5 +31,7 @@ __all__ = [
     "usp_split",
     "usp_gather",
     "make_usp_groups",
+    "varlen_plan",
+    "VarlenPlan",
     "comm_stats",
 ]

@@ -9,11 +9,12 @@ seqpar_kernels/parallel/ring.py. Tests: tests/test_ring_attention.py.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from seqpar_kernels.ops.all_to_all import register_as_collective
+from seqpar_kernels.parallel.documents import layout_of
 from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
 from seqpar_kernels.parallel.ring_steps import step_kernels_for
 
@@ -29,6 +30,8 @@ def ring_attention_forward(
     group_name: str,
     step_kernels: str,
     seq_lens: List[int],  # typing.List: torch 2.6's schema inference knows no list[int]
+    cu_seqlens: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's q over the K/V of every rank of the group.
 
@@ -40,17 +43,34 @@ def ring_attention_forward(
     step_kernels: which kernels compute each step (parallel/ring_steps.py: a name of
     STEP_KERNELS, or DEVICE_DEFAULT).
     seq_lens: every rank's S, in group rank order.
+    cu_seqlens, segments: packed documents (None: one dense sequence). cu_seqlens: the
+    (D + 1,) int64 CPU document bounds of the global sequence; segments: (count, 3)
+    int64 CPU rows (rank, global start, length), the ranges each rank holds in
+    increasing order (parallel/documents.py encode_segments). Attention stays inside
+    each document; zigzag is then False.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log; -inf for a row that saw no key, whose out is 0)."""
     steps = step_kernels_for(step_kernels, q.device)
-    return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens)
+    documents = _documents(cu_seqlens, segments, seq_lens)
+    return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
+                        documents=documents)
+
+
+def _documents(cu_seqlens, segments, seq_lens):
+    """The DocumentLayout the ops' packed-document arguments describe, or None."""
+    if cu_seqlens is None:
+        return None
+    documents = layout_of(cu_seqlens, segments, len(seq_lens))
+    assert list(documents.lengths) == list(seq_lens), (documents.lengths, seq_lens)
+    return documents
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 
 
 @ring_attention_forward.register_fake
-def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens):
+def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens,
+                                 cu_seqlens=None, segments=None):
     batch, seqlen, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
@@ -69,12 +89,16 @@ def ring_attention_backward(
     group_name: str,
     step_kernels: str,
     seq_lens: List[int],
+    cu_seqlens: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ring_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
     of each block accumulate in fp32 while they travel the ring."""
     steps = step_kernels_for(step_kernels, q.device)
-    return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens)
+    documents = _documents(cu_seqlens, segments, seq_lens)
+    return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
+                         documents=documents)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
@@ -82,15 +106,15 @@ register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 @ring_attention_backward.register_fake
 def _ring_attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels,
-                                  seq_lens):
+                                  seq_lens, cu_seqlens=None, segments=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens = inputs
+    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens, segments = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens)
+    ctx.args = (causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens, segments)
 
 
 def _forward_backward(ctx, grad_out, grad_lse):

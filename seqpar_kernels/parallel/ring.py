@@ -44,6 +44,7 @@ from seqpar_kernels.parallel.checks import (
     resolve_softmax_scale,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
+from seqpar_kernels.parallel.ulysses import _check_varlen_group
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -92,6 +93,7 @@ def ring_attention(
     return_lse: bool = False,
     check_ranks: bool = True,
     seq_lens: list[int] | None = None,
+    varlen=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -121,6 +123,11 @@ def ring_attention(
         check_ranks all_gather; where that is skipped (check_ranks=False, under
         torch.compile) every rank's is taken to be this rank's, so pass seq_lens there
         when they differ. Given, it also skips the all_gather (as check_ranks=False).
+    varlen: a VarlenPlan (varlen_plan(cu_seqlens, group=group)) for packed documents:
+        q, k, v are (1, plan.seq_lens[rank], heads, headdim), this rank's tokens in the
+        plan's layout (plan.split makes them); attention stays inside each document
+        (causal or not within it); a step whose K/V block shares no document with this
+        rank's queries computes nothing. layout and seq_lens then come from the plan.
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached: its gradient is not propagated].
 
@@ -132,11 +139,12 @@ def ring_attention(
     return _ring_attention(
         q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
         return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, step_kernels=DEVICE_DEFAULT,
+        varlen=varlen,
     )  # fmt: skip
 
 
 def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, seq_lens,
-                    step_kernels):
+                    step_kernels, varlen=None):
     """ring_attention with the step kernels named `step_kernels` (parallel/ring_steps.py)."""
     info = resolve_group(group)
     exchange = check_ranks is not False and seq_lens is None
@@ -144,15 +152,28 @@ def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse
         scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
         check_bool("check_ranks", check_ranks)
         batch, seqlen, heads, head_dim = q.shape
-        if seq_lens is not None:
+        if varlen is not None:
+            _check_varlen_ring(varlen, q, info, layout, seq_lens)
+            seq_lens = varlen.seq_lens
+        elif seq_lens is not None:
             seq_lens = check_local_sizes(seq_lens, info, seqlen, "seq_lens", q.shape, 1)
         checks.share(seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens))
     seq_lens = checks.sizes if seq_lens is None else seq_lens
     if layout == "zigzag":
         _check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
     q, scale = fold_scale_sign(q, scale)
-    out, lse = ring_attention_forward(q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens)
+    documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
+    out, lse = ring_attention_forward(
+        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents
+    )
     return (out, lse.detach()) if return_lse else out
+
+
+def _check_varlen_ring(plan, q, info: GroupInfo, layout, seq_lens) -> None:
+    """Local checks of ring_attention(varlen=plan); the plan fixes the layout too."""
+    _check_varlen_group("ring_attention", plan, q, info, seq_lens)
+    if layout != "contiguous":
+        raise ValueError(f"ring_attention: with varlen the plan sets the layout; pass no layout (got {layout!r})")
 
 
 # ----------------------------------------------------------------------------------

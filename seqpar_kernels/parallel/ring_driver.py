@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
+from seqpar_kernels.parallel.documents import BlockPair, DocumentLayout, StepMask
 
 # ----------------------------------------------------------------------------------
 # The step schedule
@@ -137,6 +138,46 @@ def step_block(step: int, rank: int, pieces: RingPieces, causal: bool):
     return block
 
 
+def step_mask(step: int, rank: int, pieces: RingPieces, causal: bool, documents: DocumentLayout | None):
+    """What ring step `step` computes on `rank`, as a StepMask, or None for nothing:
+    step_block's one block for a dense sequence; for packed documents (the slots of
+    `documents` are the ranks) the document layout's mask of the two ranks' rows."""
+    if documents is not None:
+        return documents.step_mask(rank, (rank - step) % len(pieces.lengths), causal)
+    block = step_block(step, rank, pieces, causal)
+    if block is None:
+        return None
+    return StepMask((BlockPair(block.q_start, block.q_len, 0, block.kv_len, block.causal),))
+
+
+def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale) -> None:
+    """Folds the rows of one step's K/V block that `mask` selects into (out, lse)."""
+    if mask.has_intervals and hasattr(steps, "forward_intervals"):
+        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device))
+        return
+    for pair in mask.pairs:
+        q_rows = lambda x: x.narrow(1, pair.q_start, pair.q_len)  # noqa: E731
+        kv_rows = lambda x: x.narrow(1, pair.kv_start, pair.kv_len)  # noqa: E731
+        steps.forward(
+            q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, pair.q_start, pair.q_len), scale, pair.causal
+        )
+
+
+def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, dk, dv, scale) -> None:
+    """Adds one step's share of the gradients (the rows `mask` selects)."""
+    if mask.has_intervals and hasattr(steps, "backward_intervals"):
+        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask.intervals(q.device))
+        return
+    for pair in mask.pairs:
+        q_rows = lambda x: x.narrow(1, pair.q_start, pair.q_len)  # noqa: E731
+        kv_rows = lambda x: x.narrow(1, pair.kv_start, pair.kv_len)  # noqa: E731
+        stat_rows = lambda x: None if x is None else x.narrow(2, pair.q_start, pair.q_len)  # noqa: E731
+        steps.backward(
+            q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
+            q_rows(dq), kv_rows(dk), kv_rows(dv), scale, pair.causal,
+        )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------
 # K|V packing: one flat buffer per block
 # ----------------------------------------------------------------------------------
@@ -181,13 +222,15 @@ def _pieces(ring, seqlen: int, zigzag: bool, seq_lens) -> RingPieces:
     return RingPieces.of(lengths, zigzag)
 
 
-def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None):
+def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None, documents=None):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
     steps: the per-step kernels (seqpar_kernels.parallel.ring_steps); exchange: makes the
     rings, exchange(group_name, tag) -> comm.ring.Ring or anything with its interface
     (seqpar_kernels.testing replaces it to time the compute alone); seq_lens: every
-    rank's local length (None: all equal to this rank's)."""
+    rank's local length (None: all equal to this rank's); documents: a DocumentLayout
+    whose slots are the ranks (packed documents: attention stays inside each), or None
+    for one dense sequence."""
     batch, seqlen, heads, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
@@ -205,25 +248,19 @@ def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Rin
             kv.post()  # the next block travels while this one is computed
         src = (rank - step) % world_size
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, pieces.lengths[src]))
-        block = step_block(step, rank, pieces, causal)
-        if block is not None:
-            steps.forward(
-                q.narrow(1, block.q_start, block.q_len),
-                k_block.narrow(1, 0, block.kv_len),
-                v_block.narrow(1, 0, block.kv_len),
-                out.narrow(1, block.q_start, block.q_len),
-                lse.narrow(2, block.q_start, block.q_len),
-                scale,
-                block.causal,
-            )
+        mask = step_mask(step, rank, pieces, causal, documents)
+        if mask is not None:
+            _forward_step(steps, mask, q, k_block, v_block, out, lse, scale)
         if step + 1 < world_size:
             kv.advance()
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None):
+def ring_backward(
+    dout, q, k, v, out, lse, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None, documents=None
+):
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
-    are its final results. steps, exchange, seq_lens: as in ring_forward."""
+    are its final results. steps, exchange, seq_lens, documents: as in ring_forward."""
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     fp32 = dict(dtype=torch.float32, device=q.device)
@@ -251,27 +288,19 @@ def ring_backward(dout, q, k, v, out, lse, causal, scale, zigzag, group_name, st
         src = (rank - step) % world_size
         block_shape = _block_shape(k, pieces.lengths[src])
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shape)
-        block = step_block(step, rank, pieces, causal)
+        mask = step_mask(step, rank, pieces, causal, documents)
         # Step 0: the home share; step 1: starts the accumulator that leaves; later
         # steps: a scratch share, added to the accumulator once it has arrived.
         target = own if step == 0 else travelling if step == 1 else scratch
-        if step >= 2 and block is not None:
+        if step >= 2 and mask is not None:
             scratch[: numels[step]].zero_()  # only this block's share is added below
-        if block is not None:
+        if mask is not None:
             dk_target, dv_target = _unpack_pair(target, block_shape)
-            q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
-            kv_rows = lambda x: x.narrow(1, 0, block.kv_len)  # noqa: E731
-            steps.backward(
-                q_rows(dout), q_rows(q), kv_rows(k_block), kv_rows(v_block), q_rows(out),
-                lse.narrow(2, block.q_start, block.q_len),
-                None if delta is None else delta.narrow(2, block.q_start, block.q_len),
-                q_rows(dq), kv_rows(dk_target), kv_rows(dv_target),
-                scale, block.causal,
-            )  # fmt: skip
+            _backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, dk_target, dv_target, scale)
         if step >= 2:
             grad_work.wait()
             travelling, arriving = arriving, travelling
-            if block is not None:
+            if mask is not None:
                 travelling[: numels[step]].add_(scratch[: numels[step]])
         if step >= 1:
             receives = numels[(step + 1) % world_size]

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
+from seqpar_kernels.ops.varlen_attention import varlen_attention_forward
+from seqpar_kernels.parallel.varlen import check_varlen_call
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_attention_inputs,
@@ -92,6 +94,45 @@ def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
         # the autograd graph, so this rank joins the backward exchanges like the others.
         return q.clone()
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def _local_varlen_attention(q, k, v, varlen, q_head_start, group_size, causal, softmax_scale):
+    """Attention inside each document of the model's q heads [q_head_start, +n) on the
+    whole packed sequence: q (1, S, n, D), k, v (1, S, n_kv, D), the ranks' pieces one
+    after another. Returns out (1, S, n, D) in the same order."""
+    order = None
+    if not varlen.layout.in_global_order:
+        # The pieces concatenated in rank order are not the sequence in order: bring the
+        # tokens into global order, where each document is one range, and back after.
+        positions = varlen.layout.concatenated_positions().to(q.device)
+        order = torch.argsort(positions)
+        q, k, v = (x.index_select(1, order) for x in (q, k, v))
+    outputs = [
+        varlen_attention_forward(
+            q.narrow(2, q_offset, q_count), k.narrow(2, kv_offset, kv_count), v.narrow(2, kv_offset, kv_count),
+            causal, softmax_scale, varlen.cu_seqlens_tensor,
+        )[0]
+        for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[2], group_size)
+    ]  # fmt: skip
+    if not outputs:
+        out = q.clone()  # no heads here: stays in the graph, as in _local_attention
+    else:
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out if order is None else out.index_select(1, positions)
+
+
+def _check_varlen_group(describe: str, plan, q, info: GroupInfo, seq_lens) -> None:
+    """Local checks of a one-group attention call given varlen=plan: a group plan on
+    this group, batch 1, this rank's token count, seq_lens (if given) the plan's."""
+    check_varlen_call(describe, plan, q, info.rank, on_mesh=False)
+    plan_info = resolve_group(plan.group)
+    if (plan_info.name, plan_info.world_size) != (info.name, info.world_size):
+        raise ValueError(
+            f"{describe}: the varlen plan was made for group {plan_info.name!r} of {plan_info.world_size} "
+            f"ranks, the call runs on {info.name!r} of {info.world_size}"
+        )
+    if seq_lens is not None and list(seq_lens) != plan.seq_lens:
+        raise ValueError(f"{describe}: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +215,7 @@ def ulysses_attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     seq_lens: list[int] | None = None,
+    varlen=None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -187,6 +229,14 @@ def ulysses_attention(
         collective that also makes a bad input on any rank raise on every rank; under
         torch.compile they are assumed equal. Passing them skips that collective (see
         the README on bad inputs).
+    varlen: a VarlenPlan (varlen_plan(cu_seqlens, group=group)) for packed documents:
+        q, k, v are (1, plan.seq_lens[rank], heads, headdim), this rank's tokens in the
+        plan's layout (plan.split makes them); attention stays inside each document
+        (causal or not within it). After the exchange each rank holds whole documents
+        of its heads and runs them varlen (torch's flash varlen kernels on GPUs for
+        fp16/bf16; the step kernels over the document mask otherwise). The contiguous
+        layout suits Ulysses best: the balanced one costs a reordering of the exchanged
+        sequence into global order and back. seq_lens then comes from the plan.
     Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
@@ -198,13 +248,21 @@ def ulysses_attention(
         check_bool("causal", causal)
         scale = resolve_softmax_scale(softmax_scale, q)
         batch, local_len, num_heads, head_dim = q.shape
-        if seq_lens is not None:
+        if varlen is not None:
+            _check_varlen_group("ulysses_attention", varlen, q, info, seq_lens)
+            seq_lens = varlen.seq_lens
+        elif seq_lens is not None:
             seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
         checks.share(local_len, (batch, num_heads, k.shape[2], head_dim, causal, q.dtype, scale, seq_lens))
     seq_lens = checks.sizes if seq_lens is None else seq_lens
     plan = UlyssesPlan.of(seq_lens, num_heads, k.shape[2])
     q, scale = fold_scale_sign(q, scale)
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
+    if varlen is not None:
+        out_heads = _local_varlen_attention(
+            q_heads, k_heads, v_heads, varlen, plan.head_starts[info.rank], num_heads // k.shape[2], causal, scale
+        )  # (1, S, n, D)
+        return heads_to_sequence(out_heads, plan, info)
     out_heads = _local_attention(
         q_heads.transpose(1, 2),
         k_heads.transpose(1, 2),

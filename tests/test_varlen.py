@@ -1,0 +1,259 @@
+"""Packed variable-length sequences (seqpar_kernels/parallel/varlen.py): varlen_plan's
+layouts, split/gather, position_ids and balance, and ring_attention, ulysses_attention
+and usp_attention with varlen=plan on gloo ranks (world 1-4 and 2x2 grids) against
+per-document attention in one process by the accuracy rule of tests/reference.py,
+forward and backward.
+
+Every rank builds the same full sequence from a seed, takes its tokens with the plan
+(the layout tests below check split against the plan's ranges independently), and
+compares its tokens of out and of the gradients with the per-document reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import reference
+import seqpar_kernels as sp
+from conftest import pool_for
+from on_ranks import on_every_rank, timeout_group
+from seqpar_kernels.parallel.varlen import VarlenLayout
+from test_usp import usp_groups
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+# ----------------------------------------------------------------------------------
+# document lengths
+# ----------------------------------------------------------------------------------
+
+
+def bounds_of(lengths) -> list[int]:
+    return [0, *np.cumsum(lengths).tolist()]
+
+
+def random_lengths(rng: random.Random, total: int, largest: int) -> list[int]:
+    """Document lengths from 1 to `largest` summing to `total`, short ones common."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(total - sum(lengths), max(1, int(rng.paretovariate(0.8)) % largest + 1)))
+    return lengths
+
+
+def long_tailed_lengths(seed: int, total: int) -> list[int]:
+    """Log-normal document lengths between 1 and the whole sequence, summing to total."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(int(np.clip(np.exp(rng.normal(6.0, 2.0)), 1, total)), total - sum(lengths)))
+    return lengths
+
+
+# Lengths families of the attention tests (total tokens small: the ranks share 2 cores).
+LENGTHS = {
+    "one document": [45],
+    "lengths 1": [1, 1, 3, 1, 20, 1, 1, 9, 1],
+    "spanning ranks": [3, 70, 2, 5],
+    "mixed": random_lengths(random.Random(3), 61, 40),
+    "hundreds tiny": [1 + (index * 7) % 3 for index in range(200)],
+}
+
+
+# ----------------------------------------------------------------------------------
+# The plan alone (no ranks)
+# ----------------------------------------------------------------------------------
+
+
+def tokens_of(layout: VarlenLayout) -> list[list[int]]:
+    return [[position for start, length in piece for position in range(start, start + length)]
+            for piece in layout.pieces]
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "balanced"])
+@pytest.mark.parametrize("ring_size, ulysses_size", [(1, 1), (2, 1), (3, 1), (4, 1), (8, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("family", sorted(LENGTHS))
+def test_every_token_is_held_once_in_global_order_per_slot(family, ring_size, ulysses_size, layout_name):
+    lengths = LENGTHS[family]
+    layout = VarlenLayout(bounds_of(lengths), ring_size=ring_size, ulysses_size=ulysses_size, layout=layout_name)
+    pieces = tokens_of(layout)
+    assert sorted(position for piece in pieces for position in piece) == list(range(sum(lengths)))
+    assert layout.seq_lens == [len(piece) for piece in pieces]
+    for slot in range(ring_size):
+        slot_tokens = [p for piece in pieces[slot * ulysses_size : (slot + 1) * ulysses_size] for p in piece]
+        assert slot_tokens == sorted(slot_tokens)
+        # The Ulysses pieces of a slot are torch.tensor_split of its tokens.
+        assert [len(piece) for piece in pieces[slot * ulysses_size : (slot + 1) * ulysses_size]] == \
+            reference.even_lengths(len(slot_tokens), ulysses_size)
+    if layout_name == "contiguous":
+        assert layout.seq_lens == reference.even_lengths(sum(lengths), ring_size * ulysses_size)
+        assert layout.in_global_order
+
+
+def _imbalances(lengths, ring_size, layout_name):
+    layout = VarlenLayout(bounds_of(lengths), ring_size=ring_size, layout=layout_name)
+    return layout.work_imbalance, layout.token_imbalance
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_layout_evens_work_and_tokens_of_a_long_tailed_mix(seed):
+    lengths = long_tailed_lengths(seed, 65536)
+    work, tokens = _imbalances(lengths, 8, "balanced")
+    assert isinstance(work, float) and isinstance(tokens, float)
+    assert work <= 1.05 and tokens <= 1.05, (work, tokens, len(lengths), max(lengths))
+    contiguous_work, contiguous_tokens = _imbalances(lengths, 8, "contiguous")
+    assert contiguous_tokens <= 1.0 + 1e-9  # tensor_split: to a token
+    assert work <= contiguous_work
+
+
+@pytest.mark.parametrize("ring_size", [2, 3, 8])
+@pytest.mark.parametrize("lengths", [[65536], [1] * 4096, [3, 5, 7] * 700, [30000, 1, 1, 35534]], ids=str)
+def test_balanced_layout_of_single_and_uniform_documents(lengths, ring_size):
+    lengths = lengths if len(lengths) < 50 else lengths  # ids stay short via str of the list
+    work, tokens = _imbalances(lengths, ring_size, "balanced")
+    assert work <= 1.05 and tokens <= 1.05, (work, tokens)
+
+
+def test_work_imbalance_counts_causal_pairs():
+    # One document over 2 slots, contiguous: slot 0 attends 1 + ... + 4 = 10 pairs,
+    # slot 1 5 + ... + 8 = 26; mean 18.
+    layout = VarlenLayout([0, 8], ring_size=2, layout="contiguous")
+    assert layout.work_imbalance == pytest.approx(26 / 18)
+    assert layout.token_imbalance == 1.0
+
+
+def test_position_ids_count_from_each_document_start():
+    layout = VarlenLayout([0, 3, 4, 10], ring_size=2, layout="contiguous")
+    assert layout.position_ids(0).tolist() == [[0, 1, 2, 0, 0]]
+    assert layout.position_ids(1).tolist() == [[1, 2, 3, 4, 5]]
+
+
+def test_padding_of_per_document_zigzag():
+    # Degree 2: documents padded to multiples of 4.
+    assert VarlenLayout([0, 1, 5, 11], ring_size=2, layout="contiguous").padding_of_per_document_zigzag() == 3 + 0 + 2
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, message",
+    [
+        ([1, 4, 9], "start at 0"),
+        ([0, 4, 4, 9], "strictly increasing"),
+        ([0, 5, 3], "strictly increasing"),
+        ([0], "at least one document"),
+        ([0, 2.5], "hold ints"),
+        (torch.tensor([0.0, 3.0]), "integer tensor"),
+        (torch.tensor([[0, 3]]), "1-D"),
+    ],
+)
+def test_bad_cu_seqlens_raise(cu_seqlens, message):
+    with pytest.raises(ValueError, match=message):
+        sp.varlen_plan(cu_seqlens)
+
+
+def test_single_process_plan_splits_and_gathers():
+    plan = sp.varlen_plan(torch.tensor([0, 3, 10]), layout="balanced")
+    x = torch.randn(2, 10, 3)
+    assert torch.equal(plan.split(x, 1), x)
+    assert torch.equal(plan.gather(x, -2), x)
+    with pytest.raises(ValueError, match="documents hold 10"):
+        plan.split(torch.randn(2, 9, 3), 1)
+    assert plan.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]
+
+
+# ----------------------------------------------------------------------------------
+# Attention on the ranks
+# ----------------------------------------------------------------------------------
+
+
+def _per_document(fn, q, k, v, bounds, causal):
+    """fn applied to every document's rows (B = 1), outputs concatenated."""
+    outs = [fn(q[:, start:end], k[:, start:end], v[:, start:end], causal)[0]
+            for start, end in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, 1)
+
+
+def _inputs(case):
+    generator = torch.Generator().manual_seed(case["seed"])
+    total, heads, kv_heads, head_dim = sum(case["lengths"]), case["heads"], case["kv_heads"], case["head_dim"]
+    q = torch.randn(1, total, heads, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(1, total, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(1, total, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    dout = torch.randn(1, total, heads, head_dim, generator=generator, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _call(case, plan, q, k, v):
+    method, causal = case["method"], case["causal"]
+    if method == "ring":
+        return sp.ring_attention(q, k, v, group=timeout_group(), causal=causal, varlen=plan)
+    if method == "ulysses":
+        return sp.ulysses_attention(q, k, v, group=timeout_group(), causal=causal, varlen=plan)
+    return sp.usp_attention(q, k, v, causal=causal, varlen=plan, **usp_groups("inner", case["ulysses"]))
+
+
+def _plan(case):
+    bounds = bounds_of(case["lengths"])
+    if case["method"] == "usp":
+        return sp.varlen_plan(bounds, layout=case["layout"], **usp_groups("inner", case["ulysses"]))
+    return sp.varlen_plan(bounds, group=timeout_group(), layout=case["layout"])
+
+
+@on_every_rank
+def run_varlen_cases(cases):
+    failures = []
+    for case in cases:
+        dtype, causal = case["dtype"], case["causal"]
+        bounds = bounds_of(case["lengths"])
+        q, k, v, dout = _inputs(case)
+        exact = reference.with_grads(
+            lambda q, k, v: _per_document(reference.attention, q, k, v, bounds, causal), [q, k, v], dout
+        )
+        rounded = [t.to(dtype) for t in (q, k, v, dout)]
+        plain = reference.with_grads(
+            lambda q, k, v: _per_document(reference.sdpa, q, k, v, bounds, causal), rounded[:3], rounded[3]
+        )
+        plan = _plan(case)
+        local = [plan.split(t, 1) for t in rounded]
+        ours = reference.with_grads(lambda q, k, v: _call(case, plan, q, k, v), local[:3], local[3])
+        exact = [exact[0], *exact[2:]]
+        plain = [plain[0], *plain[2:]]
+        ours = [ours[0], *ours[2:]]
+        for name, exact_full, plain_full, mine in zip(NAMES, exact, plain, ours):
+            bound = reference.error_bound(dtype, reference.max_error(plain_full, exact_full),
+                                          reference.magnitude(exact_full))
+            error = reference.max_error(mine, plan.split(exact_full, 1))
+            if not error <= bound:
+                failures.append(f"{case['id']} {name}: error {error:.3g} > {bound:.3g}")
+    return failures
+
+
+def _case(method, lengths_name, *, dtype=torch.float32, causal=True, layout="balanced", heads=4, kv_heads=2,
+          head_dim=64, ulysses=1, seed=0):
+    case = dict(method=method, lengths=LENGTHS[lengths_name], dtype=dtype, causal=causal, layout=layout,
+                heads=heads, kv_heads=kv_heads, head_dim=head_dim, ulysses=ulysses, seed=seed)
+    case["id"] = (f"{method} {lengths_name} {str(dtype)[6:]} {'causal' if causal else 'full'} {layout} "
+                  f"h{heads}/{kv_heads} d{head_dim} u{ulysses}")
+    return case
+
+
+def _cases(method):
+    cases = []
+    for index, lengths_name in enumerate(sorted(LENGTHS)):
+        for causal in (True, False):
+            for layout in ("balanced", "contiguous"):
+                cases.append(_case(method, lengths_name, causal=causal, layout=layout, seed=index))
+    cases += [
+        _case(method, "mixed", dtype=torch.bfloat16, head_dim=80, heads=5, kv_heads=1),
+        _case(method, "spanning ranks", dtype=torch.float16, head_dim=128, heads=3, kv_heads=3, causal=False),
+        _case(method, "lengths 1", dtype=torch.bfloat16, heads=6, kv_heads=2, layout="contiguous"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_attention_stays_inside_documents(ranks, method):
+    failures = [failure for per_rank in ranks.run(run_varlen_cases, _cases(method)) for failure in per_rank]
+    assert not failures, "\n".join(failures)

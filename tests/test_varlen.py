@@ -257,3 +257,181 @@ def _cases(method):
 def test_attention_stays_inside_documents(ranks, method):
     failures = [failure for per_rank in ranks.run(run_varlen_cases, _cases(method)) for failure in per_rank]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("ulysses", [2, 1, 4])
+def test_hybrid_attention_stays_inside_documents(ulysses):
+    cases = []
+    for index, lengths_name in enumerate(sorted(LENGTHS)):
+        for causal in (True, False):
+            layout = ("balanced", "contiguous")[index % 2]
+            cases.append(_case("usp", lengths_name, causal=causal, layout=layout, ulysses=ulysses, seed=index))
+    cases.append(_case("usp", "mixed", dtype=torch.bfloat16, heads=3, kv_heads=1, head_dim=80, ulysses=ulysses))
+    failures = [failure for per_rank in pool_for(4).run(run_varlen_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# One document is the dense sequence; non-contiguous inputs; compile; opcheck
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_one_document_against_dense(causal):
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 37, heads, 32, generator=generator) for heads in (4, 2, 2))
+    plan = sp.varlen_plan([0, 37], group=timeout_group())
+    local = [plan.split(t, 1) for t in (q, k, v)]
+    ours = sp.ring_attention(*local, group=timeout_group(), causal=causal, varlen=plan)
+    dense = sp.ring_attention(*local, group=timeout_group(), causal=causal)
+    # Non-contiguous inputs: heads-major storage, as a model's transposed projections.
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local]
+    ours_strided = sp.ulysses_attention(*strided, group=timeout_group(), causal=causal, varlen=plan)
+    dense_ulysses = sp.ulysses_attention(*local, group=timeout_group(), causal=causal)
+    return torch.equal(ours, dense), reference.max_error(ours_strided, dense_ulysses), rank
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_document_equals_the_dense_path(ranks, causal):
+    for ring_equal, ulysses_error, rank in ranks.run(run_one_document_against_dense, causal):
+        assert ring_equal, rank  # the same aten calls on the same blocks: bit for bit
+        assert ulysses_error <= reference.FP32_TOLERANCE, (rank, ulysses_error)
+
+
+@on_every_rank
+def run_compiled(method):
+    generator = torch.Generator().manual_seed(11)
+    lengths = [5, 1, 17, 2, 9]
+    total = sum(lengths)
+    q, k, v, dout = (torch.randn(1, total, heads, 16, generator=generator) for heads in (4, 2, 2, 4))
+    group = timeout_group()
+    if method == "usp":
+        groups = usp_groups("inner", 2)
+        plan = sp.varlen_plan(bounds_of(lengths), layout="balanced", **groups)
+        call = lambda q, k, v: sp.usp_attention(q, k, v, causal=True, varlen=plan, **groups)  # noqa: E731
+    else:
+        plan = sp.varlen_plan(bounds_of(lengths), group=group, layout="balanced")
+        attention = sp.ring_attention if method == "ring" else sp.ulysses_attention
+        call = lambda q, k, v: attention(q, k, v, group=group, causal=True, varlen=plan)  # noqa: E731
+    local = [plan.split(t, 1) for t in (q, k, v, dout)]
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    eager = reference.with_grads(call, local[:3], local[3])
+    traced = reference.with_grads(compiled, local[:3], local[3])
+    return [reference.max_error(a, b) for a, b in zip(eager, traced) if a is not None]
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "usp"])
+def test_compiled_with_the_plan_built_outside(method):
+    pool = pool_for(4 if method == "usp" else 3)
+    for errors in pool.run(run_compiled, method):
+        assert max(errors) == 0.0, errors
+
+
+def test_opcheck_of_the_varlen_ops():
+    generator = torch.Generator().manual_seed(0)
+    bounds = torch.tensor([0, 3, 4, 11], dtype=torch.int64)
+    q = torch.randn(1, 11, 4, 16, generator=generator, requires_grad=True)
+    k = torch.randn(1, 11, 2, 16, generator=generator, requires_grad=True)
+    v = torch.randn(1, 11, 2, 16, generator=generator, requires_grad=True)
+    for causal in (True, False):
+        torch.library.opcheck(torch.ops.seqpar.varlen_attention_forward.default, (q, k, v, causal, 0.25, bounds))
+        out, lse = torch.ops.seqpar.varlen_attention_forward(q.detach(), k.detach(), v.detach(), causal, 0.25, bounds)
+        dout = torch.randn(out.shape, generator=generator)
+        torch.library.opcheck(
+            torch.ops.seqpar.varlen_attention_backward.default,
+            (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, bounds),
+        )
+        # The ring ops with documents, one process (group name ""): one slot holding all.
+        plan = sp.varlen_plan(bounds)
+        args = (q, k, v, causal, 0.25, False, "", "device-default", [11], plan.cu_seqlens_tensor,
+                plan.segments_tensor)
+        torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
+
+
+# ----------------------------------------------------------------------------------
+# Bad inputs raise on every rank
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_bad_plan(kind):
+    rank = torch.distributed.get_rank()
+    bounds = [0, 4, 9, 12]
+    if kind == "differs" and rank == 1:
+        bounds = [0, 5, 9, 12]
+    if kind == "not from 0" and rank == 1:
+        bounds = [1, 4, 9, 12]
+    if kind == "not increasing" and rank == 0:
+        bounds = [0, 4, 4, 12]
+    try:
+        sp.varlen_plan(bounds, group=timeout_group())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["differs", "not from 0", "not increasing"])
+def test_bad_cu_seqlens_raise_on_every_rank(kind):
+    messages = pool_for(3).run(run_bad_plan, kind)
+    assert all(message is not None for message in messages), messages
+
+
+@on_every_rank
+def run_bad_calls():
+    group = timeout_group()
+    plan = sp.varlen_plan([0, 4, 9, 12], group=group)
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 12, 2, 8, generator=generator)
+    local = plan.split(full[:1], 1)
+    messages = []
+    for attention in (sp.ring_attention, sp.ulysses_attention):
+        for bad in ("batch", "length", "zigzag"):
+            q = local
+            kwargs = dict(group=group, causal=True, varlen=plan)
+            if bad == "batch":
+                q = plan.split(full, 1)
+            elif bad == "length":
+                q = local[:, : max(local.shape[1] - 1, 0)] if torch.distributed.get_rank() == 0 else local
+            elif attention is sp.ring_attention:
+                kwargs["layout"] = "zigzag"
+            else:
+                continue
+            try:
+                attention(q, q, q, **kwargs)
+                messages.append(None)
+            except ValueError as error:
+                messages.append(str(error))
+    try:
+        plan.split(full[:, :11], 1)
+        messages.append(None)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_bad_attention_calls_raise_on_every_rank():
+    for messages in pool_for(2).run(run_bad_calls):
+        assert all(message is not None for message in messages), messages
+
+
+def test_readme_varlen_example_is_examples_varlen_and_runs_under_torchrun():
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    assert (root / "examples" / "varlen.py").read_text() in blocks, "the README shows examples/varlen.py as it is"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         str(root / "examples" / "varlen.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = [float(match) for match in re.findall(r"max error ([0-9.e+-]+)", result.stdout)]
+    assert len(errors) == 4 and max(errors) < 1e-5, result.stdout

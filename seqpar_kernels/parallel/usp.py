@@ -73,6 +73,7 @@ from seqpar_kernels.parallel.ring import (
 )
 from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
 from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.varlen import check_varlen_call
 from seqpar_kernels.parallel.ulysses import (
     UlyssesPlan,
     heads_to_sequence,
@@ -269,6 +270,7 @@ def usp_attention(
     layout: str = "contiguous",
     seq_lens: list[int] | None = None,
     return_lse: bool = False,
+    varlen=None,
 ):
     """Exact attention over a sequence sharded across a grid of R x U ranks: Ulysses
     inside each ring slot, the ring across slots.
@@ -290,6 +292,12 @@ def usp_attention(
         form a grid; under torch.compile they are assumed equal. Passing them skips those
         gathers (a bad input then raises on its own rank only).
     return_lse: also return the log-sum-exp (natural log) of each row's scores.
+    varlen: a VarlenPlan made on the same grid (varlen_plan(cu_seqlens, mesh=mesh) or
+        with the same two groups) for packed documents: q, k, v are (1,
+        plan.seq_lens[piece], heads, headdim), this rank's tokens in the plan's layout
+        (plan.split makes them); attention stays inside each document. The plan's
+        balanced layout balances the ring slots; Ulysses splits each slot's work by
+        heads. layout and seq_lens then come from the plan.
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached].
 
@@ -311,7 +319,10 @@ def usp_attention(
         check_bool("return_lse", return_lse)
         batch, local_len, num_heads, head_dim = q.shape
         lengths = seq_lens
-        if lengths is not None:
+        if varlen is not None:
+            _check_varlen_grid(varlen, q, grid, layout, seq_lens)
+            lengths = varlen.seq_lens
+        elif lengths is not None:
             lengths = check_local_sizes(lengths, grid.pieces, local_len, "seq_lens", q.shape, 1)
         agreed = (batch, num_heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, return_lse, lengths)
         return local_len, agreed, (scale, lengths)
@@ -326,6 +337,8 @@ def usp_attention(
     if layout == "zigzag":
         _check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
 
+    if varlen is not None:  # one path for every degree: the plan describes the grid
+        return _usp_attention(q, k, v, grid, causal, scale, False, row_lens, slot_lens, return_lse, varlen)
     # Degree 1: the one-dimensional algorithms themselves, their checks already run here.
     if ulysses_size == 1:
         return ring_attention(
@@ -340,7 +353,23 @@ def usp_attention(
     return _usp_attention(q, k, v, grid, causal, scale, layout == "zigzag", row_lens, slot_lens, return_lse)
 
 
-def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse):
+def _check_varlen_grid(plan, q, grid: _Grid, layout, seq_lens) -> None:
+    """Local checks of usp_attention(varlen=plan): a plan made on this grid, batch 1,
+    this rank's token count; the plan fixes the layout and the lengths."""
+    check_varlen_call("usp_attention", plan, q, grid.piece, on_mesh=True)
+    made_on = (plan.grid.ulysses.name, plan.grid.ring.name)
+    if made_on != (grid.ulysses.name, grid.ring.name):
+        raise ValueError(
+            f"usp_attention: the varlen plan was made on the groups (Ulysses, ring) {made_on}, the call runs on "
+            f"{(grid.ulysses.name, grid.ring.name)}"
+        )
+    if layout != "contiguous":
+        raise ValueError(f"usp_attention: with varlen the plan sets the layout; pass no layout (got {layout!r})")
+    if seq_lens is not None and list(seq_lens) != plan.seq_lens:
+        raise ValueError(f"usp_attention: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
+
+
+def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, varlen=None):
     """usp_attention once checked: Ulysses exchange, the ring per uniform head run,
     Ulysses exchange back."""
     batch, _, num_heads, _ = q.shape
@@ -349,6 +378,7 @@ def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_l
     # (B, S_p, H, D) -> (B, S_slot, n, D) stored as (B, n, S_slot, D).
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, grid.ulysses)
     outs, lses = [], []
+    documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
     runs = uniform_head_runs(plan.head_starts[grid.ulysses.rank], q_heads.shape[2], num_heads // k.shape[2])
     for q_offset, q_count, kv_offset, kv_count in runs:
         # The ring's step kernels map q head h to kv head h // (n / n_kv), so each run of
@@ -359,7 +389,7 @@ def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_l
             q_heads.narrow(2, q_offset, q_count),
             k_heads.narrow(2, kv_offset, kv_count),
             v_heads.narrow(2, kv_offset, kv_count),
-            causal, scale, zigzag, grid.ring.name, DEVICE_DEFAULT, slot_lens,
+            causal, scale, zigzag, grid.ring.name, DEVICE_DEFAULT, slot_lens, *documents,
         )  # fmt: skip
         outs.append(out)  # (B, S_slot, q_count, D)
         lses.append(lse.detach())  # (B, q_count, S_slot); not differentiable, as ring_attention's

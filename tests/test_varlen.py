@@ -435,3 +435,64 @@ def test_readme_varlen_example_is_examples_varlen_and_runs_under_torchrun():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     errors = [float(match) for match in re.findall(r"max error ([0-9.e+-]+)", result.stdout)]
     assert len(errors) == 4 and max(errors) < 1e-5, result.stdout
+
+
+# ----------------------------------------------------------------------------------
+# Step masks: pairs and intervals against the definition
+# ----------------------------------------------------------------------------------
+
+
+def _mask_by_definition(layout, q_slot, k_slot, causal):
+    """(q rows x key rows) bool: same document, and key position <= query position if causal."""
+    def positions(slot):
+        return [position for start, length in layout.documents.segments[slot]
+                for position in range(start, start + length)]
+    bounds = torch.tensor(layout.cu_seqlens)
+    q_positions, k_positions = torch.tensor(positions(q_slot)), torch.tensor(positions(k_slot))
+    q_documents = torch.searchsorted(bounds, q_positions, right=True)
+    k_documents = torch.searchsorted(bounds, k_positions, right=True)
+    mask = q_documents[:, None] == k_documents[None, :]
+    if causal:
+        mask &= k_positions[None, :] <= q_positions[:, None]
+    return mask
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout_name", ["contiguous", "balanced"])
+@pytest.mark.parametrize("family", sorted(LENGTHS))
+def test_step_masks_select_exactly_the_document_pairs(family, layout_name, causal):
+    layout = VarlenLayout(bounds_of(LENGTHS[family]), ring_size=3, layout=layout_name)
+    for q_slot in range(3):
+        for k_slot in range(3):
+            expected = _mask_by_definition(layout, q_slot, k_slot, causal)
+            step = layout.documents.step_mask(q_slot, k_slot, causal)
+            if step is None:
+                assert not expected.any()
+                continue
+            from_pairs = torch.zeros_like(expected)
+            for pair in step.pairs:
+                block = torch.ones(pair.q_len, pair.kv_len, dtype=torch.bool)
+                if pair.causal:
+                    block = block.tril()
+                rows = slice(pair.q_start, pair.q_start + pair.q_len)
+                columns = slice(pair.kv_start, pair.kv_start + pair.kv_len)
+                assert not from_pairs[rows, columns].any(), "pairs overlap"
+                from_pairs[rows, columns] = block
+            assert torch.equal(from_pairs, expected)
+            row_start, row_end, col_start, col_end = step.intervals(torch.device("cpu"))
+            columns = torch.arange(expected.shape[1])
+            rows = torch.arange(expected.shape[0])
+            by_rows = (columns[None, :] >= row_start[:, None]) & (columns[None, :] < row_end[:, None])
+            by_columns = (rows[:, None] >= col_start[None, :]) & (rows[:, None] < col_end[None, :])
+            assert torch.equal(by_rows, expected) and torch.equal(by_columns, expected)
+
+
+def test_a_step_without_a_common_document_has_no_mask():
+    # Documents aligned with the contiguous pieces: every rank's queries see only its own.
+    layout = VarlenLayout([0, 4, 8, 12], ring_size=3, layout="contiguous")
+    for q_slot in range(3):
+        for k_slot in range(3):
+            assert (layout.documents.step_mask(q_slot, k_slot, False) is None) == (q_slot != k_slot)
+    # Causal: keys of a later rank's piece of one document are never seen.
+    layout = VarlenLayout([0, 12], ring_size=3, layout="contiguous")
+    assert layout.documents.step_mask(0, 2, True) is None and layout.documents.step_mask(2, 0, True) is not None

@@ -251,6 +251,7 @@ def _cases(method):
         _case(method, "mixed", dtype=torch.bfloat16, head_dim=80, heads=5, kv_heads=1),
         _case(method, "spanning ranks", dtype=torch.float16, head_dim=128, heads=3, kv_heads=3, causal=False),
         _case(method, "lengths 1", dtype=torch.bfloat16, heads=6, kv_heads=2, layout="contiguous"),
+        _case(method, "spanning ranks", head_dim=256, heads=2, kv_heads=1),
     ]
     return cases
 

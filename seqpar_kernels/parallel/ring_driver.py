@@ -46,6 +46,12 @@ Which part of a block a step computes (src is the K/V block's home rank):
     zigzag variant; to a row where the chunks differ by one). Chunks are views (narrow
     along the sequence). A step with no rows or no keys launches nothing.
 
+Packed documents (a DocumentLayout, parallel/documents.py): a step computes only the
+rows of documents both ranks hold, each query against the keys of its own document
+(causal: those at or before it), as the layout's StepMask says; a step with none
+computes nothing. On CPUs the step kernels run once per (query stretch, key stretch) of
+a document; on GPUs once per step, with each query row's interval of key rows.
+
 Bytes sent by rank r, with n_j the rows of rank j and N their sum (rank r never sends
 the block of rank r+1, the last it receives, nor the accumulator of its own block):
     forward   (N - n_{r+1}) x B x H_kv x D x 2 x element size            (K|V)

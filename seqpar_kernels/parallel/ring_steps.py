@@ -11,7 +11,8 @@ or adds one block's share of the gradients (backward):
                         torch releases whose CPU flash kernel cannot read GQA
                         (CPU_FLASH_READS_GQA), selectable on any release.
     "triton"            the fused Triton step kernels (seqpar_kernels/kernels/): the
-                        device default on GPUs; on CPU tensors they run in the Triton
+                        device default on GPUs (packed documents: one launch per step
+                        with per-row key intervals, forward_intervals); on CPU tensors they run in the Triton
                         interpreter (TRITON_INTERPRET=1), which tests use to check the
                         GPU path's schedule without a GPU.
 """
@@ -133,6 +134,25 @@ class TritonSteps:
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
         kernels.attention_step_backward(
             q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale, mask_mode=mode
+        )
+
+
+    def forward_intervals(self, q, k, v, out, lse, scale, intervals):
+        """forward over packed documents: query row i attends key rows [row_start[i],
+        row_end[i]) of the block (intervals = (row_start, row_end, col_start, col_end),
+        parallel/documents.py), in one launch that skips tiles with no common document."""
+        from seqpar_kernels.kernels import attention_step_launch as kernels
+
+        kernels.attention_step_forward(
+            q, k, v, out, lse, softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, intervals=intervals
+        )
+
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, intervals):
+        from seqpar_kernels.kernels import attention_step_launch as kernels
+
+        kernels.attention_step_backward(
+            q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS,
+            intervals=intervals,
         )
 
 

@@ -30,6 +30,7 @@ from bench import (
     bench_ring_step,
     bench_ulysses,
     bench_usp,
+    bench_varlen,
     hardware,
 )
 from bench.cases import failed_row
@@ -42,13 +43,15 @@ from bench.targets import target_checks
 # The benchmark families, one module each, under the names --only selects them by: each
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
 # (GPU) its step kernel alone and the single-GPU overlap probe; "usp" every grid U x R
-# of the P ranks, pure Ulysses, pure ring and the hybrids.
+# of the P ranks, pure Ulysses, pure ring and the hybrids; "varlen" packed documents
+# (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence).
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
     "kernels": (bench_kernels,),
     "ring": (bench_ring, bench_ring_step, bench_ring_probe),
     "usp": (bench_usp,),
+    "varlen": (bench_varlen,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -99,6 +102,9 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
     if "usp" in only:
         metadata["usp_baseline"] = bench_usp.BASELINE_NOTE
+    if "varlen" in only:
+        metadata["varlen_baseline"] = bench_varlen.BASELINE_NOTE
+        metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
     return metadata
 
 
@@ -172,7 +178,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
         f"{', quick' if ctx.quick else ''}"
     )
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
-            "all_to_all_single); x = baseline time / ours (ring, usp: see their own notes)")  # fmt: skip
+            "all_to_all_single); x = baseline time / ours (ring, usp, varlen: see their own notes)")  # fmt: skip
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")

@@ -8,7 +8,7 @@ never asserted.
     CPU: fused no slower than unfused          speedup >= 1 (the fused-vs-unfused benches)
     GPU: pack/unpack                           >= GPU_BANDWIDTH_TARGET of peak memory
                                                bandwidth and >= GPU_SPEEDUP_TARGET x unfused
-    ring, USP: error                           <= FLASH_RULE_FACTOR x plain torch's
+    ring, USP, varlen: error                   <= FLASH_RULE_FACTOR x plain torch's
     ring: zigzag                               >= ZIGZAG_IDEAL_TARGET of ideal (single device / P)
     ring: overlap efficiency                   >= OVERLAP_TARGET where step compute > transfer
     GPU: step kernel                           forward / backward >= STEP_TARGETS x SDPA's best
@@ -36,6 +36,10 @@ STEP_TARGETS = {"ring-step-fwd": 0.9, "ring-step-bwd": 0.8}
 FLASH_RULE_FACTOR = ERROR_FACTOR
 # A case where ours won fewer than this share of the paired rounds is slower beyond noise.
 CLEARLY_SLOWER_SHARE = 0.25
+# bench_varlen.py's rows: packed documents against one dense sequence (or the balanced
+# plan against the contiguous one), no unfused baseline.
+VARLEN_BENCHES = tuple(f"varlen-{kind}{suffix}" for kind in ("ring", "ulysses", "usp", "layout")
+                       for suffix in ("", "-train"))  # fmt: skip
 
 
 @dataclass
@@ -75,8 +79,8 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     target = "CPU: fused no slower than unfused"
     if on_gpu:
         return Check(target, "n/a (GPU run)", "")
-    # No unfused baseline in the ring's and USP's rows.
-    rows = [row for row in rows if row.bench not in RING_ALL and row.bench not in USP_BENCHES]
+    # No unfused baseline in the ring's, USP's and varlen's rows.
+    rows = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + VARLEN_BENCHES]
     if not rows:
         return Check(target, "n/a (not run)", "")
     not_slower = [row for row in rows if row.speedup >= 1.0]
@@ -118,10 +122,10 @@ def _zigzag_check(rows: list[Row]) -> Check:
 
 
 def _flash_rule_check(rows: list[Row]) -> Check:
-    target = f"ring, USP: error <= {FLASH_RULE_FACTOR:g}x plain torch's (flash-attention rule)"
+    target = f"ring, USP, varlen: error <= {FLASH_RULE_FACTOR:g}x plain torch's (flash-attention rule)"
     judged = [row for row in rows if row.error_vs_plain is not None]
     if not judged:
-        return Check(target, "n/a (ring, USP not run)", "")
+        return Check(target, "n/a (ring, USP, varlen not run)", "")
     met = [row for row in judged if row.error_vs_plain <= FLASH_RULE_FACTOR]
     detail = f"{_count(met, judged)}; " + _worst(
         judged, lambda row: -row.error_vs_plain, lambda row: f"{row.error_vs_plain:.1f}x"

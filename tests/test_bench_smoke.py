@@ -49,6 +49,43 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
         assert (ulysses == 0) == (row["ulysses_degree"] == "1") and (ring == 0) == (row["ring_degree"] == "1"), row
 
 
+
+def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):
+    # Packed documents on 4 ranks: the ring, Ulysses and the 2x2 hybrid with the balanced
+    # plan against one dense sequence, and the balanced plan against the contiguous one,
+    # forward and forward + backward; each varlen result matches attention within each
+    # document, its bytes at the formulas; the layout table printed and in the JSON.
+    from bench.targets import VARLEN_BENCHES
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "varlen", "--world-size", "4",
+         "--backend", "gloo", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "per-document zigzag (padded to 16)" in result.stdout  # the layout table, P = 8
+    rows = read_rows(tmp_path)
+    grids = [(row["bench"], row["ulysses_degree"], row["ring_degree"]) for row in rows]
+    assert grids == [
+        (f"varlen-{kind}{suffix}", u, r)
+        for suffix in ("", "-train")
+        for kind, u, r in (("ring", "1", "4"), ("layout", "1", "4"), ("ulysses", "4", "1"), ("usp", "2", "2"))
+    ], grids
+    assert all(row["bench"] in VARLEN_BENCHES for row in rows)
+    assert all(row["check"] == "matches" and row["volume_at_theory"] == "True" for row in rows), rows
+    assert all(float(row["error_vs_plain"]) <= 2 and "work imbalance" in row["detail"] for row in rows), rows
+    document = json.loads(next(tmp_path.glob("*.json")).read_text())
+    (cpu_speed,) = [check for check in document["targets"] if check["target"].startswith("CPU: fused")]
+    assert cpu_speed["status"] == "n/a (not run)"  # no unfused baseline in the varlen rows
+    table = document["varlen_layouts"]
+    mixes = {(line["mix"], line["P"]) for line in table}
+    assert mixes == {(mix, p) for mix in ("long-tailed", "short") for p in (2, 4, 8)}
+    for mix, p in mixes:
+        contiguous, balanced, padded = [line for line in table if (line["mix"], line["P"]) == (mix, p)]
+        assert balanced["work_imbalance"] <= contiguous["work_imbalance"] and balanced["padding_tokens"] == 0
+        assert padded["padding_tokens"] > 0 and padded["token_imbalance"] > 1.0
+
 # A run with failures injected (python -c, patches made before the ranks fork): the
 # ulysses bench raises before its first case, one reshard case raises on every rank,
 # and one unpack case raises on rank 0 (kernels run there alone).

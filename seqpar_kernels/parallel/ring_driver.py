@@ -50,7 +50,8 @@ Packed documents (a DocumentLayout, parallel/documents.py): a step computes only
 rows of documents both ranks hold, each query against the keys of its own document
 (causal: those at or before it), as the layout's StepMask says; a step with none
 computes nothing. On CPUs the step kernels run once per (query stretch, key stretch) of
-a document; on GPUs once per step, with each query row's interval of key rows.
+a document, small neighbouring ones joined under a mask (documents.coalesce); on GPUs
+once per step, with each query row's interval of key rows.
 
 Bytes sent by rank r, with n_j the rows of rank j and N their sum (rank r never sends
 the block of rank r+1, the last it receives, nor the accumulator of its own block):
@@ -161,12 +162,14 @@ def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale) -> None:
     if mask.has_intervals and hasattr(steps, "forward_intervals"):
         steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device))
         return
-    for pair in mask.pairs:
-        q_rows = lambda x: x.narrow(1, pair.q_start, pair.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, pair.kv_start, pair.kv_len)  # noqa: E731
-        steps.forward(
-            q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, pair.q_start, pair.q_len), scale, pair.causal
-        )
+    for block in mask.blocks:
+        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
+        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
+        arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), scale)
+        if block.mask is None:
+            steps.forward(*arguments, block.causal)
+        else:
+            steps.forward_masked(*arguments, block.mask, block.empty_rows)
 
 
 def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, dk, dv, scale) -> None:
@@ -174,14 +177,18 @@ def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, dk
     if mask.has_intervals and hasattr(steps, "backward_intervals"):
         steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask.intervals(q.device))
         return
-    for pair in mask.pairs:
-        q_rows = lambda x: x.narrow(1, pair.q_start, pair.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, pair.kv_start, pair.kv_len)  # noqa: E731
-        stat_rows = lambda x: None if x is None else x.narrow(2, pair.q_start, pair.q_len)  # noqa: E731
-        steps.backward(
+    for block in mask.blocks:
+        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
+        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
+        stat_rows = lambda x: None if x is None else x.narrow(2, block.q_start, block.q_len)  # noqa: E731
+        arguments = (
             q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
-            q_rows(dq), kv_rows(dk), kv_rows(dv), scale, pair.causal,
+            q_rows(dq), kv_rows(dk), kv_rows(dv), scale,
         )  # fmt: skip
+        if block.mask is None:
+            steps.backward(*arguments, block.causal)
+        else:
+            steps.backward_masked(*arguments, block.mask)
 
 
 # ----------------------------------------------------------------------------------

@@ -97,7 +97,26 @@ class AtenCpuSteps:
         )
         attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
 
+    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows):
+        """forward under an fp32 additive (q rows, k rows) mask; empty_rows: the rows
+        whose mask is all -inf, for which aten returns lse 0 (not -inf) and out 0, so
+        their lse is set to -inf and the merge leaves them untouched."""
+        k, v = self._kv_for_kernel(k, v, q.shape[2])
+        block_out, block_lse = _cpu_flash(
+            *(_cpu_flash_operand(x, torch.float32) for x in (q, k, v)), 0.0, False, attn_mask=mask, scale=scale
+        )
+        block_lse = block_lse.masked_fill(empty_rows, float("-inf"))
+        attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
+
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask):
+        # exp(s + mask - lse) is exactly 0 where the mask is -inf: the masked keys and the
+        # empty rows get nothing.
+        self._backward(dout, q, k, v, out, lse, dq, dk, dv, scale, False, mask)
+
     def backward(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, causal):
+        self._backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None)
+
+    def _backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, mask):
         # Given the final out and lse, aten rebuilds this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
         # In fp32 too: aten returns each block's gradients in the input dtype, and
@@ -107,7 +126,7 @@ class AtenCpuSteps:
         k, v = self._kv_for_kernel(k, v, q.shape[2])
         grad_q, grad_k, grad_v = _cpu_flash_backward(
             *(_cpu_flash_operand(x, torch.float32) for x in (dout, q, k, v, out)),
-            lse, 0.0, causal, scale=scale,
+            lse, 0.0, causal, attn_mask=mask, scale=scale,
         )  # fmt: skip
         dq.add_(grad_q.transpose(1, 2))
         dk.add_(_sum_head_groups(grad_k.transpose(1, 2), kv_heads))

@@ -1,4 +1,5 @@
-"""The README's example is examples/quickstart.py, and it runs under torchrun."""
+"""The README's examples are the files in examples/ as they are, and they run under
+torchrun: quickstart (2 ranks), usp (a 2 x 2 grid) and varlen (4 ranks)."""
 
 import os
 import re
@@ -6,23 +7,49 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_example_is_quickstart():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    assert block == (ROOT / "examples" / "quickstart.py").read_text()
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
-def test_quickstart_runs_under_torchrun():
+def run_example(name: str, ranks: int) -> str:
+    """examples/<name> under torchrun on `ranks` CPU ranks (gloo); returns its stdout."""
     # PYTHONFAULTHANDLER: a rank killed by a signal prints every thread's Python stack,
     # so a crash at teardown says where it happened.
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "examples" / "quickstart.py")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+         str(ROOT / "examples" / name)],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
-    )
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "rank 0 sent" in result.stdout and "rank 1 sent" in result.stdout
+    return result.stdout
+
+
+def test_readme_example_is_quickstart():
+    assert readme_python_blocks()[0] == (ROOT / "examples" / "quickstart.py").read_text()
+
+
+@pytest.mark.parametrize("name", ["usp.py", "varlen.py"])
+def test_readme_shows_the_example_as_it_is(name):
+    assert (ROOT / "examples" / name).read_text() in readme_python_blocks()
+
+
+def test_quickstart_runs_under_torchrun():
+    stdout = run_example("quickstart.py", 2)
+    assert "rank 0 sent" in stdout and "rank 1 sent" in stdout
+
+
+def test_usp_example_runs_under_torchrun():
+    stdout = run_example("usp.py", 4)
+    assert all(f"rank {rank}:" in stdout for rank in range(4)), stdout
+
+
+def test_varlen_example_runs_under_torchrun_and_matches_attention_per_document():
+    stdout = run_example("varlen.py", 4)
+    errors = [float(match) for match in re.findall(r"max error ([0-9.e+-]+)", stdout)]
+    assert len(errors) == 4 and max(errors) < 1e-5, stdout

@@ -1,7 +1,7 @@
 """USP (seqpar_kernels/parallel/usp.py) on gloo grids of ranks: usp_attention against
 fp64 attention, degree 1 against ulysses_attention and ring_attention bit for bit, the
 bytes against the per-group formulas, torch.compile, the layouts of usp_split and
-usp_gather, make_usp_groups, bad inputs on every rank, and the README's example.
+usp_gather, make_usp_groups, and bad inputs on every rank (the README's example: tests/test_readme_example.py).
 
 Grids are (R ring slots) x (U Ulysses ranks): world 4 as 1x4, 2x2 (Ulysses groups
 consecutive, strided, and from a DeviceMesh whose dims are named in the other order) and
@@ -14,11 +14,6 @@ call: every pool.run is a round trip to all ranks.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +29,6 @@ from seqpar_kernels.parallel.usp import _Grid, _piece_ranges
 from test_ring_schedule import _causal_schedule, _global_positions
 from test_ulysses_bytes import expected_ulysses_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 # (grid kind, U) per world size; R = world / U. "inner": make_usp_groups(U), Ulysses
@@ -613,23 +607,3 @@ def test_bad_inputs_raise_on_every_rank_then_ranks_still_work():
         assert "grid" in (raised["not a grid", "all"] or ""), raised["not a grid", "all"]
         assert error_after <= reference.FP32_TOLERANCE, f"rank {rank}: a good call afterwards errs by {error_after}"
     assert not failures, "\n".join(failures)
-
-
-# ----------------------------------------------------------------------------------
-# the README's example
-# ----------------------------------------------------------------------------------
-
-
-def test_readme_usp_example_is_examples_usp_and_runs_under_torchrun():
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    example = (ROOT / "examples" / "usp.py").read_text()
-    assert example in blocks, "the README shows examples/usp.py as it is"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(ROOT / "examples" / "usp.py")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert all(f"rank {rank}:" in result.stdout for rank in range(4)), result.stdout

@@ -1,7 +1,8 @@
 """The ring-attention step kernels compiled ahead of time for GPUs that are not here.
 
 Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
-64/128/256, causal or not, MHA or GQA) is compiled by
+64/128/256, full or causal, MHA or GQA; the interval mask of packed documents
+for bf16 and fp32 at head dim 128) is compiled by
 seqpar_kernels.kernels.ahead_of_time for one GPU of each family the tile choice
 tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
 99 KiB of shared memory), sm_100 (B200) and sm_120 (RTX 50xx), with the same
@@ -62,6 +63,10 @@ def test_every_kernel_compiles_for_every_target(compiled):
         for dtype in ("bfloat16", "float16", "float32"):
             for headdim in (64, 128, 256):
                 assert any(f" {dtype} d{headdim} " in row["description"] for row in rows), (capability, dtype, headdim)
+        # The interval mask: each step kernel, MHA and GQA, bf16 and fp32 at d128.
+        intervals = {row["description"] for row in rows if " intervals " in row["description"]}
+        assert len(intervals) == 12 and {d.split()[0] for d in intervals} == KERNELS - {
+            "_attention_bwd_preprocess_kernel"}, (capability, sorted(intervals))
 
 
 def test_shared_memory_fits_the_target(compiled):

@@ -25,7 +25,7 @@ from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
 from seqpar_kernels.parallel.checks import check_launchable  # noqa: E402
 from triton_interpreter import runs_triton_on  # noqa: E402
-MASK_FULL, MASK_CAUSAL = launchers.MASK_FULL, launchers.MASK_CAUSAL
+MASK_FULL, MASK_CAUSAL, MASK_INTERVALS = launchers.MASK_FULL, launchers.MASK_CAUSAL, launchers.MASK_INTERVALS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -255,10 +255,10 @@ def test_fully_masked_rows_stay_untouched():
     fresh_out, fresh_lse = _fresh_state(b, sq, h, d)
     for o, l in ((out, lse), (fresh_out, fresh_lse)):
         kernels._attention_step_fwd_kernel[(2, h, b)](
-            q, k, v, o, l,
+            q, k, v, o, l, None, None,  # no interval pointers
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *l.stride(),
             sq, 0, d, 1, 0.125 * 1.4426950408889634,
-            CAUSAL=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
+            CAUSAL=False, INTERVALS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
             SPLIT_SWEEP=step_tiles.SPLIT_FORWARD_SWEEP,
         )
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
@@ -455,6 +455,270 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
         err = (ours.double() - want).abs().max().item()
         plain_err = (yardstick.double() - want).abs().max().item()
         assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
+
+
+# ----------------------------------------------------------------------------
+# MASK_INTERVALS: packed documents
+# ----------------------------------------------------------------------------
+
+# Document lengths of one packed sequence (160 positions): documents of length 1,
+# documents longer than every tile of the interpreter (and of a GPU's fp32 tiles).
+DOC_LENS = [1, 37, 1, 1, 5, 50, 2, 19, 1, 40, 3]
+
+
+def _document_intervals(q_pos, k_pos, doc_lens, causal):
+    """The ``intervals`` a caller passes with MASK_INTERVALS, built as a caller
+    would, and the dense keep mask (sq, sk) for the reference.
+
+    Queries sit at the global positions ``q_pos`` and keys at ``k_pos`` (each
+    sorted) of one packed sequence of documents of lengths ``doc_lens``.  A query
+    sees the keys of its own document, up to its own position when causal."""
+    lens = torch.tensor(doc_lens)
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), lens)  # by position
+    end = lens.cumsum(0)[doc]
+    start = end - lens[doc]
+    # Query i: the keys from its document's start to its own position + 1 (causal)
+    # or its document's end.  Key j: the queries from its own position (causal)
+    # or its document's start, to its document's end.
+    row_start = torch.searchsorted(k_pos, start[q_pos])
+    row_end = torch.searchsorted(k_pos, q_pos + 1 if causal else end[q_pos])
+    col_start = torch.searchsorted(q_pos, k_pos if causal else start[k_pos])
+    col_end = torch.searchsorted(q_pos, end[k_pos])
+    keep = doc[q_pos][:, None] == doc[k_pos][None, :]
+    if causal:
+        keep &= k_pos[None, :] <= q_pos[:, None]
+    # Both halves of the intervals describe keep exactly.
+    rows, cols = torch.arange(len(q_pos)), torch.arange(len(k_pos))
+    assert torch.equal(keep, (cols >= row_start[:, None]) & (cols < row_end[:, None]))
+    assert torch.equal(keep, (rows[:, None] >= col_start) & (rows[:, None] < col_end))
+    intervals = tuple(t.to(device=DEVICE, dtype=torch.int32) for t in (row_start, row_end, col_start, col_end))
+    return intervals, keep.to(DEVICE)
+
+
+def _positions(layout, generator):
+    """(q positions, [k positions of each ring step]) of a packed sequence of
+    sum(DOC_LENS) positions.  "ring": the queries are the third of four chunks of
+    40 positions, the steps' keys the same chunk (the diagonal step), the chunk
+    before it and the one after it (causal: a step in which no query sees a key).
+    "subsets": random sorted subsets of different sizes."""
+    total = sum(DOC_LENS)
+    if layout == "ring":
+        return torch.arange(80, 120), [torch.arange(80, 120), torch.arange(40, 80), torch.arange(120, 160)]
+    subset = lambda n: torch.randperm(total, generator=generator)[:n].sort().values  # noqa: E731
+    return subset(45), [subset(70), subset(23)]
+
+
+def _interval_steps(q, dout, steps, scale):
+    """The steps [(k, v, intervals)] through the step kernels: every forward, then
+    every backward with the final lse.  Returns (out, lse) after the first step,
+    the final (out, lse), dq, and per step (dk, dv)."""
+    b, sq, h, d = q.shape
+    out, lse = _fresh_state(b, sq, h, d)
+    first = None
+    for k, v, intervals in steps:
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_INTERVALS,
+                                         intervals=intervals)
+        first = first or (out.clone(), lse.clone())
+    delta = launchers.attention_backward_preprocess(out, dout)
+    dq, dkv = _zeros(*q.shape), []
+    for k, v, intervals in steps:
+        dk, dv = _zeros(*k.shape), _zeros(*v.shape)
+        launchers.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale,
+                                          mask_mode=MASK_INTERVALS, intervals=intervals)
+        dkv.append((dk, dv))
+    return first, (out, lse), dq, dkv
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize(
+    "h, hk, d, causal, layout",
+    [
+        (4, 2, 64, True, "ring"),  # GQA; a q tile whose rows see no key; an all-empty step
+        (2, 2, 80, False, "ring"),  # padded head dim
+        (3, 1, 64, True, "subsets"),  # MQA, seqlen_q != seqlen_k
+        (4, 2, 80, False, "subsets"),
+    ],
+)
+def test_intervals_match_the_dense_document_mask(h, hk, d, causal, layout):
+    _check_intervals(h, hk, d, causal, layout, b=2, seed=20)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.skipif(DEVICE == "cuda", reason="a GPU runs the CUDA tiles in every test")
+@pytest.mark.parametrize("tiles", step_tiles.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
+def test_cuda_tiles_compute_the_intervals_in_the_interpreter(monkeypatch, tiles):
+    monkeypatch.setattr(step_tiles, "_INTERPRETER_TILES", tiles)
+    _check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=24)
+
+
+def _check_intervals(h, hk, d, causal, layout, b, seed):
+    """Forward (after the first step and merged over every step) and backward of
+    the steps of _positions(layout) with documents DOC_LENS, against fp64 autograd
+    of the dense document mask."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    q_pos, k_positions = _positions(layout, generator)
+    sq = len(q_pos)
+    q, dout = _randn(b, sq, h, d), _randn(b, sq, h, d)
+    steps, keeps = [], []
+    for k_pos in k_positions:
+        intervals, keep = _document_intervals(q_pos, k_pos, DOC_LENS, causal)
+        steps.append((_randn(b, len(k_pos), hk, d), _randn(b, len(k_pos), hk, d), intervals))
+        keeps.append(keep)
+    if layout == "ring":
+        # The cases the layout is there for: rows 16-31 (a tile of the interpreter)
+        # see no key of the chunk before; causal, no query sees a key of the chunk after.
+        assert not keeps[1][16:32].any() and keeps[1].any()
+        assert causal == (not keeps[2].any())
+    scale = d ** -0.5
+    (out1, lse1), (out, lse), dq, dkv = _interval_steps(q, dout, steps, scale)
+
+    ref_out1, ref_lse1 = _reference(q, steps[0][0], steps[0][1], scale, keeps[0])
+    torch.testing.assert_close(out1.double(), ref_out1, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse1.double(), ref_lse1, atol=2e-5, rtol=0)
+
+    k_all = torch.cat([k for k, _, _ in steps], dim=1)
+    v_all = torch.cat([v for _, v, _ in steps], dim=1)
+    keep_all = torch.cat(keeps, dim=1)
+    assert not all(keep.any(dim=1).all() for keep in keeps)  # rows that see no key of a step
+    if layout == "subsets":
+        assert not keep_all.any(dim=1).all()  # rows that see no key at all: lse -inf, zero gradient
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
+    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep_all)
+    ref_out.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(dq.double(), qr.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([dk for dk, _ in dkv], dim=1).double(), kr.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([dv for _, dv in dkv], dim=1).double(), vr.grad, atol=1e-4, rtol=0)
+    if causal and layout == "ring":
+        # The all-empty step adds exactly nothing to dk/dv.
+        assert not dkv[2][0].any() and not dkv[2][1].any()
+
+
+@runs_triton_on(DEVICE)
+def test_an_all_empty_interval_step_leaves_the_state_untouched():
+    torch.manual_seed(21)
+    b, h, hk, d = 1, 2, 1, 64
+    q_pos, k_pos = torch.arange(80, 120), torch.arange(120, 160)
+    intervals, keep = _document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
+    assert not keep.any()
+    q, k, v = _randn(b, 40, h, d), _randn(b, 40, hk, d), _randn(b, 40, hk, d)
+    out, lse = _randn(b, 40, h, d), _randn(b, h, 40)
+    out0, lse0 = out.clone(), lse.clone()
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_INTERVALS,
+                                     intervals=intervals)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    dq, dk, dv = _randn(b, 40, h, d), _randn(b, 40, hk, d), _randn(b, 40, hk, d)
+    grads0 = [g.clone() for g in (dq, dk, dv)]
+    launchers.attention_step_backward(q, k, v, out, _randn(b, 40, h, d), lse, None, dq, dk, dv,
+                                      softmax_scale=0.125, mask_mode=MASK_INTERVALS, intervals=intervals)
+    for got, want in zip((dq, dk, dv), grads0):
+        assert torch.equal(got, want)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_intervals_low_precision(dtype):
+    # The tolerances of the other low-precision tests: the forward within twice
+    # plain PyTorch attention's error in dtype, the gradients within 3% of their
+    # largest entry.
+    torch.manual_seed(22)
+    b, h, hk, d = 1, 4, 2, 64
+    q_pos, k_pos = torch.arange(80, 120), torch.arange(40, 120)
+    intervals, keep = _document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
+    q, dout = _randn(b, 40, h, d, dtype=dtype), _randn(b, 40, h, d, dtype=dtype)
+    k, v = _randn(b, 80, hk, d, dtype=dtype), _randn(b, 80, hk, d, dtype=dtype)
+    scale = d ** -0.5
+    _, (out, lse), dq, [(dk, dv)] = _interval_steps(q, dout, [(k, v, intervals)], scale)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep)
+    ref_out.backward(dout.double())
+    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep).nan_to_num(0.0)  # rows without a key: 0
+    ours_err = (out.double() - ref_out).abs().max().item()
+    torch_err = (torch_out.double() - ref_out).abs().max().item()
+    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-4, rtol=0)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 3e-2 * want.abs().max().item(), err
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("garbage", ["kv", "q"], ids=["nan-in-unseen-keys", "nan-in-unseen-queries"])
+def test_intervals_read_no_rows_outside_their_span(causal, garbage):
+    # Documents of 140, 10, 10, 140 and 100 positions.  The queries: positions
+    # 140-179, the keys: 100-159 and 300-367.  Only documents 1 and 2 have both:
+    # query rows 0-19 see key rows 40-59, all inside one 32-key tile; rows 20-39
+    # (document 3) see no key, nor do key rows 0-39 (document 0) and 60-127
+    # (document 4) have a query.  NaN in those K/V rows ("kv") or q/dout rows
+    # ("q") must change nothing the tiles sweeping the documents compute: the
+    # forward and dq skip the k tiles outside a q tile's span and mask the keys
+    # past it, dk/dv do the same with q tiles.
+    torch.manual_seed(23)
+    b, h, hk, d = 1, 2, 1, 64
+    doc_lens = [140, 10, 10, 140, 100]
+    q_pos, k_pos = torch.arange(140, 180), torch.cat([torch.arange(100, 160), torch.arange(300, 368)])
+    intervals, keep = _document_intervals(q_pos, k_pos, doc_lens, causal)
+    seen_rows, seen_keys = keep.any(dim=1).cpu(), keep.any(dim=0).cpu()
+    assert torch.equal(seen_rows.nonzero().flatten(), torch.arange(20))
+    assert torch.equal(seen_keys.nonzero().flatten(), torch.arange(40, 60))
+    q, dout = _randn(b, 40, h, d), _randn(b, 40, h, d)
+    k, v = _randn(b, 128, hk, d), _randn(b, 128, hk, d)
+    scale = d ** -0.5
+
+    def run(fill):
+        q_, dout_, k_, v_ = (t.clone() for t in (q, dout, k, v))
+        if garbage == "kv":
+            k_[:, ~seen_keys], v_[:, ~seen_keys] = fill, fill
+        else:
+            q_[:, ~seen_rows], dout_[:, ~seen_rows] = fill, fill
+        _, (out, lse), dq, [(dk, dv)] = _interval_steps(q_, dout_, [(k_, v_, intervals)], scale)
+        return out, lse, dq, dk, dv
+
+    with_nan, with_zero = run(float("nan")), run(0.0)
+    # Everything but the gradients of the garbage rows themselves, which may be
+    # 0 * NaN where they share a tile with rows that see something: a query that
+    # sees no key (its dq), a key no query sees (its dk).
+    names = ("out", "lse", "dq", "dk", "dv")
+    checked = {"out": slice(None), "lse": slice(None), "dq": slice(None), "dk": slice(None), "dv": slice(None)}
+    if garbage == "q":
+        checked["dq"] = seen_rows
+    else:
+        checked["dk"] = seen_keys
+    for name, got, want in zip(names, with_nan, with_zero):
+        index = (slice(None), slice(None), checked[name]) if name == "lse" else (slice(None), checked[name])
+        assert torch.equal(got[index], want[index]), name  # NaN would differ from itself
+        if name != "lse":  # whose rows without a key hold -inf
+            assert torch.isfinite(got[index]).all(), name
+    # And the result is the attention of the documents.
+    ref_out, ref_lse = _reference(q, k, v, scale, keep)
+    torch.testing.assert_close(with_nan[0].double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(with_nan[1].double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_intervals_go_with_mask_intervals_only():
+    q, k = torch.zeros(1, 6, 2, 16), torch.zeros(1, 5, 1, 16)
+    out, lse = torch.zeros(1, 6, 2, 16), torch.zeros(1, 2, 6)
+    intervals = (torch.zeros(6, dtype=torch.int32), torch.ones(6, dtype=torch.int32),
+                 torch.zeros(5, dtype=torch.int32), torch.ones(5, dtype=torch.int32))
+    step = lambda mode, iv: launchers.attention_step_forward(  # noqa: E731
+        q, k, k, out, lse, softmax_scale=1.0, mask_mode=mode, intervals=iv)
+    with pytest.raises(AssertionError, match="intervals="):
+        step(MASK_INTERVALS, None)
+    with pytest.raises(AssertionError, match="intervals="):
+        step(MASK_FULL, intervals)
+    with pytest.raises(AssertionError, match="row_end must be a contiguous int32 \\(6,\\)"):
+        step(MASK_INTERVALS, (intervals[0], intervals[1].long(), *intervals[2:]))
+    with pytest.raises(AssertionError, match="col_start must be a contiguous int32 \\(5,\\)"):
+        step(MASK_INTERVALS, (*intervals[:2], torch.zeros(6, dtype=torch.int32), intervals[3]))
+    with pytest.raises(AssertionError, match="intervals="):
+        launchers.attention_step_backward(q, k, k, out, out, lse, None, out, k, k, softmax_scale=1.0,
+                                          mask_mode=MASK_INTERVALS)
+    # The forward of the interval mask sweeps once, masked, whatever Triton release.
+    launch = step_tiles.forward_launch(torch.float32, 64, False, intervals=True, target=None, interpreted=True)
+    assert launch.constexprs["INTERVALS"] and not launch.constexprs["SPLIT_SWEEP"]
 
 
 # ----------------------------------------------------------------------------

@@ -62,7 +62,8 @@ def _specialize(launch: KernelLaunch, args: tuple) -> tuple[dict, dict, dict]:
 
     The JIT specializes on argument values, and the specialization changes the
     code: an integer equal to 1 (a unit stride) becomes a compile-time constant,
-    which lets loads vectorize; a pointer or integer divisible by 16 is marked so.
+    which lets loads vectorize; a pointer or integer divisible by 16 is marked so;
+    None is a compile-time constant.
     Tensors (meta tensors will do) stand for pointers to 16-byte-aligned memory,
     as torch allocates it.
     """
@@ -74,6 +75,9 @@ def _specialize(launch: KernelLaunch, args: tuple) -> tuple[dict, dict, dict]:
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPE[value.dtype]
             attrs[position] = [["tt.divisibility", 16]]
+        elif value is None:  # e.g. a pointer the kernel does not read in this mode
+            signature[name] = "constexpr"
+            constexprs[name] = None
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"argument {index} ({name}) of {launch.kernel.__name__}: {value!r}")
         elif isinstance(value, float):
@@ -166,6 +170,11 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # BLOCK_D (16 or 32): not compiled here.
 TABLE_HEAD_DIMS = (64, 128, 256)
 TABLE_HEADS, TABLE_SEQLEN = 16, 4096
+# The interval mask (packed documents) holds its row or column intervals in
+# registers through the sweep.  It is compiled for bf16 (fp16 compiles alike)
+# and fp32 at head dim 128, MHA and GQA: 12 kernels per target, where every
+# dtype and head dim would add 36 to the table's compile time.
+TABLE_INTERVAL_CASES = ((torch.bfloat16, 128), (torch.float32, 128))
 
 
 @functools.lru_cache(maxsize=None)  # each worker process builds the list once, not per case
@@ -177,26 +186,29 @@ def step_kernel_cases(capability: int):
     Inputs are contiguous (batch 2, seqlen 4096, 16 heads), the layout the ring
     passes; kv heads 16 (MHA: the GQA group size 1 is a compile-time constant)
     and 4 (GQA) on every target: register use differs between them (GQA dk/dv
-    at d128 spills on sm_80 with the sm_90 tiles).
+    at d128 spills on sm_80 with the sm_90 tiles).  Masks full and causal
+    everywhere, intervals for TABLE_INTERVAL_CASES.
     """
-    from .attention_step_launch import cuda_kernel_calls
+    from .attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
 
+    mask_names = {MASK_FULL: "full", MASK_CAUSAL: "causal", MASK_INTERVALS: "intervals"}
     target = GpuTarget.of_capability(capability)
     cases, seen = [], set()
     for dtype in TABLE_DTYPES:
         for headdim in TABLE_HEAD_DIMS:
-            for causal in (False, True):
+            masks = [MASK_FULL, MASK_CAUSAL] + [MASK_INTERVALS] * ((dtype, headdim) in TABLE_INTERVAL_CASES)
+            for mask_mode in masks:
                 for kv_heads in (TABLE_HEADS, 4):
                     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, headdim, dtype=dtype, device="meta")
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
-                    for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), causal, target):
+                    for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), mask_mode, target):
                         key = (launch.kernel.__name__, repr(_specialize(launch, args)),
                                launch.num_warps, launch.num_stages)
                         if key in seen:
                             continue
                         seen.add(key)
                         description = (f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
-                                       f"d{headdim} {'causal' if causal else 'full'} "
+                                       f"d{headdim} {mask_names[mask_mode]} "
                                        f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}")
                         cases.append((description, launch, args))
     return cases

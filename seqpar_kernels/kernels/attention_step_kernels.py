@@ -25,6 +25,29 @@ Backward (``_attention_step_bwd_dq_kernel``, ``_attention_step_bwd_dkdv_kernel``
     travel around the ring with K/V).  ``_attention_bwd_preprocess_kernel``
     computes ``delta = rowsum(dout * out)`` once for all steps.
 
+Mask modes (compile-time flags, so each mode compiles to its own kernel and
+the others carry no trace of it):
+
+    neither    every query row attends every key of the block (full)
+    CAUSAL     the diagonal block (seqlen_q == seqlen_k): row i attends keys j <= i
+    INTERVALS  packed documents: row i attends exactly the keys
+               ``row_start[i] <= j < row_end[i]``, and key j is attended by
+               exactly the rows ``col_start[j] <= i < col_end[j]``
+
+INTERVALS is how packed variable-length sequences look from one ring step: q
+rows and keys are each sorted by global position, so the keys one row may see
+(its own document, causal or not) are one contiguous index range of the block,
+and so are the rows that see one key.  ``row_start``/``row_end`` are int32
+(seqlen_q,), ``col_start``/``col_end`` int32 (seqlen_k,), shared by every batch
+entry and head; the two describe the same mask and the caller keeps them
+consistent.  An interval with end <= start is empty.  The forward and the dq
+kernel read the row intervals: a q tile sweeps only the k tiles of
+``[min row_start, max row_end)`` over its rows with a non-empty interval (none:
+it does nothing).  A k tile of the dk/dv kernel loops over the q rows of
+``[min col_start, max col_end)`` over its keys' non-empty intervals and masks
+with the same column intervals.  Keys (q rows for dk/dv) outside that range
+are never read, so they may hold anything.
+
 Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 ``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
 ``nheads % nheads_kv == 0`` (GQA/MQA: q head ``h`` reads kv head
@@ -59,6 +82,23 @@ def _offset64(index0, stride0, index1=0, stride1=0, index2=0, stride2=0):
 
 
 @triton.jit
+def _load_intervals(Start, End, offs, mask, length):
+    # The intervals [start, end) of the rows ``offs`` (q rows: row_start/row_end,
+    # keys: col_start/col_end) and their hull [lo, hi), the index range of the
+    # other side that this program has to sweep.  Empty intervals (end <= start)
+    # and rows past the end (mask False, loaded as the empty [0, 0)) must not
+    # widen the hull: when every interval is empty, lo = length >= hi = 0 and the
+    # sweep runs no iteration.  Clamped to [0, length]: a sweep never leaves the
+    # block.
+    start = tl.load(Start + offs, mask=mask, other=0)
+    end = tl.load(End + offs, mask=mask, other=0)
+    nonempty = end > start
+    lo = tl.maximum(tl.min(tl.where(nonempty, start, length), 0), 0)
+    hi = tl.minimum(tl.max(tl.where(nonempty, end, 0), 0), length)
+    return start, end, lo, hi
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     # The Triton CPU interpreter (TRITON_INTERPRET=1) keeps bfloat16 as raw
     # uint16 bits and its tl.dot multiplies those bits.  There the launcher sets
@@ -74,14 +114,16 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 @triton.jit
 def _attention_fwd_sweep(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
-    offs_m, offs_n, mask_d, seqlen_k, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # Folds the keys [lo, hi) into the online-softmax state (acc, l_i, m_i);
     # k_ptrs/v_ptrs point at key lo and come back pointing at key hi (rounded
-    # up to a whole tile).  MASKED=False: every key of every tile is valid for
-    # every row, so no key mask and no causal test.
+    # up to a whole tile).  Keys from seqlen_k on are neither loaded nor
+    # attended.  MASKED=False: every key of every tile is valid for every row,
+    # so no key mask and no causal or interval test.  row_start/row_end: the
+    # rows' key intervals (INTERVALS only).
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             cols = start_n + offs_n
@@ -94,6 +136,8 @@ def _attention_fwd_sweep(
             valid = mask_n[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if INTERVALS:
+                valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
             s = tl.where(valid, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -121,6 +165,7 @@ def _attention_fwd_sweep(
 @triton.jit
 def _attention_step_fwd_kernel(
     Q, K, V, Out, Lse,
+    RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -129,6 +174,7 @@ def _attention_step_fwd_kernel(
     seqlen_q, seqlen_k, headdim, kv_group,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -136,7 +182,8 @@ def _attention_step_fwd_kernel(
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
 ):
-    # One program owns (q tile, q head, batch) and sweeps the whole K/V block.
+    # One program owns (q tile, q head, batch) and sweeps the K/V block: all of
+    # it, up to the diagonal (CAUSAL), or the keys its rows' intervals span.
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -163,32 +210,47 @@ def _attention_step_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Causal (diagonal) block: keys beyond the last row of this q tile are
-    # masked for every row, so the sweep stops there.  Keys before the tile's
-    # first row are visible to all of its rows.
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
-        all_visible = tl.minimum(start_m, seqlen_k)
+    if INTERVALS:
+        # Packed documents: only the hull [lo, hi) of the rows' key intervals,
+        # all of it masked (no k tile is known to be seen by every row).  The
+        # keys end at hi: the last tile neither reads nor attends keys past it.
+        row_start, row_end, lo, hi = _load_intervals(RowStart, RowEnd, offs_m, mask_m, seqlen_k)
+        key_end = hi
     else:
-        hi = seqlen_k
-        all_visible = seqlen_k
+        row_start, row_end = offs_m, offs_m  # not read
+        key_end = seqlen_k
+        # Causal (diagonal) block: keys beyond the last row of this q tile are
+        # masked for every row, so the sweep stops there.  Keys before the
+        # tile's first row are visible to all of its rows.
+        if CAUSAL:
+            hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+            all_visible = tl.minimum(start_m, seqlen_k)
+        else:
+            hi = seqlen_k
+            all_visible = seqlen_k
+    # The bounds come before the pointers, as in the full and causal kernels'
+    # instruction order: with the pointers first, sm_100 gives the bf16/fp16
+    # d64 causal GQA kernel 130 registers instead of 126.
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if SPLIT_SWEEP:
+    if INTERVALS:
+        k_ptrs += _offset64(lo, stride_kn)
+        v_ptrs += _offset64(lo, stride_vn)
+    elif SPLIT_SWEEP:
         # Two sweeps, as in the Triton fused-attention tutorial: the whole k
         # tiles that every row sees go without a key mask or a causal test, the
         # rest (the diagonal tiles, a partial last tile) with them.
-        unmasked_end = (all_visible // BLOCK_N) * BLOCK_N
+        lo = (all_visible // BLOCK_N) * BLOCK_N
         acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, unmasked_end,
-            offs_m, offs_n, mask_d, seqlen_k, qk_scale,
-            False, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, lo,
+            offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
+            False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
     else:
-        unmasked_end = 0
+        lo = 0
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, unmasked_end, hi,
-        offs_m, offs_n, mask_d, seqlen_k, qk_scale,
-        True, CAUSAL, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
+        offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
+        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
 
     # ---- merge this block into the running (out, lse), in place ----
     # Rows that saw no valid key in this block (l_i == 0) are not written at
@@ -256,6 +318,7 @@ def _attention_bwd_preprocess_kernel(
 @triton.jit
 def _attention_step_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
+    RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -266,6 +329,7 @@ def _attention_step_bwd_dq_kernel(
     seqlen_q, seqlen_k, headdim, kv_group,
     softmax_scale, qk_scale,
     CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -308,15 +372,26 @@ def _attention_step_bwd_dq_kernel(
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
 
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+    # The keys [lo, hi) this q tile sees, as in the forward; keys from key_end
+    # on are neither read nor attended.
+    if INTERVALS:
+        row_start, row_end, lo, hi = _load_intervals(RowStart, RowEnd, offs_m, mask_m, seqlen_k)
+        key_end = hi
+        kt_ptrs += _offset64(lo, stride_kn)
+        k_ptrs += _offset64(lo, stride_kn)
+        vt_ptrs += _offset64(lo, stride_vn)
     else:
-        hi = seqlen_k
+        lo = 0
+        key_end = seqlen_k
+        if CAUSAL:
+            hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+        else:
+            hi = seqlen_k
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        mask_n = cols < seqlen_k
+        mask_n = cols < key_end
         kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST)
         # Recompute P from the final lse (base 2, scale folded in).
@@ -324,6 +399,8 @@ def _attention_step_bwd_dq_kernel(
         valid = mask_m[:, None] & mask_n[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None])
+        if INTERVALS:
+            valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
         p = tl.where(valid, p, 0.0)
         vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         dp = _dot(do, vt, DOT_PRECISION, DOT_UPCAST)
@@ -344,6 +421,7 @@ def _attention_step_bwd_dq_kernel(
 @triton.jit
 def _attention_step_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
+    ColStart, ColEnd,  # int32 (seqlen_k,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -355,6 +433,7 @@ def _attention_step_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, headdim, kv_group,
     softmax_scale, qk_scale,
     CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -388,12 +467,21 @@ def _attention_step_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Causal (diagonal) block: q rows before this k tile's first key see none
-    # of its keys, so start at the q tile containing row start_n.
-    if CAUSAL:
+    # The q rows [lo, hi) that see this k tile's keys; rows from hi on are
+    # neither read nor attended.
+    if INTERVALS:
+        # The rows of the keys' column intervals.  The element mask takes the
+        # same intervals, held through the loop: exact, as the row intervals of
+        # each q tile would be, without loading two more vectors per q tile.
+        col_start, col_end, lo, hi = _load_intervals(ColStart, ColEnd, offs_n, mask_n, seqlen_q)
+    elif CAUSAL:
+        # Diagonal block: q rows before this k tile's first key see none of
+        # its keys, so start at the q tile containing row start_n.
         lo = (start_n // BLOCK_M) * BLOCK_M
+        hi = seqlen_q
     else:
         lo = 0
+        hi = seqlen_q
 
     for g in range(0, kv_group):
         off_h = off_hk * kv_group + g
@@ -401,9 +489,9 @@ def _attention_step_bwd_dkdv_kernel(
         do_base = DO + _offset64(off_b, stride_gb, off_h, stride_gh)
         lse_base = Lse + _offset64(off_b, stride_lb, off_h, stride_lh)
         delta_base = Delta + _offset64(off_b, stride_eb, off_h, stride_eh)
-        for start_m in range(lo, seqlen_q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
-            mask_m = rows < seqlen_q
+            mask_m = rows < hi
             mask_md = mask_m[:, None] & mask_d[None, :]
             # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
             # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
@@ -423,6 +511,8 @@ def _attention_step_bwd_dkdv_kernel(
             valid = mask_n[:, None] & mask_m[None, :]
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
+            if INTERVALS:
+                valid = valid & (rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None])
             pt = tl.where(valid, pt, 0.0)
             dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
             dpt = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)

@@ -10,7 +10,37 @@ and launch options a GPU gets, in attention_step_tiles.py.
 The launchers trust their callers: they run at every ring step, and the ring
 checks its inputs once, before any collective (seqpar_kernels/parallel/checks.py:
 shapes, dtypes, devices, head dim, the softmax scale, and check_launchable for
-the GPU and the grid limits).  Any tensor may be non-contiguous.
+the GPU and the grid limits).  Any tensor may be non-contiguous, except the
+interval tensors of MASK_INTERVALS.
+
+Mask modes of one ring step (``mask_mode=``):
+
+    MASK_FULL       every query attends every key of the block
+    MASK_CAUSAL     the diagonal block, seqlen_q == seqlen_k: query i attends keys j <= i
+    MASK_INTERVALS  packed documents (variable-length sequences in one tensor):
+                    ``intervals=(row_start, row_end, col_start, col_end)`` says
+                    which keys each query attends and which queries each key is
+                    attended by, as index ranges into this block
+
+For example a packed sequence of two documents, positions 0-4 and 5-9, split
+between two ranks with queries at positions 2-7 and, in this step, keys at
+positions 0-5.  Causal within each document, ``x`` = attended::
+
+                 key j:  0 1 2 3 4 5        row_start row_end
+    query i, pos 2:      x x x . . .            0        3
+             pos 3:      x x x x . .            0        4
+             pos 4:      x x x x x .            0        5
+             pos 5:      . . . . . x            5        6
+             pos 6:      . . . . . x            5        6
+             pos 7:      . . . . . x            5        6
+    col_start            0 0 0 1 2 3
+    col_end              3 3 3 3 3 6
+
+Without causality row_end would be 5 for the first document's queries and
+col_start 0 for its keys.  A q tile sweeps only the keys from the smallest
+row_start to the largest row_end of its rows (and a k tile of dk/dv only the
+queries its column intervals span), so a step with short documents costs far
+less than seqlen_q x seqlen_k.
 """
 
 import os
@@ -23,6 +53,7 @@ from .attention_step_tiles import backward_launches, backward_preprocess_launch,
 __all__ = [
     "MASK_FULL",
     "MASK_CAUSAL",
+    "MASK_INTERVALS",
     "attention_step_forward",
     "attention_step_backward",
     "attention_backward_preprocess",
@@ -31,6 +62,7 @@ __all__ = [
 # Mask modes of one ring step.
 MASK_FULL = 0  # every query attends every key of the block
 MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j <= i
+MASK_INTERVALS = 2  # query i attends keys row_start[i] <= j < row_end[i] (packed documents)
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
@@ -51,13 +83,26 @@ def _runs_in_interpreter(t):
 # ----------------------------------------------------------------------------
 
 
-def _forward_call(q, k, v, out, lse, scale, causal, *, target, interpreted):
-    """(KernelLaunch, grid, positional arguments) of the forward step kernel."""
+def _interval_args(intervals):
+    """(row_start, row_end, col_start, col_end): the interval pointers the kernels
+    take in every mask mode.  Without MASK_INTERVALS they are None, which Triton
+    takes as a compile-time constant rather than a kernel parameter: the full and
+    causal kernels keep exactly the parameters they have without the interval
+    mode.  (Two unused int32 pointers instead change their registers on sm_100,
+    e.g. 126 -> 130 for the bf16 d64 causal GQA forward.)"""
+    return tuple(intervals) if intervals is not None else (None,) * 4
+
+
+def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, target, interpreted):
+    """(KernelLaunch, grid, positional arguments) of the forward step kernel;
+    ``intervals``: the 4-tuple of MASK_INTERVALS, else None."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    launch = forward_launch(q.dtype, headdim, causal, target=target, interpreted=interpreted)
+    launch = forward_launch(q.dtype, headdim, causal, intervals=intervals is not None,
+                            target=target, interpreted=interpreted)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
-    args = (q, k, v, out, lse,
+    row_start, row_end, _, _ = _interval_args(intervals)
+    args = (q, k, v, out, lse, row_start, row_end,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
             scale * _LOG2E)
@@ -73,31 +118,41 @@ def _backward_preprocess_call(out, dout, delta, *, target):
     return launch, grid, args
 
 
-def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, *, target, interpreted):
-    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
+    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels;
+    ``intervals`` as in _forward_call.  dq reads the row intervals, dk/dv the
+    column intervals."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal,
+    dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal, intervals=intervals is not None,
                                                target=target, interpreted=interpreted)
+    row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
     sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
     return [
         (dq_launch, (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch),
-         (q, k, v, dout, lse, delta, dq, *inputs, *dq.stride(), *sizes_and_scales)),
+         (q, k, v, dout, lse, delta, dq, row_start, row_end, *inputs, *dq.stride(), *sizes_and_scales)),
         (dkdv_launch, (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch),
-         (q, k, v, dout, lse, delta, dk, dv, *inputs, *dk.stride(), *dv.stride(), *sizes_and_scales)),
+         (q, k, v, dout, lse, delta, dk, dv, col_start, col_end,
+          *inputs, *dk.stride(), *dv.stride(), *sizes_and_scales)),
     ]
 
 
-def cuda_kernel_calls(q, k, v, causal, target):
-    """Every kernel launch that one forward and one backward ring step run on CUDA
-    tensors shaped and strided like ``q``, ``k``, ``v`` (which may live on the
-    meta device) on the GPU ``target`` (a GpuTarget), as
-    ``[(KernelLaunch, positional arguments)]``.  The running
-    state (out, lse), dout and the gradients are taken contiguous, as the ring
-    allocates them.  kernels/ahead_of_time.py compiles these for GPU targets."""
+def cuda_kernel_calls(q, k, v, mask_mode, target):
+    """Every kernel launch that one forward and one backward ring step with
+    ``mask_mode`` run on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
+    (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
+    ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
+    dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
+    as the ring allocates them.  kernels/ahead_of_time.py compiles these for GPU
+    targets."""
     fp32 = torch.float32
     batch, seqlen_q, nheads, _ = q.shape
+    causal = mask_mode == MASK_CAUSAL
+    intervals = None
+    if mask_mode == MASK_INTERVALS:
+        intervals = tuple(torch.empty(n, dtype=torch.int32, device=q.device)
+                          for n in (seqlen_q, seqlen_q, k.shape[1], k.shape[1]))
     out = torch.empty(q.shape, dtype=fp32, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=fp32, device=q.device)
     dout = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -105,18 +160,30 @@ def cuda_kernel_calls(q, k, v, causal, target):
     dq = torch.empty_like(out)
     dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
     scale = q.shape[-1] ** -0.5
-    calls = [_forward_call(q, k, v, out, lse, scale, causal, target=target, interpreted=False),
+    calls = [_forward_call(q, k, v, out, lse, scale, causal, intervals, target=target, interpreted=False),
              _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
-             *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal,
+             *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals,
                               target=target, interpreted=False)]
     return [(launch, args) for launch, _grid, args in calls]
 
 
-def _is_causal(q, k, mask_mode):
-    # A wrong mask mode or a kv head count that does not divide the q heads
-    # would compute garbage rather than fail: the callers' invariants.
-    assert mask_mode in (MASK_FULL, MASK_CAUSAL), mask_mode
-    assert mask_mode == MASK_FULL or q.shape[1] == k.shape[1], "MASK_CAUSAL needs seqlen_q == seqlen_k"
+def _is_causal(q, k, mask_mode, intervals):
+    # A wrong mask mode, intervals of the wrong size, dtype, layout or device, or
+    # a kv head count that does not divide the q heads would compute garbage (or
+    # read out of bounds) rather than fail: the callers' invariants.  That the
+    # row and the column intervals describe the same mask is the caller's too:
+    # checking it would cost a kernel and a synchronization per step.
+    assert mask_mode in (MASK_FULL, MASK_CAUSAL, MASK_INTERVALS), mask_mode
+    assert mask_mode != MASK_CAUSAL or q.shape[1] == k.shape[1], "MASK_CAUSAL needs seqlen_q == seqlen_k"
+    assert (intervals is not None) == (mask_mode == MASK_INTERVALS), \
+        "intervals= is given with MASK_INTERVALS and only with it"
+    if intervals is not None:
+        assert len(intervals) == 4, "intervals = (row_start, row_end, col_start, col_end)"
+        for name, t, n in zip(("row_start", "row_end", "col_start", "col_end"), intervals,
+                              (q.shape[1], q.shape[1], k.shape[1], k.shape[1])):
+            assert t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous() and t.device == q.device, \
+                f"{name} must be a contiguous int32 ({n},) tensor on {q.device}, got {t.dtype} {tuple(t.shape)} " \
+                f"on {t.device}"
     assert k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0, "nheads must be a multiple of nheads_kv"
     return mask_mode == MASK_CAUSAL
 
@@ -126,7 +193,7 @@ def _is_causal(q, k, mask_mode):
 # ----------------------------------------------------------------------------
 
 
-def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
+def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, intervals=None):
     """Fold one K/V block into the running attention result, in place.
 
     Args:
@@ -137,18 +204,29 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode):
         lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
             updated in place.  Start with out = 0 and lse = -inf.
         softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5), a finite float.
-        mask_mode: MASK_FULL, or MASK_CAUSAL for the diagonal block
-            (seqlen_q == seqlen_k, query i attends keys j <= i).
+        mask_mode: MASK_FULL, MASK_CAUSAL for the diagonal block
+            (seqlen_q == seqlen_k, query i attends keys j <= i), or MASK_INTERVALS.
+        intervals: with MASK_INTERVALS (and only then) the 4-tuple
+            (row_start, row_end, col_start, col_end) of contiguous int32 tensors
+            on q's device: row_start, row_end (seqlen_q,), col_start, col_end
+            (seqlen_k,).  Query i attends exactly the keys
+            row_start[i] <= j < row_end[i]; key j is attended by exactly the
+            queries col_start[j] <= i < col_end[j] (end <= start: none).  The
+            two must describe the same mask; the same intervals hold for every
+            batch entry and head.  The forward reads the row intervals only.
 
-    Any tensor may be non-contiguous.  Rows that see no key of this block are
-    left untouched.  Returns (out, lse), the same tensors.
+    Any tensor but the intervals may be non-contiguous.  Rows that see no key
+    of this block are left untouched.  With MASK_INTERVALS the K/V rows outside
+    [min row_start, max row_end) over the non-empty intervals are never read,
+    so they may hold anything, NaN included.  Returns (out, lse), the same
+    tensors.
     """
-    causal = _is_causal(q, k, mask_mode)
+    causal = _is_causal(q, k, mask_mode, intervals)
     batch, seqlen_q, nheads, _ = q.shape
     if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
         return out, lse  # an empty block changes nothing
 
-    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal,
+    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals,
                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))
     launch(grid, *args)
     return out, lse
@@ -176,7 +254,8 @@ def attention_backward_preprocess(out, dout):
     return delta
 
 
-def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode):
+def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode,
+                            intervals=None):
     """Add one K/V block's gradients to dq, dk, dv, in place (+=).
 
     Args:
@@ -191,12 +270,15 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
             attention_backward_preprocess; None computes it here.
         dq: float32 (batch, seqlen_q, nheads, headdim), accumulated in place.
         dk, dv: float32 (batch, seqlen_k, nheads_kv, headdim), accumulated in place.
-        softmax_scale, mask_mode: as given to attention_step_forward for this block.
+        softmax_scale, mask_mode, intervals: as given to attention_step_forward
+            for this block.  dq reads the row intervals, dk/dv the column
+            intervals; dk/dv never read the q, dout, lse and delta rows outside
+            [min col_start, max col_end) over the non-empty intervals.
 
     Deterministic: every output element has a single writer (no atomics).
     Returns (dq, dk, dv), the same tensors.
     """
-    causal = _is_causal(q, k, mask_mode)
+    causal = _is_causal(q, k, mask_mode, intervals)
     if delta is None:
         delta = attention_backward_preprocess(out, dout)
     batch, seqlen_q, nheads, _ = q.shape
@@ -204,6 +286,7 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
         return dq, dk, dv
 
     for launch, grid, args in _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, causal,
-                                              target=cuda_target(q), interpreted=_runs_in_interpreter(q)):
+                                              intervals, target=cuda_target(q),
+                                              interpreted=_runs_in_interpreter(q)):
         launch(grid, *args)
     return dq, dk, dv

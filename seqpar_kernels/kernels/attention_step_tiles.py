@@ -3,7 +3,10 @@
 Per GPU target: the tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of each
 kernel, the shared memory a target offers, the choices that depend on the
 installed Triton release (SPLIT_FORWARD_SWEEP), and the functions that turn a
-(dtype, head dim, mask, target) into a KernelLaunch.  The launchers
+(dtype, head dim, mask, target) into a KernelLaunch.  The full and the causal
+launches of a kernel share their tiles; the interval mask (packed documents)
+takes them too, except for two dk/dv tiles that spill with it
+(_INTERVAL_TILE_OVERRIDES).  The launchers
 (attention_step_launch.py) and the ahead-of-time compile (ahead_of_time.py)
 both take their launches from here, so what CI compiles for GPUs that are not
 present is what the launchers run.  docs/tuning.md gives the measurements
@@ -170,6 +173,10 @@ def _has_small_shared_memory(target):
     return target.shared_memory_per_block <= _SMALLEST_SHARED_MEMORY
 
 
+def _is_hopper(target):
+    return target.matrix_instruction == "warpgroup" and not _is_datacenter_blackwell(target)
+
+
 # (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
 # The sm_90 tiles they replace, in spill accesses inside the loop:
 # - mma.sync, bf16/fp16 dq d256: (64, 32, 8, 1) spills 365 on sm_80, 238 on sm_120;
@@ -184,6 +191,20 @@ _TILE_OVERRIDES = (
     (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES}}),
 )
 
+# The interval mask's dk/dv loop holds its keys' column intervals and runs
+# between bounds loaded from them, which costs registers that two tiles lack:
+# with GQA they spill inside the loop, and are replaced for the interval mask
+# only (applied after _TILE_OVERRIDES):
+# - bf16/fp16 d128 on sm_90, (32, 128, 8, 2): 11 accesses.  With one stage none
+#   (88 B of MHA and 152 B of GQA spilled outside the loop); (32, 64, 8, 2)
+#   spills 8, (64, 64, 8, 2) 67, (32, 64, 4, 2) 21.
+# - fp32 d128 on sm_80, (16, 32, 4, 2): 3.  (16, 32, 8, 2) spills in no loop on
+#   any target of the ahead-of-time test, and is taken everywhere.
+_INTERVAL_TILE_OVERRIDES = (
+    (_is_hopper, {"dkdv": {(2, 128): (32, 128, 8, 1)}}),
+    (lambda target: True, {"dkdv": {(4, 128): (16, 32, 8, 2)}}),
+)
+
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
 # test sequences.
@@ -192,17 +213,19 @@ _INTERPRETER_TILES = (16, 32, 4, 1)
 
 def all_cuda_tiles():
     """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
-    tables = [*_TILES.values()] + [table for _, overrides in _TILE_OVERRIDES for table in overrides.values()]
+    tables = [*_TILES.values()] + [table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES
+                                   for table in overrides.values()]
     return sorted({tiles for table in tables for tiles in table.values()})
 
 
-def _tiles(kernel, dtype, block_d, target):
-    # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors.
+def _tiles(kernel, dtype, block_d, target, intervals=False):
+    # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors;
+    # intervals: the tiles of the interval mask.
     if target is None:
         return _INTERPRETER_TILES
     key = (dtype.itemsize, max(64, block_d))
     tiles = _TILES[kernel][key]
-    for applies, overrides in _TILE_OVERRIDES:
+    for applies, overrides in _TILE_OVERRIDES + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
         if applies(target) and key in overrides.get(kernel, {}):
             tiles = overrides[kernel][key]
     return tiles
@@ -253,24 +276,30 @@ def _dot_upcast(dtype, interpreted):
     return dtype == torch.bfloat16 and interpreted
 
 
-def _step_launch(kernel, tiles, dtype, block_d, causal, interpreted, **more_constexprs):
+def _step_launch(kernel, tiles, dtype, block_d, causal, intervals, interpreted, **more_constexprs):
+    assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
-    constexprs = dict(CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    constexprs = dict(CAUSAL=bool(causal), INTERVALS=bool(intervals), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                       DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
                       **more_constexprs)
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, target, interpreted):
+def forward_launch(dtype, headdim, causal, *, intervals=False, target, interpreted):
     """The KernelLaunch of ``_attention_step_fwd_kernel``.
 
+    ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
+    documents given as index intervals (MASK_INTERVALS; not with ``causal``).
     ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
     whether the Triton interpreter runs the kernel.
     """
     block_d = _block_d(headdim)
-    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target),
-                        dtype, block_d, causal, interpreted, SPLIT_SWEEP=SPLIT_FORWARD_SWEEP)
+    # The interval mask has no k tile that every row of a q tile is known to
+    # see, so nothing to split off: its kernel sweeps once, masked.
+    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target, intervals),
+                        dtype, block_d, causal, intervals, interpreted,
+                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals)
 
 
 def backward_preprocess_launch(headdim, *, target):
@@ -283,13 +312,13 @@ def backward_preprocess_launch(headdim, *, target):
                         num_warps=4, num_stages=3)
 
 
-def backward_launches(dtype, headdim, causal, *, target, interpreted):
+def backward_launches(dtype, headdim, causal, *, intervals=False, target, interpreted):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
-    ``target`` and ``interpreted`` as in forward_launch."""
+    ``causal``, ``intervals``, ``target`` and ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target),
-                     dtype, block_d, causal, interpreted),
-        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target),
-                     dtype, block_d, causal, interpreted),
+        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals),
+                     dtype, block_d, causal, intervals, interpreted),
+        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target, intervals),
+                     dtype, block_d, causal, intervals, interpreted),
     )

@@ -44,7 +44,7 @@ from seqpar_kernels.parallel.checks import (
     resolve_softmax_scale,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
-from seqpar_kernels.parallel.ulysses import _check_varlen_group
+from seqpar_kernels.parallel.varlen import check_varlen_group
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -171,7 +171,7 @@ def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse
 
 def _check_varlen_ring(plan, q, info: GroupInfo, layout, seq_lens) -> None:
     """Local checks of ring_attention(varlen=plan); the plan fixes the layout too."""
-    _check_varlen_group("ring_attention", plan, q, info, seq_lens)
+    check_varlen_group("ring_attention", plan, q, info, seq_lens)
     if layout != "contiguous":
         raise ValueError(f"ring_attention: with varlen the plan sets the layout; pass no layout (got {layout!r})")
 

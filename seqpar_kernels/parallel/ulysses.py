@@ -39,7 +39,7 @@ from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
 from seqpar_kernels.ops.varlen_attention import varlen_attention_forward
-from seqpar_kernels.parallel.varlen import check_varlen_call
+from seqpar_kernels.parallel.varlen import check_varlen_group
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_attention_inputs,
@@ -119,20 +119,6 @@ def _local_varlen_attention(q, k, v, varlen, q_head_start, group_size, causal, s
     else:
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out if order is None else out.index_select(1, positions)
-
-
-def _check_varlen_group(describe: str, plan, q, info: GroupInfo, seq_lens) -> None:
-    """Local checks of a one-group attention call given varlen=plan: a group plan on
-    this group, batch 1, this rank's token count, seq_lens (if given) the plan's."""
-    check_varlen_call(describe, plan, q, info.rank, on_mesh=False)
-    plan_info = resolve_group(plan.group)
-    if (plan_info.name, plan_info.world_size) != (info.name, info.world_size):
-        raise ValueError(
-            f"{describe}: the varlen plan was made for group {plan_info.name!r} of {plan_info.world_size} "
-            f"ranks, the call runs on {info.name!r} of {info.world_size}"
-        )
-    if seq_lens is not None and list(seq_lens) != plan.seq_lens:
-        raise ValueError(f"{describe}: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
 
 
 @dataclass(frozen=True)
@@ -249,7 +235,7 @@ def ulysses_attention(
         scale = resolve_softmax_scale(softmax_scale, q)
         batch, local_len, num_heads, head_dim = q.shape
         if varlen is not None:
-            _check_varlen_group("ulysses_attention", varlen, q, info, seq_lens)
+            check_varlen_group("ulysses_attention", varlen, q, info, seq_lens)
             seq_lens = varlen.seq_lens
         elif seq_lens is not None:
             seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)

@@ -429,4 +429,19 @@ def check_varlen_call(describe: str, plan, q: torch.Tensor, piece: int, on_mesh:
         )
 
 
+
+def check_varlen_group(describe: str, plan, q, info: GroupInfo, seq_lens) -> None:
+    """Local checks of a one-group attention call given varlen=plan: a group plan on
+    this group, batch 1, this rank's token count, seq_lens (if given) the plan's."""
+    check_varlen_call(describe, plan, q, info.rank, on_mesh=False)
+    plan_info = resolve_group(plan.group)
+    if (plan_info.name, plan_info.world_size) != (info.name, info.world_size):
+        raise ValueError(
+            f"{describe}: the varlen plan was made for group {plan_info.name!r} of {plan_info.world_size} "
+            f"ranks, the call runs on {info.name!r} of {info.world_size}"
+        )
+    if seq_lens is not None and list(seq_lens) != plan.seq_lens:
+        raise ValueError(f"{describe}: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
+
+
 __all__ = ["varlen_plan", "VarlenPlan", "VarlenLayout", "LAYOUTS"]

@@ -227,10 +227,9 @@ class DocumentLayout:
         self.segments = tuple(tuple((int(start), int(length)) for start, length in slot) for slot in segments)
         self.runs = tuple(document_runs(slot, self.cu_seqlens) for slot in self.segments)
         self.lengths = tuple(sum(length for _, length in slot) for slot in self.segments)
-
-    @property
-    def slot_count(self) -> int:
-        return len(self.segments)
+        # Per instance, not functools.lru_cache on the method: that cache would keep every
+        # layout (and its intervals on the GPU) alive after layout_of's cache drops it.
+        self._step_masks: dict = {}
 
     def work(self, slot: int) -> int:
         """Query-key pairs slot `slot`'s tokens attend under a causal mask (a token at
@@ -240,14 +239,16 @@ class DocumentLayout:
             for run in self.runs[slot]
         )
 
-    @functools.lru_cache(maxsize=None)
     def step_mask(self, q_slot: int, k_slot: int, causal: bool) -> StepMask | None:
         """The StepMask of slot q_slot's queries against slot k_slot's keys, or None
-        when no query attends any of the keys."""
-        pairs = block_pairs(self.runs[q_slot], self.runs[k_slot], causal, q_slot == k_slot)
-        if not pairs:
-            return None
-        return StepMask(pairs, self.runs[q_slot], self.runs[k_slot], self.cu_seqlens, causal)
+        when no query attends any of the keys (computed once per layout: every layer
+        asks again)."""
+        key = (q_slot, k_slot, causal)
+        if key not in self._step_masks:
+            pairs = block_pairs(self.runs[q_slot], self.runs[k_slot], causal, q_slot == k_slot)
+            mask = StepMask(pairs, self.runs[q_slot], self.runs[k_slot], self.cu_seqlens, causal) if pairs else None
+            self._step_masks[key] = mask
+        return self._step_masks[key]
 
 
 def encode_segments(segments) -> torch.Tensor:

@@ -6,6 +6,8 @@ Public API:
     ring_attention, zigzag_split, zigzag_gather            (ring attention)
     usp_attention, usp_split, usp_gather, make_usp_groups  (USP: Ulysses inside a ring)
     varlen_plan                                            (packed documents: varlen=plan)
+    sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
+    sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
@@ -17,6 +19,10 @@ from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
 from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
 from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
+from seqpar_kernels.parallel.cross_entropy import (
+    sequence_parallel_cross_entropy,
+    sequence_parallel_cross_entropy_from_logits,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -33,5 +39,7 @@ __all__ = [
     "make_usp_groups",
     "varlen_plan",
     "VarlenPlan",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_cross_entropy_from_logits",
     "comm_stats",
 ]

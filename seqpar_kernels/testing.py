@@ -9,6 +9,10 @@
         a ring factory for the ring driver (seqpar_kernels.parallel.ring_driver's
         `exchange` argument) whose rings move nothing, or copy on one GPU instead of
         sending: the compute alone, or one GPU running every step of a P-rank ring.
+    peak_cpu_memory(fn, *args, **kwargs)
+        (fn's result, the most bytes the CPU allocator held during the call beyond what
+        it held before), from the allocator's own reports to torch.profiler (torch has
+        no torch.cpu.max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from seqpar_kernels.comm.ring import Ring, RingWork
 from seqpar_kernels.parallel.ring import _ring_attention, ring_attention
@@ -108,3 +114,29 @@ class _StreamWork:
 
     def wait(self) -> None:
         self._stream.wait_event(self._event)
+
+
+def peak_cpu_memory(fn, *args, **kwargs) -> tuple[object, int]:
+    """Runs fn(*args, **kwargs) and returns (its result, peak bytes): the most bytes
+    the CPU allocator held at any moment of the call beyond what it held when the call
+    began.
+
+    Under torch.profiler with profile_memory=True, the CPU allocator reports every
+    allocation (+bytes) and every free (-bytes) as a "[memory]" event; their running
+    sum in time order is the memory held above the starting point, and its maximum the
+    peak. A block allocated before the call and freed during it reports no size (the
+    profiler warns of "a block of unknown size"), so it is not subtracted: the peak
+    can only come out high, never low. What is counted: the calling thread's
+    allocations and those of the threads it hands its thread-local state to (the
+    autograd engine's), not buffers that intra-op worker threads allocate on their own."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = fn(*args, **kwargs)
+    events = [
+        event for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
+    ]  # fmt: skip
+    held = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):  # stable: ties keep their order
+        held += event.nbytes()
+        peak = max(peak, held)
+    return result, peak

@@ -17,6 +17,7 @@ The benchmark families, one module each:
     bench/bench_ring.py        ring_attention on P ranks vs single-device SDPA (forward; + backward)
     bench/bench_ring_step.py   (GPU) the Triton step kernel vs SDPA's flash and cuDNN backends
     bench/bench_ring_probe.py  (GPU) the single-GPU overlap probe of the ring's exchange
+    bench/bench_loss.py        the fused LM loss vs materialised logits (peak memory, time; one rank)
 
 The harness they share:
 

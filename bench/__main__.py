@@ -3,13 +3,15 @@
     python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
-                                         attention, then its GPU step kernel and overlap probe)
-                                         or usp (every grid U x R of the ranks)
+                                         attention, then its GPU step kernel and overlap probe),
+                                         usp (every grid U x R of the ranks), varlen (packed
+                                         documents) or loss (the fused LM loss against
+                                         materialised logits: peak memory and time, one process)
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
 Prints one line per case as it goes, then a summary with the targets (bench/targets.py:
 bytes at theory, agreement, pack/unpack bandwidth and speed, ring and USP accuracy, zigzag share
-of ideal, overlap, step kernel speed) marked met or not met, and writes
+of ideal, overlap, step kernel speed, the loss's memory bound) marked met or not met, and writes
 <device>-<backend><P>-<date>.csv, .json and .png under --out.
 """
 

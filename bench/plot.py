@@ -1,6 +1,7 @@
 """The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
-kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group."""
+kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
+LM loss, the peak memory and time of ours and of materialised logits per token count."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ matplotlib.use("Agg")  # no display: rank 0 may run on a headless node
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from bench.rows import KERNEL_BENCHES, RING_ALL, STEP_BENCHES, USP_BENCHES, Row, usp_grid_label  # noqa: E402
+from bench.rows import (  # noqa: E402
+    KERNEL_BENCHES,
+    LOSS_BENCH,
+    RING_ALL,
+    STEP_BENCHES,
+    USP_BENCHES,
+    Row,
+    usp_grid_label,
+)
 from bench.targets import (  # noqa: E402
     GPU_BANDWIDTH_TARGET,
     GPU_SPEEDUP_TARGET,
@@ -239,22 +248,63 @@ def _plot_usp_bytes(axis, rows: list[Row]) -> None:
               "USP: bytes sent per group (marked where not at the formulas)")  # fmt: skip
 
 
+def _loss_bars(axis, rows: list[Row], ours, baseline, unit: float, xlabel: str, title: str) -> None:
+    """Ours and the materialised baseline per token count, side by side (log scale);
+    where the baseline did not run, a note in its place."""
+    height = 0.4
+    positions = range(len(rows))
+    axis.barh([p - height / 2 for p in positions], [ours(row) / unit for row in rows], height,
+              color="tab:green", label="ours: fused, chunk_size tokens at a time")  # fmt: skip
+    ran = [(p, row) for p, row in zip(positions, rows) if baseline(row) is not None]
+    axis.barh([p + height / 2 for p, _ in ran], [baseline(row) / unit for _, row in ran], height,
+              color="lightgray", label="materialised logits")  # fmt: skip
+    for position, row in zip(positions, rows):
+        axis.text(ours(row) / unit, position - height / 2, f" {ours(row) / unit:.3g}", va="center", fontsize=6)
+        if baseline(row) is None:
+            axis.text(ours(row) / unit, position + height / 2, " materialised not run (does not fit)",
+                      va="center", fontsize=6)  # fmt: skip
+        else:
+            axis.text(baseline(row) / unit, position + height / 2, f" {baseline(row) / unit:.3g}",
+                      va="center", fontsize=6)  # fmt: skip
+    axis.set_yticks(list(positions), [row.case for row in rows], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    values = [ours(row) for row in rows] + [baseline(row) for row in rows if baseline(row) is not None]
+    axis.set_xlim(min(values) / unit / 4, max(values) / unit * 8)
+    axis.set_xlabel(xlabel)
+    _legend_on_top(axis)
+    axis.set_title(title, pad=PAD_FOR_LEGEND)
+
+
+def _plot_loss(left, right, rows: list[Row]) -> None:
+    _loss_bars(left, rows, lambda row: row.ours_peak_bytes, lambda row: row.baseline_peak_bytes, 2**20,
+               "MiB: most held by the CPU allocator during forward + backward (log scale)",
+               "LM loss, one rank: peak memory")  # fmt: skip
+    for position, row in enumerate(rows):
+        left.plot([row.peak_bound_bytes / 2**20] * 2, [position - 0.4, position], color="red", linewidth=1,
+                  label="ours' bound" if position == 0 else None)  # fmt: skip
+    _legend_on_top(left)
+    _loss_bars(right, rows, lambda row: row.ours_s, lambda row: None if row.baseline_peak_bytes is None else row.baseline_s,
+               1.0, "seconds per forward + backward (median; log scale)", "LM loss, one rank: time")  # fmt: skip
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
-    general = [row for row in rows if row.bench not in RING_ALL and row.bench not in USP_BENCHES]
+    general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH,)]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
     usp = [row for row in rows if row.bench in USP_BENCHES]
+    loss = [row for row in rows if row.bench == LOSS_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp) if panel] or [0]
+    # the step kernels; USP; the LM loss.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp):
+    if general or not (ring or steps or usp or loss):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -270,6 +320,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
         left, right = next(line)
         _plot_usp_times(left, usp)
         _plot_usp_bytes(right, usp)
+    if loss:
+        left, right = next(line)
+        _plot_loss(left, right, loss)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

@@ -9,7 +9,17 @@ import io
 import json
 from pathlib import Path
 
-from bench.rows import CSV_COLUMNS, FAILED, PROBE_BENCH, RING_ALL, STEP_BENCHES, USP_BENCHES, Row, is_failed
+from bench.rows import (
+    CSV_COLUMNS,
+    FAILED,
+    LOSS_BENCH,
+    PROBE_BENCH,
+    RING_ALL,
+    STEP_BENCHES,
+    USP_BENCHES,
+    Row,
+    is_failed,
+)
 from bench.targets import Check
 
 
@@ -92,12 +102,31 @@ def usp_line(row: Row) -> str:
     return ", ".join(parts)
 
 
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def loss_line(row: Row) -> str:
+    """The part of a loss row's line that says how it went (progress and summary): both
+    peaks and times, or the baseline's estimate where it did not run."""
+    ours = (f"ours peak {_bytes(row.ours_peak_bytes)} (bound {_bytes(row.peak_bound_bytes)}), "
+            f"{_seconds(row.ours_s)}")  # fmt: skip
+    if row.baseline_peak_bytes is None:
+        estimate = next((part for part in row.detail.split("; ") if part.startswith("materialised not run")), "")
+        return f"{ours}; {estimate or 'materialised not run'}"
+    return (f"{ours}; materialised peak {_bytes(row.baseline_peak_bytes)}, {_seconds(row.baseline_s)}: "
+            f"memory /{row.baseline_peak_bytes / row.ours_peak_bytes:.0f}, time x{row.speedup:.2f} "
+            f"(won {row.ours_faster_share:.0%} of {row.reps} rounds)")  # fmt: skip
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
         return f"{row.bench:<16} {row.case:<32} {FAILED}: {row.detail}"
     if row.bench in RING_ALL:
         return _ring_progress_line(row)
+    if row.bench == LOSS_BENCH:
+        return f"{row.bench:<16} {row.case:<32} {loss_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -137,6 +166,8 @@ SUMMARY_SECTIONS = (
     (USP_BENCHES, "USP (one row per grid U x R of the ranks, all of a case timed side by side; x = "
      "baseline time / this grid's: a hybrid's baseline is the faster pure grid, a pure grid's the "
      "other pure grid)", _usp_summary, 48),
+    ((LOSS_BENCH,), "LM loss, one rank (peak = the CPU allocator's most bytes held in forward + backward; "
+     "memory /n = materialised peak / ours; time x = materialised time / ours)", loss_line, 32),
 )  # fmt: skip
 
 
@@ -146,7 +177,7 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     failed = [row for row in rows if is_failed(row)]
     rows = [row for row in rows if not is_failed(row)]
     for row in rows:
-        if row.bench in RING_ALL or row.bench in USP_BENCHES:
+        if row.bench in RING_ALL or row.bench in USP_BENCHES or row.bench == LOSS_BENCH:
             continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")

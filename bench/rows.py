@@ -15,6 +15,7 @@ STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): t
 PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap probe
 RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
 USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid U x R of the ranks
+LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -82,6 +83,11 @@ class Row:
     ring_degree: int | None = None
     bytes_sent_ulysses_group: int | None = None
     bytes_sent_ring_group: int | None = None
+    # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
+    # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
+    ours_peak_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    peak_bound_bytes: int | None = None
     detail: str = ""  # per-case notes: errors against the exact result, backends ...
 
 

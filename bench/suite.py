@@ -24,6 +24,7 @@ from seqpar_kernels._extension import build_info
 
 from bench import (
     bench_kernels,
+    bench_loss,
     bench_reshard,
     bench_ring,
     bench_ring_probe,
@@ -44,7 +45,8 @@ from bench.targets import target_checks
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
 # (GPU) its step kernel alone and the single-GPU overlap probe; "usp" every grid U x R
 # of the P ranks, pure Ulysses, pure ring and the hybrids; "varlen" packed documents
-# (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence).
+# (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence);
+# "loss" the fused LM loss against materialised logits (one process: rank 0).
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
@@ -52,6 +54,7 @@ BENCHES = {
     "ring": (bench_ring, bench_ring_step, bench_ring_probe),
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
+    "loss": (bench_loss,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -105,6 +108,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
     if "varlen" in only:
         metadata["varlen_baseline"] = bench_varlen.BASELINE_NOTE
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
+    if "loss" in only:
+        metadata["loss_baseline"] = bench_loss.BASELINE_NOTE
     return metadata
 
 
@@ -178,7 +183,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
         f"{', quick' if ctx.quick else ''}"
     )
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
-            "all_to_all_single); x = baseline time / ours (ring, usp, varlen: see their own notes)")  # fmt: skip
+            "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss: see their own notes)")  # fmt: skip
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")

@@ -12,13 +12,14 @@ never asserted.
     ring: zigzag                               >= ZIGZAG_IDEAL_TARGET of ideal (single device / P)
     ring: overlap efficiency                   >= OVERLAP_TARGET where step compute > transfer
     GPU: step kernel                           forward / backward >= STEP_TARGETS x SDPA's best
+    loss: peak memory                          the fused loss within its bound (bench_loss.py)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.rows import KERNEL_BENCHES, RING_ALL, RING_BENCHES, USP_BENCHES, Row, is_failed
+from bench.rows import KERNEL_BENCHES, LOSS_BENCH, RING_ALL, RING_BENCHES, USP_BENCHES, Row, is_failed
 from tests.reference import ERROR_FACTOR
 
 # On a GPU the pack/unpack kernels should reach this fraction of the memory bandwidth
@@ -79,8 +80,9 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     target = "CPU: fused no slower than unfused"
     if on_gpu:
         return Check(target, "n/a (GPU run)", "")
-    # No unfused baseline in the ring's, USP's and varlen's rows.
-    rows = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + VARLEN_BENCHES]
+    # No unfused baseline in the ring's, USP's and varlen's rows; the loss rows' target
+    # is memory (their baseline does not run at every size).
+    rows = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + VARLEN_BENCHES + (LOSS_BENCH,)]
     if not rows:
         return Check(target, "n/a (not run)", "")
     not_slower = [row for row in rows if row.speedup >= 1.0]
@@ -163,6 +165,19 @@ def _step_check(rows: list[Row], on_gpu: bool, bench: str) -> Check:
     return Check(target, _status(len(met) == len(steps)), detail)
 
 
+def _loss_memory_check(rows: list[Row]) -> Check:
+    target = "loss: fused peak memory within its bound (2 chunks of fp32 logits + gradients)"
+    losses = [row for row in rows if row.bench == LOSS_BENCH]
+    if not losses:
+        return Check(target, "n/a (loss not run)", "")
+    met = [row for row in losses if row.ours_peak_bytes <= row.peak_bound_bytes]
+    detail = f"{_count(met, losses)}; " + _worst(
+        losses, lambda row: -row.ours_peak_bytes / row.peak_bound_bytes,
+        lambda row: f"{row.ours_peak_bytes / row.peak_bound_bytes:.0%} of its bound",
+    )  # fmt: skip
+    return Check(target, _status(len(met) == len(losses)), detail)
+
+
 def _completion_check(rows: list[Row]) -> Check:
     failed = [row for row in rows if is_failed(row)]
     detail = f"{len(rows) - len(failed)}/{len(rows)} cases ran"
@@ -195,4 +210,5 @@ def target_checks(rows: list[Row], on_gpu: bool) -> list[Check]:
         _overlap_check(rows),
         _step_check(rows, on_gpu, "ring-step-fwd"),
         _step_check(rows, on_gpu, "ring-step-bwd"),
+        _loss_memory_check(rows),
     ]  # fmt: skip

@@ -47,6 +47,15 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
         ulysses, ring = int(row["bytes_sent_ulysses_group"]), int(row["bytes_sent_ring_group"])
         assert ulysses + ring == int(row["bytes_sent_ours"]) > 0, row
         assert (ulysses == 0) == (row["ulysses_degree"] == "1") and (ring == 0) == (row["ring_degree"] == "1"), row
+    # The LM loss on rank 0: the fused loss within its memory bound, far below materialised
+    # logits (which fit at these sizes), both gradients compared.
+    loss = [row for row in rows if row["bench"] == "loss"]
+    assert [row["case"].split()[0] for row in loss] == ["T=256", "T=1024"], loss
+    for row in loss:
+        ours_peak, bound, baseline_peak = (int(row[key]) for key in ("ours_peak_bytes", "peak_bound_bytes",
+                                                                      "baseline_peak_bytes"))  # fmt: skip
+        assert 0 < ours_peak <= bound < baseline_peak, row
+        assert "weight grad vs materialised" in row["detail"], row
 
 
 

@@ -38,6 +38,24 @@ if [ ${#missing[@]} -gt 0 ]; then
   "$PYTHON" -m pip install -q "${missing[@]}"
 fi
 
+# The transformers integration's tests: the newest release in the environment, and the
+# oldest supported one (the README says which) in build/, where its tests put it first on
+# PYTHONPATH; its own pins of huggingface_hub and tokenizers go beside it. Without a
+# package index (the GPU machines) both are skipped, and so are those tests.
+TRANSFORMERS_OLDEST=4.56.2
+if ! "$PYTHON" -c "import transformers" 2>/dev/null; then
+  say "installing transformers (optional: the integration's tests)"
+  "$PYTHON" -m pip install -q "transformers>=$TRANSFORMERS_OLDEST" || say "could not install transformers; its tests will skip"
+fi
+oldest_dir="build/transformers-$TRANSFORMERS_OLDEST"
+if [ ! -d "$oldest_dir/transformers" ]; then
+  say "installing transformers==$TRANSFORMERS_OLDEST into $oldest_dir (the oldest supported release)"
+  mkdir -p build
+  "$PYTHON" -m pip install -q --no-deps --target "$oldest_dir.partial" "transformers==$TRANSFORMERS_OLDEST" \
+      "huggingface_hub==0.36.0" "tokenizers==0.22.1" && mv "$oldest_dir.partial" "$oldest_dir" \
+    || { rm -rf "$oldest_dir.partial"; say "could not install it; its test will skip"; }
+fi
+
 say "building the extension (log: build/install.log)"
 mkdir -p build
 if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >build/install.log 2>&1; then

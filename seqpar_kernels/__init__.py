@@ -8,6 +8,8 @@ Public API:
     varlen_plan                                            (packed documents: varlen=plan)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
+    shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
+                                                            shifted labels; the ranks' gradient shares summed)
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
@@ -17,6 +19,7 @@ from seqpar_kernels.comm.stats import comm_stats
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
 from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
 from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
 from seqpar_kernels.parallel.cross_entropy import (
@@ -41,5 +44,7 @@ __all__ = [
     "VarlenPlan",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
+    "shard_batch",
+    "all_reduce_gradients",
     "comm_stats",
 ]

@@ -1,0 +1,292 @@
+"""Sequence parallelism for Hugging Face transformers models.
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    sp_transformers.apply(model, mode="ring", layout="balanced")     # once, after loading
+    batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced")   # every step
+    hidden = model.model(**batch).last_hidden_state                 # (B, S_local, hidden)
+    loss = sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, batch["shift_labels"])
+    loss.backward(); sp_transformers.all_reduce_gradients(model)
+
+register() adds three attention implementations through transformers' public
+AttentionInterface, and a mask function for each through AttentionMaskInterface:
+    "seqpar_ulysses"   ulysses_attention
+    "seqpar_ring"      ring_attention
+    "seqpar_usp"       usp_attention
+apply() switches a loaded model to one of them (model.set_attn_implementation) and records
+on its modules the mode, layout and process groups the attention uses.
+
+What the attention functions take from transformers: query (B, H, S_local, D) and
+key/value (B, H_kv, S_local, D), views of (B, S_local, H, D) projections, handed to ours
+as (B, S_local, H, D) views without a copy; the scaling; is_causal (a causal decoder, or
+bidirectional); the SequenceShard that shard_batch put in the batch (the layout, every
+rank's length, a packed batch's varlen plan), which the model passes down. Everything
+else that changes the result raises instead of being ignored: a padding mask or any
+mask pattern other than plain causal/bidirectional (sliding windows, chunked
+attention, model-specific overlays, packed documents not sharded by shard_batch),
+dropout while training, softcapping, attention sinks, a KV cache holding more keys than
+queries (generation). Padding belongs in shift_labels (shard_batch folds right padding
+there), packing in the varlen plan.
+
+Supported releases: transformers 4.56 and newer (the models that dispatch attention
+through AttentionInterface and build masks through masking_utils).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import masking_utils
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "seqpar_kernels.integrations.transformers needs Hugging Face transformers 4.56 or newer: "
+        'pip install "seqpar-kernels[transformers]"'
+    ) from error
+
+from seqpar_kernels.parallel.cross_entropy import (
+    sequence_parallel_cross_entropy,
+    sequence_parallel_cross_entropy_from_logits,
+)
+from seqpar_kernels.parallel.ring import ring_attention
+from seqpar_kernels.parallel.training import (
+    SequenceParallelism,
+    SequenceShard,
+    all_reduce_gradients,
+    shard_batch,
+)
+from seqpar_kernels.parallel.ulysses import ulysses_attention
+from seqpar_kernels.parallel.usp import usp_attention
+
+__all__ = [
+    "register",
+    "apply",
+    "shard_batch",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_cross_entropy_from_logits",
+    "all_reduce_gradients",
+    "SequenceParallelism",
+    "SequenceShard",
+    "IMPLEMENTATIONS",
+]
+
+IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "seqpar_usp"}
+# The attribute apply() sets on every module of the model: the attention function gets
+# the attention module, and reads its groups there.
+SETTINGS_ATTRIBUTE = "seqpar_parallelism"
+# The mask patterns the attention can honour: causal, and bidirectional (transformers
+# 5 has a function for it; 4.56 builds bidirectional masks without a mask function).
+_PLAIN_MASK_FUNCTIONS = tuple(
+    function
+    for function in (
+        getattr(masking_utils, "causal_mask_function", None),
+        getattr(masking_utils, "bidirectional_mask_function", None),
+    )
+    if function is not None
+)
+
+
+def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
+    settings = getattr(module, SETTINGS_ATTRIBUTE, None)
+    if settings is None:
+        raise ValueError(
+            f"attention implementation {IMPLEMENTATIONS[mode]!r} on {type(module).__name__}, whose model was not "
+            "set up by seqpar_kernels.integrations.transformers.apply(model, ...): call apply() instead of "
+            "setting attn_implementation by hand, so that the attention knows its process groups"
+        )
+    if settings.mode != mode:
+        raise ValueError(
+            f"{type(module).__name__} runs {IMPLEMENTATIONS[mode]!r} but apply() set it up for mode={settings.mode!r}"
+        )
+    return settings
+
+
+# The position ids tensor checked last: the model passes the same one to every layer,
+# so the check (a host sync on GPUs) runs once per forward.
+_checked_positions: weakref.ref | None = None
+
+
+def _check_not_packed(position_ids: torch.Tensor | None, describe: str) -> None:
+    """Without a SequenceShard, positions that do not count up by one inside this rank's
+    piece are packed documents (or a layout the attention was not told about): raise
+    rather than attend across them."""
+    global _checked_positions
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return
+    if _checked_positions is not None and _checked_positions() is position_ids:
+        return
+    if bool((torch.diff(position_ids, dim=-1) != 1).any()):
+        raise ValueError(
+            f"{describe}: position_ids {tuple(position_ids.shape)} do not count up by one within this rank's "
+            "tokens (packed documents, or the balanced layout): pass the batch made by shard_batch, which "
+            "carries the layout and the documents (its 'sequence_shard' entry), to the model"
+        )
+    _checked_positions = weakref.ref(position_ids)
+
+
+def _check_call(describe, module, query, key, attention_mask, dropout, kwargs) -> bool:
+    """Raise for what the sequence-parallel attention cannot honour; returns is_causal."""
+    if attention_mask is not None:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"{describe}: got an attention mask {shape}; sequence-parallel attention takes no mask (padding "
+            "goes into shift_labels, packed documents into the varlen plan: shard_batch does both)"
+        )
+    if dropout and module.training:
+        raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{describe}: {name}={kwargs[name]!r} is not supported by sequence-parallel attention")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{describe}: got {name}: the documents of a packed batch reach the attention through "
+                "shard_batch's varlen plan, not a collator's bounds of the full batch"
+            )
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"{describe}: query {tuple(query.shape)} and key {tuple(key.shape)} differ in length (a KV cache?): "
+            "sequence-parallel attention is for training and prefill over the sharded sequence; pass use_cache=False"
+        )
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
+def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention function of one mode, as transformers calls it.
+
+    query: (batch, nheads, seqlen_local, headdim); key, value: (batch, nheads_kv,
+    seqlen_local, headdim). Returns ((batch, seqlen_local, nheads, headdim), None)."""
+    describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
+    settings = _settings_of(module, mode)
+    causal = _check_call(describe, module, query, key, attention_mask, dropout, kwargs)
+    shard: SequenceShard | None = kwargs.get("sequence_shard")
+    if shard is None:
+        _check_not_packed(kwargs.get("position_ids"), describe)
+        seq_lens, varlen = None, None
+    else:
+        if not isinstance(shard, SequenceShard) or shard.parallelism != settings:
+            made = shard.parallelism if isinstance(shard, SequenceShard) else type(shard).__name__
+            raise ValueError(
+                f"{describe}: the batch was sharded for {made}, the model's attention runs {settings}: pass "
+                "shard_batch the mode, layout and groups given to apply()"
+            )
+        if shard.padded and not causal:
+            raise ValueError(
+                f"{describe}: the batch was right-padded, which only a causal layer can ignore; this layer is "
+                "bidirectional: pack the sequences instead of padding them"
+            )
+        seq_lens, varlen = list(shard.seq_lens), shard.varlen
+    # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
+    # memory, so these are usually contiguous already.
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    common = dict(causal=causal, softmax_scale=scaling, seq_lens=None if varlen is not None else seq_lens,
+                  varlen=varlen, **settings.group_kwargs())  # fmt: skip
+    if mode == "ulysses":
+        out = ulysses_attention(q, k, v, **common)
+    elif mode == "ring":
+        out = ring_attention(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout, **common)
+    else:
+        out = usp_attention(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout, **common)
+    return out, None  # (B, S_local, H, D), no attention weights
+
+
+def _ulysses(module, query, key, value, attention_mask, **kwargs):
+    return _attention("ulysses", module, query, key, value, attention_mask, **kwargs)
+
+
+def _ring(module, query, key, value, attention_mask, **kwargs):
+    return _attention("ring", module, query, key, value, attention_mask, **kwargs)
+
+
+def _usp(module, query, key, value, attention_mask, **kwargs):
+    return _attention("usp", module, query, key, value, attention_mask, **kwargs)
+
+
+_ATTENTION_FUNCTIONS = {"ulysses": _ulysses, "ring": _ring, "usp": _usp}
+
+
+def _mask(mask_function=None, attention_mask=None, **kwargs):
+    """The mask function registered for our implementations: transformers calls it once
+    per forward, before the layers. The attention takes no mask, so this returns None
+    when there is nothing to mask, and raises for anything it would have to drop."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            f"sequence-parallel attention: the attention mask {tuple(attention_mask.shape)} pads some tokens; "
+            "padding cannot be expressed across ranks: shard the batch with shard_batch, which folds right "
+            "padding into shift_labels (exact for causal models)"
+        )
+    if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS:
+        raise ValueError(
+            f"sequence-parallel attention: the model asks for a mask other than plain causal or bidirectional "
+            f"({getattr(mask_function, '__qualname__', mask_function)}): a sliding window, chunked attention, a "
+            "model-specific overlay, or packed documents (position ids restarting) not sharded by shard_batch. "
+            "Only packed documents are supported, through shard_batch's varlen plan"
+        )
+    return None
+
+
+def register() -> None:
+    """Add "seqpar_ulysses", "seqpar_ring" and "seqpar_usp" to transformers'
+    AttentionInterface and AttentionMaskInterface. Idempotent; raises ValueError if one
+    of the names is taken by another function (it never overwrites one)."""
+    for mode, name in IMPLEMENTATIONS.items():
+        for interface, function in ((AttentionInterface, _ATTENTION_FUNCTIONS[mode]), (AttentionMaskInterface, _mask)):
+            existing = interface._global_mapping.get(name)
+            if existing is not None and existing is not function:
+                raise ValueError(
+                    f"register: {interface.__name__} already has {name!r} ({existing}); seqpar_kernels does not "
+                    "overwrite it"
+                )
+            interface.register(name, function)
+
+
+def apply(
+    model,
+    mode: str,
+    *,
+    group=None,
+    mesh=None,
+    ulysses_group=None,
+    ring_group=None,
+    layout: str = "contiguous",
+) -> SequenceParallelism:
+    """Switch a loaded transformers model's attention to sequence-parallel attention.
+
+    model: a PreTrainedModel whose attention goes through AttentionInterface (Llama,
+        Mistral, Qwen2/3, Gemma, Phi3, ... in transformers >= 4.56), text only.
+    mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
+        2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
+        from make_usp_groups).
+    layout: "contiguous", or "balanced" (ring and usp: causal work balanced across the
+        ring; shard_batch must be given the same).
+    Returns the SequenceParallelism it recorded on the model's modules (and as
+    model.seqpar_parallelism). Calls register() first. Raises ValueError for a model
+    that cannot switch (its attention does not dispatch through AttentionInterface) or
+    that has sub-models (a vision tower's tokens are not sharded)."""
+    settings = SequenceParallelism.resolve(
+        "apply", mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
+    )
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(f"apply: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model.config, "sub_configs", None):
+        raise ValueError(
+            f"apply: {type(model).__name__} has sub-models ({sorted(model.config.sub_configs)}); apply sequence "
+            "parallelism to its language model alone"
+        )
+    register()
+    name = IMPLEMENTATIONS[mode]
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(
+            f"apply: {type(model).__name__} did not switch to {name!r} (it stays on "
+            f"{model.config._attn_implementation!r}): its attention does not dispatch through AttentionInterface"
+        )
+    for module in model.modules():
+        setattr(module, SETTINGS_ATTRIBUTE, settings)
+    return settings

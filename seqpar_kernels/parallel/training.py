@@ -1,0 +1,329 @@
+"""What a training step adds around sequence-parallel attention: this rank's piece of a
+batch of token sequences, labels shifted on the full sequence first, and the sum of the
+ranks' gradient shares.
+
+    shard_batch(batch, *, mode, ...)         this rank's input_ids, position_ids, shift_labels
+    SequenceShard                            how a batch was sharded (what the attention reads)
+    SequenceParallelism                      a mode, a layout and the groups it runs on
+    all_reduce_gradients(parameters, ...)    each parameter's gradient summed over the ranks
+
+Modes and layouts (the same names as the attention functions'):
+    "ulysses"  ulysses_attention over `group`; layout "contiguous" only (Ulysses attends
+               over whole sequences after its exchange, so no layout balances it better)
+    "ring"     ring_attention over `group`
+    "usp"      usp_attention over `mesh` (or ulysses_group and ring_group)
+    "contiguous"  rank r (piece i * U + j under USP) holds the r-th torch.tensor_split
+                  piece of the tokens
+    "balanced"    causal work balanced across the ring: a batch of whole sequences in
+                  the zigzag layout, a packed batch (documents) in the balanced varlen
+                  layout (varlen_plan's)
+
+Why labels are shifted before splitting: the target of token t is token t + 1, so the
+last token of rank r is labelled by the first token of the next piece, which only the
+full sequence has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name, resolve_group
+from seqpar_kernels.comm.plan import tensor_split_sizes
+from seqpar_kernels.parallel.reshard import split_sequence
+from seqpar_kernels.parallel.ring import zigzag_split
+from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
+from seqpar_kernels.parallel.usp import _layout_lengths, _resolve_grid, usp_split
+from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
+
+MODES = ("ulysses", "ring", "usp")
+LAYOUTS = ("contiguous", "balanced")
+
+# Keys a flattening collator (transformers' DataCollatorWithFlattening) adds to describe
+# the packed documents of the FULL batch; the varlen plan replaces them, so shard_batch
+# drops them rather than hand a rank the bounds of tokens it does not hold.
+_FULL_BATCH_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class SequenceParallelism:
+    """A mode, a layout and the process groups it runs on, by name (a group's name
+    stays valid in this process; the object itself cannot be copied or pickled).
+
+    group_names: (group,) for "ulysses" and "ring" ("" without torch.distributed: one
+    process); (ulysses_group, ring_group) for "usp"."""
+
+    mode: str
+    layout: str
+    group_names: tuple[str, ...]
+
+    @classmethod
+    def resolve(cls, describe: str, mode, layout, *, group=None, mesh=None, ulysses_group=None, ring_group=None):
+        if mode not in MODES:
+            raise ValueError(f"{describe}: mode must be one of {MODES}, got {mode!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{describe}: layout must be one of {LAYOUTS}, got {layout!r}")
+        if mode == "ulysses" and layout != "contiguous":
+            raise ValueError(
+                f"{describe}: mode='ulysses' takes layout='contiguous' only (got {layout!r}): Ulysses attends "
+                "over whole sequences after its exchange, so its work is balanced in any layout"
+            )
+        if mode == "usp":
+            if group is not None:
+                raise ValueError(f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group=")
+            grid = _resolve_grid(describe, mesh, ulysses_group, ring_group)
+            return cls(mode, layout, (grid.ulysses.name, grid.ring.name))
+        if mesh is not None or ulysses_group is not None or ring_group is not None:
+            raise ValueError(f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh")
+        return cls(mode, layout, (resolve_group(group).name,))
+
+    def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
+        """The process groups (None: the single process)."""
+        return tuple(None if name == SINGLE_PROCESS else group_from_name(name) for name in self.group_names)
+
+    def group_kwargs(self) -> dict:
+        """The groups as the attention functions and varlen_plan take them."""
+        groups = self.groups()
+        if self.mode == "usp":
+            return {"ulysses_group": groups[0], "ring_group": groups[1]}
+        return {"group": groups[0]}
+
+    @property
+    def dense_layout(self) -> str:
+        """The attention functions' layout for a batch of whole sequences."""
+        return "zigzag" if self.layout == "balanced" else "contiguous"
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """This rank's piece index (i * U + j under USP) and the number of pieces."""
+        infos = [resolve_group(group) for group in self.groups()]
+        if self.mode == "usp":
+            ulysses, ring = infos
+            return ring.rank * ulysses.world_size + ulysses.rank, ring.world_size * ulysses.world_size
+        return infos[0].rank, infos[0].world_size
+
+    def dense_seq_lens(self, total: int) -> tuple[int, ...]:
+        """Every piece's length, in piece order, for a sequence of `total` tokens."""
+        infos = [resolve_group(group) for group in self.groups()]
+        if self.mode == "usp":
+            ulysses, ring = infos
+            rows = _layout_lengths(total, ulysses.world_size, ring.world_size, self.dense_layout)
+            return tuple(length for row in rows for length in row)
+        world_size = infos[0].world_size
+        if self.layout == "balanced":
+            return tuple(zigzag_piece_lengths(total, world_size))
+        return tuple(tensor_split_sizes(total, world_size))
+
+    def split_dense(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's piece of the full sequence x (the same on every rank) along dim."""
+        groups = self.group_kwargs()
+        if self.mode == "usp":
+            return usp_split(x, dim, layout=self.dense_layout, **groups)
+        if self.layout == "balanced":
+            return zigzag_split(x, dim, groups["group"])
+        return split_sequence(x, dim, groups["group"])
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """How a batch was sharded: what the attention functions of the transformers
+    integration read from it (shard_batch puts it in the batch under "sequence_shard",
+    and the model passes it down to its attention layers).
+
+    parallelism  the mode, layout and groups
+    seq_lens     every piece's token count, in piece order (the attention calls take
+                 them, which spares each call the metadata all-gather)
+    varlen       the VarlenPlan of a packed batch, or None
+    padded       whether right padding was folded into shift_labels (exact for causal
+                 attention only: the attention raises on a non-causal layer)"""
+
+    parallelism: SequenceParallelism
+    seq_lens: tuple[int, ...]
+    varlen: VarlenPlan | None
+    padded: bool
+
+
+def _document_starts(position_ids: torch.Tensor) -> list[int]:
+    """Where a new document starts in a (1, S) row of position ids: wherever a position
+    is not its predecessor's plus one (what transformers reads as packed sequences)."""
+    restarts = torch.nonzero(torch.diff(position_ids[0]) != 1).flatten() + 1
+    return restarts.tolist()
+
+
+def _check_right_padding(attention_mask: torch.Tensor, shape) -> None:
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(f"shard_batch: attention_mask {tuple(shape)} must hold 0 and 1 only")
+    if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        raise ValueError(
+            f"shard_batch: attention_mask {tuple(shape)} has padding before real tokens (left padding or "
+            "holes), which sequence-parallel attention cannot express; pad on the right, or pack the "
+            "sequences into one row with position ids restarting at 0"
+        )
+
+
+def shard_batch(
+    batch: Mapping[str, torch.Tensor],
+    *,
+    mode: str,
+    group: dist.ProcessGroup | None = None,
+    mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    ignore_index: int = -100,
+) -> dict:
+    """This rank's piece of a batch of token sequences for a causal language model.
+
+    batch: the full batch, the same on every rank:
+        input_ids       (batch, seqlen) integer tokens
+        labels          optional (batch, seqlen): the targets before shifting
+                        (default: input_ids), ignore_index where a token has none
+        attention_mask  optional (batch, seqlen) of 0/1, padding on the right only
+        position_ids    optional (batch or 1, seqlen). Positions that do not count up by
+                        one (restarting at 0, as transformers' DataCollatorWithFlattening
+                        makes) mark packed documents: batch size 1 then
+        cu_seq_lens_q/k, max_length_q/k, seq_idx (a flattening collator's description
+                        of the full batch) are dropped: the varlen plan replaces them.
+    mode, group / mesh / ulysses_group + ring_group, layout: as the module docstring
+        says; the same as the model's attention was given (apply()).
+    Returns a dict:
+        input_ids       (batch, seqlen_local): this rank's tokens in the layout
+        position_ids    (batch, seqlen_local): their global positions (positions within
+                        each document for a packed batch), for rotary embeddings
+        shift_labels    (batch, seqlen_local): the label of the NEXT token of the full
+                        sequence, shifted before splitting; ignore_index at the last
+                        token, at padding, and at the last token of every packed
+                        document (it would predict the next document's first token)
+        attention_mask  (batch, seqlen_local) of ones: padding is folded into
+                        shift_labels, which is exact because no real token of a causal
+                        model attends to padding after it. Present so that transformers
+                        does not read this rank's position ids (which jump in the
+                        balanced layout) as packed documents
+        sequence_shard  a SequenceShard: the layout, every rank's length and the varlen
+                        plan, for the attention functions
+    Splitting runs the split functions' small checking collectives (a bad batch on any
+    rank raises on every rank); a packed batch builds its varlen_plan here."""
+    describe = "shard_batch"
+    parallelism = SequenceParallelism.resolve(
+        describe, mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
+    )
+    unknown = sorted(set(batch) - set(_TOKEN_KEYS) - set(_FULL_BATCH_PACKING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"{describe}: does not know how to shard {unknown} (it shards {_TOKEN_KEYS}); shard other "
+            "inputs yourself"
+        )
+    if "input_ids" not in batch:
+        raise ValueError(f"{describe}: batch has no input_ids (keys: {sorted(batch)})")
+    input_ids = batch["input_ids"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"{describe}: input_ids must be an integer tensor (batch, seqlen), got {shape}")
+    batch_size, seqlen = input_ids.shape
+    labels = batch.get("labels")
+    labels = input_ids if labels is None else labels
+    attention_mask = batch.get("attention_mask")
+    position_ids = batch.get("position_ids")
+    for name, value in (("labels", labels), ("attention_mask", attention_mask)):
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != (batch_size, seqlen)):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{describe}: {name} must have input_ids' shape {(batch_size, seqlen)}, got {shape}")
+    if position_ids is None:
+        position_ids = torch.arange(seqlen, device=input_ids.device).expand(batch_size, seqlen)
+    elif not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != seqlen \
+            or position_ids.shape[0] not in (1, batch_size):  # fmt: skip
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"{describe}: position_ids must be (batch or 1, {seqlen}), got {shape}")
+    position_ids = position_ids.expand(batch_size, seqlen)
+
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded:
+        _check_right_padding(attention_mask, attention_mask.shape)
+        labels = labels.masked_fill(attention_mask == 0, ignore_index)
+    # (B, S): the target of token t is labels[t + 1]; the last token has none.
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), ignore_index)], dim=1)
+
+    restarts = [
+        row for row in range(batch_size) if seqlen > 1 and bool((torch.diff(position_ids[row]) != 1).any())
+    ]
+    plan = None
+    if restarts:
+        if batch_size != 1:
+            raise ValueError(
+                f"{describe}: position_ids {tuple(position_ids.shape)} restart inside rows {restarts}: packed "
+                "documents must be packed into one row (batch size 1), as DataCollatorWithFlattening makes them"
+            )
+        if padded:
+            raise ValueError(f"{describe}: a packed batch (position ids restarting) must not be padded")
+        starts = _document_starts(position_ids)
+        # The last token of each document would predict the next document's first one.
+        shift_labels[0, torch.tensor(starts, dtype=torch.long, device=shift_labels.device) - 1] = ignore_index
+        plan = varlen_plan(
+            [0, *starts, seqlen], layout=parallelism.layout, device=input_ids.device, **parallelism.group_kwargs()
+        )
+
+    # One split for the three: (B, S, 3) int64.
+    tokens = torch.stack([input_ids.long(), position_ids.long(), shift_labels.long()], dim=-1)
+    local = plan.split(tokens, dim=1) if plan is not None else parallelism.split_dense(tokens, dim=1)
+    local_ids, local_positions, local_labels = local.unbind(-1)
+    seq_lens = tuple(plan.seq_lens) if plan is not None else parallelism.dense_seq_lens(seqlen)
+    return {
+        "input_ids": local_ids.to(input_ids.dtype),
+        "position_ids": local_positions.contiguous(),
+        "shift_labels": local_labels.contiguous(),
+        "attention_mask": torch.ones_like(local_ids),
+        "sequence_shard": SequenceShard(parallelism, seq_lens, plan, padded),
+    }
+
+
+def _reduce_groups(describe: str, group, mesh, ulysses_group, ring_group) -> list:
+    """The groups to all-reduce over in turn so that every rank of the sequence
+    parallelism is summed: the group, or each dimension of the grid."""
+    if mesh is not None or ulysses_group is not None or ring_group is not None:
+        if group is not None:
+            raise ValueError(f"{describe}: pass group= or mesh= (or ulysses_group= and ring_group=), not both")
+        grid = _resolve_grid(describe, mesh, ulysses_group, ring_group)
+        return [grid.ulysses_group, grid.ring_group]
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return []
+    return [group if group is not None else dist.group.WORLD]
+
+
+def all_reduce_gradients(
+    parameters: torch.nn.Module | Iterable[torch.nn.Parameter],
+    *,
+    group: dist.ProcessGroup | None = None,
+    mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Sum every parameter's gradient over the sequence-parallel ranks, in place.
+
+    Under sequence parallelism each rank's backward gives its tokens' share of every
+    parameter's gradient (sequence_parallel_cross_entropy's convention); their sum is
+    the gradient of the whole batch. parameters: a module or parameters; those that
+    require grad take part, a missing .grad counting as zeros (so that every rank sends
+    the same buffers). group (default: the world), or mesh / ulysses_group + ring_group
+    (every rank of the grid). One all_reduce per dtype and device per group, over a
+    flattened copy of the gradients. Under DDP or FSDP over the same ranks, which
+    average, do not call this: multiply the loss by the number of ranks instead."""
+    groups = _reduce_groups("all_reduce_gradients", group, mesh, ulysses_group, ring_group)
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    parameters = [parameter for parameter in parameters if parameter.requires_grad]
+    if not groups:
+        return
+    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
+    for parameter in parameters:
+        buckets.setdefault((parameter.dtype, parameter.device), []).append(parameter)
+    for bucket in buckets.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        for reduce_group in groups:
+            dist.all_reduce(flat, group=reduce_group)
+        for parameter, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+            parameter.grad = piece.view_as(parameter).clone() if parameter.grad is None else \
+                parameter.grad.copy_(piece.view_as(parameter))  # fmt: skip

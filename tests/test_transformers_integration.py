@@ -1,0 +1,359 @@
+"""Hugging Face transformers models under sequence parallelism
+(seqpar_kernels.integrations.transformers): a small Llama from a config (random weights,
+nothing downloaded) run through apply + shard_batch + sequence_parallel_cross_entropy +
+all_reduce_gradients on gloo ranks must give the single-process model's loss and every
+parameter's gradient: each mode and layout, GQA, heads not divisible by the ranks, a
+packed batch, batch size 2 with right padding, three AdamW steps, bf16; and what the
+attention cannot honour raises.
+
+The single-process reference is transformers' own: the same model with its default
+attention on the full batch, labels shifted by its loss (labels set to -100 where
+shard_batch ignores a target: padding and the first token of each packed document).
+
+Run against the installed transformers; test_oldest_supported_transformers reruns this
+file under the oldest release the README promises, where the test set-up installed it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import pool_for  # noqa: E402
+from on_ranks import on_every_rank, timeout_group  # noqa: E402
+
+OLDEST_SUPPORTED = "4.56.2"
+REPOSITORY = Path(__file__).resolve().parent.parent
+OLDEST_PATH = REPOSITORY / "build" / f"transformers-{OLDEST_SUPPORTED}"
+
+VOCAB = 96
+FP32_LOSS_RTOL = 1e-5
+FP32_GRAD_RTOL = 1e-4
+
+
+def _config(heads=4, kv_heads=2, head_dim=16, layers=2, **extra):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=64,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim, max_position_embeddings=256, use_cache=False, **extra)  # fmt: skip
+
+
+def _model(config, dtype=torch.float32, seed=0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _batch(kind: str, seqlen: int, seed: int = 1):
+    """The full batch (the same on every rank) and the reference's labels.
+
+    kind: "dense" (batch 2, no padding), "padded" (batch 2, the second row right-padded),
+    "packed" (batch 1, documents of lengths 5, 1, 17, then the rest, positions
+    restarting at 0 and labels -100 at each document's first token, as
+    DataCollatorWithFlattening makes them)."""
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "packed":
+        ids = torch.randint(0, VOCAB, (1, seqlen), generator=generator)
+        lengths = [5, 1, 17, seqlen - 23]
+        positions = torch.cat([torch.arange(length) for length in lengths])[None]
+        labels = ids.clone()
+        labels[positions == 0] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}, labels, positions
+    ids = torch.randint(0, VOCAB, (2, seqlen), generator=generator)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padded":
+        mask = torch.ones(2, seqlen, dtype=torch.long)
+        mask[1, seqlen - 7 :] = 0
+        batch["attention_mask"] = mask
+        batch["labels"][mask == 0] = -100
+    return batch, batch["labels"], None
+
+
+def _parallelism(mode: str, ulysses_degree: int):
+    """The attention's process groups: the world (a gloo group whose collectives time
+    out) for ulysses and ring; a 2-D DeviceMesh for usp."""
+    if mode != "usp":
+        return {"group": timeout_group()}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    return {"mesh": init_device_mesh("cpu", (world // ulysses_degree, ulysses_degree),
+                                     mesh_dim_names=("ring", "ulysses"))}  # fmt: skip
+
+
+def _reference_step(model, batch, labels, positions):
+    kwargs = {"attention_mask": batch.get("attention_mask"), "position_ids": positions}
+    return model(input_ids=batch["input_ids"], labels=labels, **kwargs).loss
+
+
+def _sp_step(model, batch, mode, layout, groups):
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    local = sp_transformers.shard_batch(batch, mode=mode, layout=layout, **groups)
+    hidden = model.model(**local).last_hidden_state  # (B, S_local, hidden)
+    return sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, local["shift_labels"],
+                                                           **groups)  # fmt: skip
+
+
+def _relative_error(mine: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((mine.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30)).item()
+
+
+@on_every_rank
+def run_parity_cases(cases):
+    """Per case: the loss and every parameter's gradient (summed over the ranks) against
+    the single-process model's; AdamW cases compare the losses of three steps."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    failures = []
+    for case in cases:
+        mode, layout, dtype = case["mode"], case["layout"], case.get("dtype", torch.float32)
+        groups = _parallelism(mode, case.get("ulysses", 2))
+        config = _config(**case.get("config", {}))
+        batch, labels, positions = _batch(case["batch"], case.get("seqlen", 37))
+        reference = _model(config, torch.float32)
+        model = copy.deepcopy(reference).to(dtype)
+        sp_transformers.apply(model, mode, layout=layout, **groups)
+        if dtype != torch.float32:
+            # bf16: each side's error against the fp32 single-process model.
+            single_low = copy.deepcopy(reference).to(dtype)
+        steps = case.get("steps", 1)
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)] if steps > 1 else None
+        for step in range(steps):
+            expected = _reference_step(reference, batch, labels, positions)
+            expected.backward()
+            loss = _sp_step(model, batch, mode, layout, groups)
+            loss.backward()
+            sp_transformers.all_reduce_gradients(model, **groups)
+            name = f"{case['id']} step {step}"
+            if dtype == torch.float32:
+                loss_error = _relative_error(loss.detach(), expected.detach())
+                if not loss_error <= FP32_LOSS_RTOL:
+                    failures.append(f"{name}: loss {loss.item():.7f} vs {expected.item():.7f} (rel {loss_error:.2e})")
+                for (param_name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+                    error = _relative_error(ours.grad, theirs.grad)
+                    if not error <= FP32_GRAD_RTOL:
+                        failures.append(f"{name}: grad of {param_name} relative error {error:.2e}")
+            else:
+                low = _reference_step(single_low, batch, labels, positions)
+                low.backward()
+                for what, ours, single, exact in [("loss", loss.detach(), low.detach(), expected.detach())] + [
+                    (param_name, ours.grad, single.grad, exact.grad)
+                    for (param_name, ours), single, exact in zip(
+                        model.named_parameters(), single_low.parameters(), reference.parameters()
+                    )
+                ]:
+                    ours_error, single_error = _relative_error(ours, exact), _relative_error(single, exact)
+                    if not ours_error <= 2 * single_error + 1e-3:
+                        failures.append(f"{name}: {dtype} {what} error {ours_error:.2e} > 2 x single-process "
+                                        f"{single_error:.2e}")  # fmt: skip
+            if optimizers:
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                model.zero_grad()
+                reference.zero_grad()
+    return failures
+
+
+def _case(mode, layout, batch, **extra):
+    extra_id = "-".join(f"{key}={value}" for key, value in extra.items() if key != "config")
+    config_id = "-".join(f"{key}{value}" for key, value in extra.get("config", {}).items())
+    return dict(id="-".join(filter(None, [mode, layout, batch, config_id, extra_id])), mode=mode, layout=layout,
+                batch=batch, **extra)  # fmt: skip
+
+
+ONE_GROUP_CASES = [
+    _case("ulysses", "contiguous", "dense"),
+    _case("ulysses", "contiguous", "packed", config=dict(heads=3, kv_heads=1)),  # heads not divisible by 2, 4
+    _case("ulysses", "contiguous", "padded", config=dict(heads=6, kv_heads=2, head_dim=8)),
+    _case("ring", "contiguous", "dense"),
+    _case("ring", "balanced", "padded"),
+    _case("ring", "contiguous", "packed"),
+    _case("ring", "balanced", "packed", config=dict(heads=4, kv_heads=1)),  # MQA
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_one_group_modes_match_the_single_process_model(world_size):
+    failures = [failure for per_rank in pool_for(world_size).run(run_parity_cases, ONE_GROUP_CASES)
+                for failure in per_rank]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("ulysses", [2, 1, 4])
+def test_usp_matches_the_single_process_model(ulysses):
+    cases = [
+        _case("usp", "contiguous", "dense", ulysses=ulysses),
+        _case("usp", "balanced", "packed", ulysses=ulysses, config=dict(heads=6, kv_heads=2, head_dim=8)),
+        _case("usp", "balanced", "padded", ulysses=ulysses),
+    ]
+    failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_three_adamw_steps_match():
+    cases = [
+        _case("ring", "balanced", "packed", steps=3),
+        _case("ulysses", "contiguous", "dense", steps=3),
+        _case("usp", "balanced", "dense", steps=3, ulysses=2),
+    ]
+    failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_bf16_within_twice_the_single_process_error():
+    cases = [
+        _case("ring", "balanced", "packed", dtype=torch.bfloat16),
+        _case("ulysses", "contiguous", "padded", dtype=torch.bfloat16),
+        _case("usp", "contiguous", "dense", dtype=torch.bfloat16, ulysses=2),
+    ]
+    failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# What cannot be honoured raises
+# ----------------------------------------------------------------------------------
+
+
+def _raises(call, match: str) -> str | None:
+    """None when call() raises ValueError matching `match`, else what went wrong."""
+    import re
+
+    try:
+        call()
+    except ValueError as error:
+        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
+    return f"no ValueError (expected {match!r})"
+
+
+@on_every_rank
+def run_unsupported_cases():
+    import seqpar_kernels.integrations.transformers as sp_transformers
+    from transformers import MistralConfig, MistralForCausalLM
+
+    group = {"group": timeout_group()}
+    config = _config()
+    batch, _, _ = _batch("padded", 20)
+    problems = {}
+
+    def model_with(mode="ring", layout="contiguous", **config_changes):
+        model = _model(_config(**config_changes))
+        sp_transformers.apply(model, mode, layout=layout, **group)
+        return model
+
+    local = sp_transformers.shard_batch(batch, mode="ring", **group)
+    model = model_with()
+    # A padding mask handed to the model directly, not folded by shard_batch.
+    padded_mask = torch.ones_like(local["input_ids"])
+    padded_mask[:, 0] = 0
+    problems["padding mask"] = _raises(
+        lambda: model.model(input_ids=local["input_ids"], attention_mask=padded_mask), "pads some tokens"
+    )
+    # Left padding cannot be folded into the labels.
+    left = dict(batch, attention_mask=batch["attention_mask"].flip(-1))
+    problems["left padding"] = _raises(lambda: sp_transformers.shard_batch(left, mode="ring", **group), "left padding")
+    # Packed documents without shard_batch's plan.
+    packed, _, positions = _batch("packed", 37)
+    local_positions = sp_transformers.shard_batch(packed, mode="ring", **group)["position_ids"]
+    problems["packed without a plan"] = _raises(
+        lambda: model.model(input_ids=torch.zeros_like(local_positions), position_ids=local_positions),
+        "packed documents|count up by one",
+    )
+    # Dropout while training.
+    dropout_model = model_with(attention_dropout=0.1).train()
+    problems["dropout"] = _raises(lambda: dropout_model.model(**local), "dropout")
+    # A sliding window.
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               sliding_window=8, use_cache=False))  # fmt: skip
+    sp_transformers.apply(mistral, "ring", **group)
+    problems["sliding window"] = _raises(lambda: mistral.model(**local), "sliding")
+    # Softcapping (called as a model passes it).
+    attention = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 5, 16)
+    kv = torch.randn(1, 2, 5, 16)
+    implementation = sp_transformers.IMPLEMENTATIONS["ring"]
+    attend = transformers.AttentionInterface._global_mapping[implementation]
+    problems["softcap"] = _raises(lambda: attend(attention, q, kv, kv, None, softcap=30.0), "softcap")
+    problems["kv cache"] = _raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+                                                  None), "KV cache")  # fmt: skip
+    # A batch sharded for another layout than the model's.
+    balanced = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", **group)
+    problems["layout mismatch"] = _raises(lambda: model.model(**balanced), "sharded for")
+    # Ulysses has no balanced layout; packing needs batch size 1.
+    problems["ulysses balanced"] = _raises(lambda: sp_transformers.apply(_model(config), "ulysses", layout="balanced",
+                                                                         **group), "contiguous")  # fmt: skip
+    two_rows = {"input_ids": torch.zeros(2, 12, dtype=torch.long),
+                "position_ids": torch.cat([torch.arange(6), torch.arange(6)]).expand(2, 12)}  # fmt: skip
+    problems["packed batch of two"] = _raises(lambda: sp_transformers.shard_batch(two_rows, mode="ring", **group),
+                                              "batch size 1")  # fmt: skip
+    problems["unknown key"] = _raises(
+        lambda: sp_transformers.shard_batch(dict(batch, pixel_values=torch.zeros(1)), mode="ring", **group),
+        "pixel_values",
+    )
+    # An implementation set by hand, without apply's groups.
+    by_hand = _model(config)
+    by_hand.set_attn_implementation(implementation)
+    problems["set by hand"] = _raises(lambda: by_hand.model(**local), "apply")
+    return {name: problem for name, problem in problems.items() if problem is not None}
+
+
+def test_what_cannot_be_honoured_raises():
+    for per_rank in pool_for(2).run(run_unsupported_cases):
+        assert not per_rank, per_rank
+
+
+def test_register_never_overwrites_another_function():
+    import seqpar_kernels.integrations.transformers as sp_transformers
+    from transformers import AttentionInterface
+
+    sp_transformers.register()
+    sp_transformers.register()  # idempotent
+    name = sp_transformers.IMPLEMENTATIONS["ulysses"]
+    ours = AttentionInterface._global_mapping[name]
+    try:
+        AttentionInterface.register(name, lambda *args, **kwargs: None)
+        with pytest.raises(ValueError, match="does not overwrite"):
+            sp_transformers.register()
+    finally:
+        AttentionInterface.register(name, ours)
+    assert set(sp_transformers.IMPLEMENTATIONS.values()) <= set(AttentionInterface._global_mapping)
+    assert "sdpa" in AttentionInterface._global_mapping  # nothing of transformers' own replaced
+
+
+def test_core_package_never_imports_transformers():
+    code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.skipif(os.environ.get("SEQPAR_TRANSFORMERS_OLDEST") == "1", reason="already the oldest release")
+def test_oldest_supported_transformers():
+    """This file's parity and error tests under the oldest supported release, installed
+    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
+    if not (OLDEST_PATH / "transformers").is_dir():
+        pytest.skip(f"transformers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
+               SEQPAR_TRANSFORMERS_OLDEST="1")  # fmt: skip
+    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                             env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert version == OLDEST_SUPPORTED
+    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
+        env=env, cwd=REPOSITORY, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -1,5 +1,6 @@
 """The README's examples are the files in examples/ as they are, and they run under
-torchrun: quickstart (2 ranks), usp (a 2 x 2 grid) and varlen (4 ranks)."""
+torchrun: quickstart (2 ranks), usp (a 2 x 2 grid), varlen (4 ranks) and the transformers
+training example (3 ranks, where transformers is installed)."""
 
 import os
 import re
@@ -53,3 +54,12 @@ def test_varlen_example_runs_under_torchrun_and_matches_attention_per_document()
     stdout = run_example("varlen.py", 4)
     errors = [float(match) for match in re.findall(r"max error ([0-9.e+-]+)", stdout)]
     assert len(errors) == 4 and max(errors) < 1e-5, stdout
+
+
+def test_transformers_training_example_matches_one_process():
+    pytest.importorskip("transformers")
+    stdout = run_example("train_transformers_sp.py", 3)  # 3 ranks: USP on a 3 x 1 grid
+    rows = re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.e+-]+)$", stdout, re.M)
+    assert len(rows) == 9, stdout  # 3 steps x 3 modes
+    for step, single, parallel, difference in rows:
+        assert abs(float(single) - float(parallel)) <= 1e-5 * float(single), stdout

@@ -96,10 +96,12 @@ def _reference_step(model, batch, labels, positions):
     return model(input_ids=batch["input_ids"], labels=labels, **kwargs).loss
 
 
-def _sp_step(model, batch, mode, layout, groups):
+def _sp_step(model, batch, mode, layout, groups, with_shard=True):
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     local = sp_transformers.shard_batch(batch, mode=mode, layout=layout, **groups)
+    if not with_shard:  # the tokens and their global positions alone, as a user's own sharding gives them
+        local = {key: local[key] for key in ("input_ids", "position_ids", "shift_labels")}
     hidden = model.model(**local).last_hidden_state  # (B, S_local, hidden)
     return sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, local["shift_labels"],
                                                            **groups)  # fmt: skip
@@ -132,7 +134,7 @@ def run_parity_cases(cases):
         for step in range(steps):
             expected = _reference_step(reference, batch, labels, positions)
             expected.backward()
-            loss = _sp_step(model, batch, mode, layout, groups)
+            loss = _sp_step(model, batch, mode, layout, groups, case.get("with_shard", True))
             loss.backward()
             sp_transformers.all_reduce_gradients(model, **groups)
             name = f"{case['id']} step {step}"
@@ -182,6 +184,9 @@ ONE_GROUP_CASES = [
     _case("ring", "balanced", "padded"),
     _case("ring", "contiguous", "packed"),
     _case("ring", "balanced", "packed", config=dict(heads=4, kv_heads=1)),  # MQA
+    # Without shard_batch's sequence_shard: global positions checked once per forward.
+    _case("ring", "balanced", "dense", with_shard=False),
+    _case("ulysses", "contiguous", "dense", with_shard=False),
 ]
 
 
@@ -198,6 +203,7 @@ def test_usp_matches_the_single_process_model(ulysses):
         _case("usp", "contiguous", "dense", ulysses=ulysses),
         _case("usp", "balanced", "packed", ulysses=ulysses, config=dict(heads=6, kv_heads=2, head_dim=8)),
         _case("usp", "balanced", "padded", ulysses=ulysses),
+        _case("usp", "balanced", "dense", ulysses=ulysses, with_shard=False),
     ]
     failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
@@ -270,8 +276,11 @@ def run_unsupported_cases():
     local_positions = sp_transformers.shard_batch(packed, mode="ring", **group)["position_ids"]
     problems["packed without a plan"] = _raises(
         lambda: model.model(input_ids=torch.zeros_like(local_positions), position_ids=local_positions),
-        "packed documents|count up by one",
+        "global positions",
     )
+    # Positions counted from 0 on every rank (a model given only its tokens).
+    if torch.distributed.get_world_size() > 1:
+        problems["local positions"] = _raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
     # Dropout while training.
     dropout_model = model_with(attention_dropout=0.1).train()
     problems["dropout"] = _raises(lambda: dropout_model.model(**local), "dropout")

@@ -49,6 +49,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.comm.groups import all_gather_ints
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
@@ -107,24 +108,36 @@ def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
 
 
 # The position ids tensor checked last: the model passes the same one to every layer,
-# so the check (a host sync on GPUs) runs once per forward.
+# so the check runs once per forward (on every rank alike: they run the same model).
 _checked_positions: weakref.ref | None = None
 
 
-def _check_not_packed(position_ids: torch.Tensor | None, describe: str) -> None:
-    """Without a SequenceShard, positions that do not count up by one inside this rank's
-    piece are packed documents (or a layout the attention was not told about): raise
-    rather than attend across them."""
+def _from_every_rank(value: int, settings: SequenceParallelism, device) -> list[int]:
+    """Every rank's `value`, in piece order (USP: over the Ulysses group, then the ring)."""
+    values = [value]
+    for name in settings.group_names:
+        values = [item for row in all_gather_ints(values, name, device) for item in row]
+    return values
+
+
+def _check_global_positions(position_ids, local_len: int, settings: SequenceParallelism, describe: str) -> None:
+    """Without a SequenceShard, the position ids must be this rank's global positions
+    in the layout (rotary embeddings read them): a model given only this rank's tokens
+    counts them from 0 on every rank, and packed documents restart them. One small
+    all-gather of the ranks' lengths per forward finds the expected ones."""
     global _checked_positions
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+    if position_ids is None or (_checked_positions is not None and _checked_positions() is position_ids):
         return
-    if _checked_positions is not None and _checked_positions() is position_ids:
-        return
-    if bool((torch.diff(position_ids, dim=-1) != 1).any()):
+    lengths = _from_every_rank(local_len, settings, position_ids.device)
+    expected = settings.split_dense(torch.arange(sum(lengths), device=position_ids.device)[None], dim=1)
+    matches = position_ids.shape[-1] == expected.shape[-1] and bool((position_ids == expected).all())
+    # Every rank raises if one does: a rank that went on would wait in the attention's collectives.
+    if not all(_from_every_rank(int(matches), settings, position_ids.device)):
         raise ValueError(
-            f"{describe}: position_ids {tuple(position_ids.shape)} do not count up by one within this rank's "
-            "tokens (packed documents, or the balanced layout): pass the batch made by shard_batch, which "
-            "carries the layout and the documents (its 'sequence_shard' entry), to the model"
+            f"{describe}: position_ids {tuple(position_ids.shape)} are not every rank's global positions in the "
+            f"{settings.layout} layout (positions counted from 0 on every rank, packed documents, or another "
+            "layout): pass the model the batch made by shard_batch, whose 'sequence_shard' entry carries the "
+            "layout and the documents"
         )
     _checked_positions = weakref.ref(position_ids)
 
@@ -167,7 +180,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     causal = _check_call(describe, module, query, key, attention_mask, dropout, kwargs)
     shard: SequenceShard | None = kwargs.get("sequence_shard")
     if shard is None:
-        _check_not_packed(kwargs.get("position_ids"), describe)
+        _check_global_positions(kwargs.get("position_ids"), query.shape[2], settings, describe)
         seq_lens, varlen = None, None
     else:
         if not isinstance(shard, SequenceShard) or shard.parallelism != settings:
@@ -211,6 +224,31 @@ def _usp(module, query, key, value, attention_mask, **kwargs):
 _ATTENTION_FUNCTIONS = {"ulysses": _ulysses, "ring": _ring, "usp": _usp}
 
 
+# transformers' own wrappers around a mask function when it reads packed documents from
+# the position ids (and_masks of the plain function, remapped positions and a
+# same-document test); nothing else it wraps is honoured.
+_PACKING_WRAPPERS = ("and_masks.", "remap_positions_for_packed_sequence.")
+_PACKING_LEAVES = ("packed_sequence_mask_function.",)
+
+
+def _only_packing(mask_function) -> bool:
+    """Whether mask_function is a plain mask, at most wrapped by transformers for packed
+    documents. Those are left to the attention, whose check of the position ids runs
+    alike on every rank: a rank whose tokens hold no document border sees no packing
+    here, and raising on some ranks only would leave the others waiting in a collective."""
+    qualname = getattr(mask_function, "__qualname__", "")
+    if mask_function in _PLAIN_MASK_FUNCTIONS or qualname.startswith(_PACKING_LEAVES):
+        return True
+    if not qualname.startswith(_PACKING_WRAPPERS):
+        return False
+    inner = []
+    for cell in mask_function.__closure__ or ():
+        value = cell.cell_contents
+        inner.extend(value if isinstance(value, tuple) else [value])
+    inner = [function for function in inner if callable(function)]
+    return bool(inner) and all(_only_packing(function) for function in inner)
+
+
 def _mask(mask_function=None, attention_mask=None, **kwargs):
     """The mask function registered for our implementations: transformers calls it once
     per forward, before the layers. The attention takes no mask, so this returns None
@@ -221,12 +259,12 @@ def _mask(mask_function=None, attention_mask=None, **kwargs):
             "padding cannot be expressed across ranks: shard the batch with shard_batch, which folds right "
             "padding into shift_labels (exact for causal models)"
         )
-    if mask_function is not None and mask_function not in _PLAIN_MASK_FUNCTIONS:
+    if mask_function is not None and not _only_packing(mask_function):
         raise ValueError(
             f"sequence-parallel attention: the model asks for a mask other than plain causal or bidirectional "
             f"({getattr(mask_function, '__qualname__', mask_function)}): a sliding window, chunked attention, a "
-            "model-specific overlay, or packed documents (position ids restarting) not sharded by shard_batch. "
-            "Only packed documents are supported, through shard_batch's varlen plan"
+            "model-specific overlay: sequence-parallel attention honours causal and bidirectional masks, and "
+            "packed documents through shard_batch's varlen plan"
         )
     return None
 

@@ -126,6 +126,9 @@ def run_parity_cases(cases):
         reference = _model(config, torch.float32)
         model = copy.deepcopy(reference).to(dtype)
         sp_transformers.apply(model, mode, layout=layout, **groups)
+        if case.get("checkpointing"):  # the layers run again in the backward, collectives included
+            model.gradient_checkpointing_enable()
+            model.train()
         if dtype != torch.float32:
             # bf16: each side's error against the fp32 single-process model.
             single_low = copy.deepcopy(reference).to(dtype)
@@ -142,7 +145,11 @@ def run_parity_cases(cases):
                 loss_error = _relative_error(loss.detach(), expected.detach())
                 if not loss_error <= FP32_LOSS_RTOL:
                     failures.append(f"{name}: loss {loss.item():.7f} vs {expected.item():.7f} (rel {loss_error:.2e})")
-                for (param_name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+                # After an AdamW step the gradients are compared no more: Adam's normalised
+                # update turns rounding-level differences of tiny gradients into parameter
+                # differences of order lr; the losses must still match.
+                for (param_name, ours), theirs in zip(model.named_parameters() if step == 0 else [],
+                                                      reference.parameters()):  # fmt: skip
                     error = _relative_error(ours.grad, theirs.grad)
                     if not error <= FP32_GRAD_RTOL:
                         failures.append(f"{name}: grad of {param_name} relative error {error:.2e}")
@@ -212,6 +219,7 @@ def test_usp_matches_the_single_process_model(ulysses):
 def test_three_adamw_steps_match():
     cases = [
         _case("ring", "balanced", "packed", steps=3),
+        _case("usp", "balanced", "packed", steps=2, ulysses=2, checkpointing=True),
         _case("ulysses", "contiguous", "dense", steps=3),
         _case("usp", "balanced", "dense", steps=3, ulysses=2),
     ]

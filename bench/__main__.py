@@ -5,13 +5,17 @@
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
                                          attention, then its GPU step kernel and overlap probe),
                                          usp (every grid U x R of the ranks), varlen (packed
-                                         documents) or loss (the fused LM loss against
+                                         documents), loss (the fused LM loss against
                                          materialised logits: peak memory and time, one process)
+                                         or transformers (a small Llama's training step: one
+                                         process against each mode of the transformers
+                                         integration; skipped without transformers)
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
 Prints one line per case as it goes, then a summary with the targets (bench/targets.py:
 bytes at theory, agreement, pack/unpack bandwidth and speed, ring and USP accuracy, zigzag share
-of ideal, overlap, step kernel speed, the loss's memory bound) marked met or not met, and writes
+of ideal, overlap, step kernel speed, the loss's memory bound; the transformers modes' loss and
+gradients against one process's count as agreement) marked met or not met, and writes
 <device>-<backend><P>-<date>.csv, .json and .png under --out.
 """
 

@@ -138,10 +138,17 @@ def start_method(options: Options) -> str:
     A spawned rank imports torch and seqpar afresh, and the first call of seqpar's
     collective (a Python torch.library custom op) imports torch._dynamo: together about
     8 s of CPU per rank, 30 s and more for 4 ranks on 2 cores. Forked ranks inherit
-    those modules from this process, which imports them once. CUDA cannot be used in a
+    those modules from this process, which imports them once (and transformers, for the
+    transformers family, another 6 s a rank). CUDA cannot be used in a
     forked child once the parent has touched it, so GPU machines spawn."""
     if options.resolved_backend() == "nccl" or torch.cuda.is_available():
         return "spawn"
     importlib.import_module("torch._dynamo")  # see above: inherited by the forked ranks
-
+    if "transformers" in options.only:
+        # transformers and its Llama take about 6 s of CPU to import: once here, not per rank.
+        try:
+            importlib.import_module("seqpar_kernels.integrations.transformers")
+            importlib.import_module("transformers.models.llama.modeling_llama")
+        except ImportError:
+            pass  # the family reports itself skipped (bench_transformers.py)
     return "fork"

@@ -1,7 +1,8 @@
 """The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
 kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
-LM loss, the peak memory and time of ours and of materialised logits per token count."""
+LM loss, the peak memory and time of ours and of materialised logits per token count; for
+the transformers training step, each mode's time and per-rank peak against one process's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from bench.rows import (  # noqa: E402
     LOSS_BENCH,
     RING_ALL,
     STEP_BENCHES,
+    TRANSFORMERS_BENCH,
     USP_BENCHES,
     Row,
     usp_grid_label,
@@ -288,23 +290,65 @@ def _plot_loss(left, right, rows: list[Row]) -> None:
                1.0, "seconds per forward + backward (median; log scale)", "LM loss, one rank: time")  # fmt: skip
 
 
+def _transformers_bars(rows: list[Row]) -> list[tuple[str, str, float | None, float | None, Row | None]]:
+    """The bars of the transformers panels, a case's single process first, then its
+    modes: (label, color, seconds, peak bytes, the mode's row or None)."""
+    bars, cases = [], list(dict.fromkeys(row.case.rsplit(" ", 1)[-1] for row in rows))
+    colors = {"ulysses": "tab:orange", "ring": "tab:blue", "usp": "tab:purple"}
+    for case in cases:
+        mine = [row for row in rows if row.case.endswith(" " + case)]
+        bars.append((f"{case}: single process", "lightgray", mine[0].baseline_s, mine[0].baseline_peak_bytes, None))
+        for row in mine:
+            name = row.case.split()[0]
+            bars.append((f"{case}: {name} {row.layout} {usp_grid_label(row.ulysses_degree, row.ring_degree)}",
+                         colors.get(name, "gray"), row.ours_s, row.ours_peak_bytes, row))  # fmt: skip
+    return bars
+
+
+def _plot_transformers(left, right, rows: list[Row], on_gpu: bool) -> None:
+    bars = _transformers_bars(rows)
+    positions = list(range(len(bars)))
+    labels = [bar[0] for bar in bars]
+    left.barh(positions, [bar[2] for bar in bars], 0.8, color=[bar[1] for bar in bars])
+    for position, (_, _, seconds, _, row) in zip(positions, bars):
+        text = f" {seconds:.3g} s" + ("" if row is None else f"  x{row.speedup:.2f} (won {row.ours_faster_share:.0%})")
+        left.text(seconds, position, text, va="center", fontsize=7)
+    left.set_yticks(positions, labels, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlim(0, max(bar[2] for bar in bars) * 1.45)
+    where = "one GPU vs one GPU per rank" if on_gpu else "CPU: the same cores for both, so total work"
+    left.set_xlabel(f"seconds per training step (median); x = single process / mode ({where})")
+    left.set_title("transformers training step: single process (sdpa, its loss) vs sequence parallel")
+    peaks = [(position, bar[3]) for position, bar in zip(positions, bars) if bar[3]]
+    right.barh([p for p, _ in peaks], [peak / 2**20 for _, peak in peaks], 0.8,
+               color=[bars[p][1] for p, _ in peaks])  # fmt: skip
+    for position, peak in peaks:
+        right.text(peak / 2**20, position, f" {peak / 2**20:.0f} MiB", va="center", fontsize=7)
+    right.set_yticks(positions, labels, fontsize=8)
+    right.invert_yaxis()
+    right.set_xlim(0, max([peak for _, peak in peaks] + [2**20]) / 2**20 * 1.35)
+    right.set_xlabel("MiB held by the CPU allocator during one step (modes: the largest rank)")
+    right.set_title("transformers training step: peak memory per rank")
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
-    general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH,)]
+    general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH)]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
     usp = [row for row in rows if row.bench in USP_BENCHES]
     loss = [row for row in rows if row.bench == LOSS_BENCH]
+    hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP; the LM loss.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss) if panel] or [0]
+    # the step kernels; USP; the LM loss; the transformers training step.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp or loss):
+    if general or not (ring or steps or usp or loss or hf):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -323,6 +367,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if loss:
         left, right = next(line)
         _plot_loss(left, right, loss)
+    if hf:
+        left, right = next(line)
+        _plot_transformers(left, right, hf, on_gpu)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

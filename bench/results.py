@@ -16,9 +16,11 @@ from bench.rows import (
     PROBE_BENCH,
     RING_ALL,
     STEP_BENCHES,
+    TRANSFORMERS_BENCH,
     USP_BENCHES,
     Row,
     is_failed,
+    usp_grid_label,
 )
 from bench.targets import Check
 
@@ -119,6 +121,15 @@ def loss_line(row: Row) -> str:
             f"(won {row.ours_faster_share:.0%} of {row.reps} rounds)")  # fmt: skip
 
 
+def transformers_line(row: Row) -> str:
+    """The part of a transformers row's line that says how it went (progress and summary):
+    both steps' times, the ratio, the peaks."""
+    return (f"{usp_grid_label(row.ulysses_degree, row.ring_degree)}: step {_seconds(row.ours_s)}, single process "
+            f"{_seconds(row.baseline_s)}: x{row.speedup:.2f} (won {row.ours_faster_share:.0%} of {row.reps} "
+            f"rounds, noise {row.noise:.0%}); peak {_bytes(row.ours_peak_bytes)} per rank at most, single "
+            f"process {_bytes(row.baseline_peak_bytes)}")  # fmt: skip
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
@@ -127,6 +138,8 @@ def progress_line(row: Row) -> str:
         return _ring_progress_line(row)
     if row.bench == LOSS_BENCH:
         return f"{row.bench:<16} {row.case:<32} {loss_line(row)} | {row.check}"
+    if row.bench == TRANSFORMERS_BENCH:
+        return f"{row.bench:<16} {row.case:<32} {transformers_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -168,6 +181,9 @@ SUMMARY_SECTIONS = (
      "other pure grid)", _usp_summary, 48),
     ((LOSS_BENCH,), "LM loss, one rank (peak = the CPU allocator's most bytes held in forward + backward; "
      "memory /n = materialised peak / ours; time x = materialised time / ours)", loss_line, 32),
+    ((TRANSFORMERS_BENCH,), "transformers training step (x = single-process step time / the mode's on every "
+     "rank; on CPU ranks sharing cores: total work, not a parallel speedup; check: loss and gradients "
+     "against the single process)", transformers_line, 32),
 )  # fmt: skip
 
 
@@ -177,7 +193,7 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     failed = [row for row in rows if is_failed(row)]
     rows = [row for row in rows if not is_failed(row)]
     for row in rows:
-        if row.bench in RING_ALL or row.bench in USP_BENCHES or row.bench == LOSS_BENCH:
+        if row.bench in RING_ALL or row.bench in USP_BENCHES or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH):
             continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")

@@ -16,6 +16,8 @@ PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap 
 RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
 USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid U x R of the ranks
 LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
+# bench_transformers.py: a transformers model's training step, one process against each mode
+TRANSFORMERS_BENCH = "transformers"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -85,6 +87,8 @@ class Row:
     bytes_sent_ring_group: int | None = None
     # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
     # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
+    # A transformers row (bench_transformers.py): the largest over the ranks of a mode's
+    # step, and the single process's; no bound.
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None

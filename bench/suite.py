@@ -29,6 +29,7 @@ from bench import (
     bench_ring,
     bench_ring_probe,
     bench_ring_step,
+    bench_transformers,
     bench_ulysses,
     bench_usp,
     bench_varlen,
@@ -46,7 +47,9 @@ from bench.targets import target_checks
 # (GPU) its step kernel alone and the single-GPU overlap probe; "usp" every grid U x R
 # of the P ranks, pure Ulysses, pure ring and the hybrids; "varlen" packed documents
 # (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence);
-# "loss" the fused LM loss against materialised logits (one process: rank 0).
+# "loss" the fused LM loss against materialised logits (one process: rank 0);
+# "transformers" a transformers model's training step, one process against each mode of
+# the integration (skipped, with the reason, where transformers is not installed).
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
@@ -55,6 +58,7 @@ BENCHES = {
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
     "loss": (bench_loss,),
+    "transformers": (bench_transformers,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -110,6 +114,11 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
     if "loss" in only:
         metadata["loss_baseline"] = bench_loss.BASELINE_NOTE
+    if "transformers" in only:
+        metadata["transformers_baseline"] = bench_transformers.BASELINE_NOTE
+        skipped = bench_transformers.transformers_unavailable()
+        if skipped is not None:
+            metadata["transformers_skipped"] = skipped
     return metadata
 
 
@@ -183,7 +192,8 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
         f"{', quick' if ctx.quick else ''}"
     )
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
-            "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss: see their own notes)")  # fmt: skip
+            "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss, transformers: see their own "
+            "notes)")  # fmt: skip
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")

@@ -3,6 +3,7 @@ plot, with every case computing what its baseline or reference computes and volu
 theory; a case that fails, or a run killed partway, loses none of the other rows."""
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -56,6 +57,20 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
                                                                       "baseline_peak_bytes"))  # fmt: skip
         assert 0 < ours_peak <= bound < baseline_peak, row
         assert "weight grad vs materialised" in row["detail"], row
+    # A transformers training step (a tiny Llama, 64 packed tokens): every mode on its grid,
+    # its loss and gradients equal to the single process's, both peaks measured. Without
+    # transformers the family is skipped, with the reason (see the test below).
+    hf = [row for row in rows if row["bench"] == "transformers"]
+    if importlib.util.find_spec("transformers") is None:
+        assert not hf and "transformers: skipped" in result.stdout, hf
+    else:
+        modes = [(row["case"].split()[0], row["ulysses_degree"], row["ring_degree"], row["layout"]) for row in hf]
+        assert modes == [("ulysses", "4", "1", "contiguous"), ("ring", "1", "4", "balanced"),
+                         ("usp", "2", "2", "balanced")], hf  # fmt: skip
+        for row in hf:
+            assert row["check"] == "matches" and "relative error" in row["detail"], row
+            assert int(row["ours_peak_bytes"]) > 0 and int(row["baseline_peak_bytes"]) > 0, row
+            assert float(row["ours_s"]) > 0 and float(row["baseline_s"]) > 0, row
 
 
 
@@ -150,6 +165,26 @@ def read_rows(out: Path) -> list[dict]:
     csv_files = list(out.glob("*.csv"))
     assert len(csv_files) == 1, list(out.iterdir())
     return list(csv.DictReader(csv_files[0].open()))
+
+
+# The transformers family where transformers cannot be imported (None in sys.modules
+# before the ranks fork): skipped with the reason, no row, the run still exits 0.
+WITHOUT_TRANSFORMERS = """
+import sys
+sys.modules["transformers"] = None
+from bench.__main__ import parse_options
+from bench.launch import launch
+launch(parse_options(sys.argv[1:]))
+"""
+
+
+def test_bench_transformers_without_transformers_is_skipped(tmp_path):
+    result = run_bench_script(WITHOUT_TRANSFORMERS, tmp_path, "--world-size", "2", "--only", "transformers")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "transformers: skipped (ImportError: " in result.stdout, result.stdout[-3000:]
+    assert read_rows(tmp_path) == []
+    document = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert document["transformers_skipped"].startswith("ImportError: ")
 
 
 def test_bench_failed_cases_keep_the_other_rows_and_exit_nonzero(tmp_path):

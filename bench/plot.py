@@ -327,7 +327,7 @@ def _plot_transformers(left, right, rows: list[Row], on_gpu: bool) -> None:
     right.set_yticks(positions, labels, fontsize=8)
     right.invert_yaxis()
     right.set_xlim(0, max([peak for _, peak in peaks] + [2**20]) / 2**20 * 1.35)
-    right.set_xlabel("MiB held by the CPU allocator during one step (modes: the largest rank)")
+    right.set_xlabel("MiB held by the allocator in one step (modes: largest rank)")
     right.set_title("transformers training step: peak memory per rank")
 
 

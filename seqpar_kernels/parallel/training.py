@@ -279,6 +279,9 @@ def shard_batch(
     }
 
 
+_BUCKET_BYTES = 64 << 20
+
+
 def _reduce_groups(describe: str, group, mesh, ulysses_group, ring_group) -> list:
     """The groups to all-reduce over in turn so that every rank of the sequence
     parallelism is summed: the group, or each dimension of the grid."""
@@ -307,8 +310,8 @@ def all_reduce_gradients(
     the gradient of the whole batch. parameters: a module or parameters; those that
     require grad take part, a missing .grad counting as zeros (so that every rank sends
     the same buffers). group (default: the world), or mesh / ulysses_group + ring_group
-    (every rank of the grid). One all_reduce per dtype and device per group, over a
-    flattened copy of the gradients. Under DDP or FSDP over the same ranks, which
+    (every rank of the grid). One all_reduce per group per bucket of gradients of one
+    dtype and device (up to 64 MiB, flattened into one copy at a time). Under DDP or FSDP over the same ranks, which
     average, do not call this: multiply the loss by the number of ranks instead."""
     groups = _reduce_groups("all_reduce_gradients", group, mesh, ulysses_group, ring_group)
     if isinstance(parameters, torch.nn.Module):
@@ -316,10 +319,16 @@ def all_reduce_gradients(
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     if not groups:
         return
-    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
+    # Buckets of one dtype and device, each at most _BUCKET_BYTES (or one parameter): one
+    # collective per bucket, and at most one bucket's copy of the gradients at a time.
+    by_kind: dict[tuple, list[list[torch.nn.Parameter]]] = {}
     for parameter in parameters:
-        buckets.setdefault((parameter.dtype, parameter.device), []).append(parameter)
-    for bucket in buckets.values():
+        buckets = by_kind.setdefault((parameter.dtype, parameter.device), [[]])
+        size = sum(p.numel() * p.element_size() for p in buckets[-1])
+        if buckets[-1] and size + parameter.numel() * parameter.element_size() > _BUCKET_BYTES:
+            buckets.append([])
+        buckets[-1].append(parameter)
+    for bucket in (bucket for buckets in by_kind.values() for bucket in buckets):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         for reduce_group in groups:
@@ -327,3 +336,4 @@ def all_reduce_gradients(
         for parameter, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
             parameter.grad = piece.view_as(parameter).clone() if parameter.grad is None else \
                 parameter.grad.copy_(piece.view_as(parameter))  # fmt: skip
+        del flat, grads  # before the next bucket's copy

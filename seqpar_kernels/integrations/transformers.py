@@ -20,8 +20,9 @@ What the attention functions take from transformers: query (B, H, S_local, D) an
 key/value (B, H_kv, S_local, D), views of (B, S_local, H, D) projections, handed to ours
 as (B, S_local, H, D) views without a copy; the scaling; is_causal (a causal decoder, or
 bidirectional); the SequenceShard that shard_batch put in the batch (the layout, every
-rank's length, a packed batch's varlen plan), which the model passes down. Everything
-else that changes the result raises instead of being ignored: a padding mask or any
+rank's length, a packed batch's varlen plan), which the model passes down; without
+one, the position ids, which must then be every rank's global positions in the layout
+(checked once per forward, with one small all-gather). Everything else that changes the result raises instead of being ignored: a padding mask or any
 mask pattern other than plain causal/bidirectional (sliding windows, chunked
 attention, model-specific overlays, packed documents not sharded by shard_batch),
 dropout while training, softcapping, attention sinks, a KV cache holding more keys than

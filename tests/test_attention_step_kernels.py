@@ -419,6 +419,36 @@ def test_backward_bf16_single_causal_step():
         assert err <= 3e-2 * want.abs().max().item(), err
 
 
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("mode", [MASK_FULL, MASK_CAUSAL, MASK_INTERVALS], ids=["full", "causal", "intervals"])
+def test_backward_dq_and_dkdv_launch_separately(mode):
+    # The two halves of attention_step_backward, run one at a time and in the
+    # other order, add exactly what it adds, each only to its own gradients
+    # (which start non-zero: the launchers accumulate).
+    torch.manual_seed(13)
+    b, sq, h, hk, d = 2, 40, 4, 2, 64
+    q, dout = _randn(b, sq, h, d), _randn(b, sq, h, d)
+    k, v = _randn(b, sq, hk, d), _randn(b, sq, hk, d)
+    intervals = None
+    if mode == MASK_INTERVALS:
+        intervals, _ = _document_intervals(torch.arange(80, 120), torch.arange(40, 80) + 40, DOC_LENS, causal=True)
+    out, lse = _fresh_state(b, sq, h, d)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=mode, intervals=intervals)
+    delta = launchers.attention_backward_preprocess(out, dout)
+    grads0 = [_randn(b, sq, h, d), _randn(b, sq, hk, d), _randn(b, sq, hk, d)]
+    both = [g.clone() for g in grads0]
+    launchers.attention_step_backward(q, k, v, out, dout, lse, delta, *both, softmax_scale=0.125, mask_mode=mode,
+                                      intervals=intervals)
+    dq, dk, dv = (g.clone() for g in grads0)
+    assert launchers.attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=0.125,
+                                                  mask_mode=mode, intervals=intervals) == (dk, dv)
+    assert torch.equal(dq, grads0[0]) and torch.equal(dk, both[1]) and torch.equal(dv, both[2])
+    assert launchers.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, softmax_scale=0.125,
+                                                mask_mode=mode, intervals=intervals) is dq
+    assert torch.equal(dq, both[0]) and torch.equal(dk, both[1]) and torch.equal(dv, both[2])
+    assert not torch.equal(dq, grads0[0]) and not torch.equal(dk, grads0[1])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GPU tiles; without a GPU the interpreter runs them "
                     "in test_cuda_tiles_compute_the_same_in_the_interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -3,6 +3,8 @@
     attention_step_forward         fold one K/V block into the running fp32 (out, lse)
     attention_backward_preprocess  delta = rowsum(dout * out), once per backward
     attention_step_backward        add one K/V block's gradients to dq, dk, dv
+    attention_step_backward_dq     its dq kernel alone (+= into dq)
+    attention_step_backward_dkdv   its dk/dv kernel alone (+= into dk, dv)
 
 What the kernels compute is described in attention_step_kernels.py; which tiles
 and launch options a GPU gets, in attention_step_tiles.py.
@@ -56,6 +58,8 @@ __all__ = [
     "MASK_INTERVALS",
     "attention_step_forward",
     "attention_step_backward",
+    "attention_step_backward_dq",
+    "attention_step_backward_dkdv",
     "attention_backward_preprocess",
 ]
 
@@ -118,8 +122,9 @@ def _backward_preprocess_call(out, dout, delta, *, target):
     return launch, grid, args
 
 
-def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
-    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels;
+def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, target, interpreted):
+    """(KernelLaunch, grid, positional arguments) of one backward step kernel:
+    ``kernel`` "dq" (``grads`` = (dq,)) or "dkdv" (``grads`` = (dk, dv));
     ``intervals`` as in _forward_call.  dq reads the row intervals, dk/dv the
     column intervals."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -129,13 +134,22 @@ def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, interv
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
     sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
-    return [
-        (dq_launch, (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch),
-         (q, k, v, dout, lse, delta, dq, row_start, row_end, *inputs, *dq.stride(), *sizes_and_scales)),
-        (dkdv_launch, (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch),
-         (q, k, v, dout, lse, delta, dk, dv, col_start, col_end,
-          *inputs, *dk.stride(), *dv.stride(), *sizes_and_scales)),
-    ]
+    grad_strides = tuple(stride for grad in grads for stride in grad.stride())
+    if kernel == "dq":
+        grid = (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch)
+        return dq_launch, grid, (q, k, v, dout, lse, delta, *grads, row_start, row_end,
+                                 *inputs, *grad_strides, *sizes_and_scales)
+    assert kernel == "dkdv", kernel
+    grid = (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch)
+    return dkdv_launch, grid, (q, k, v, dout, lse, delta, *grads, col_start, col_end,
+                               *inputs, *grad_strides, *sizes_and_scales)
+
+
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
+    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
+    return [_backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals,
+                           target=target, interpreted=interpreted)
+            for kernel, grads in (("dq", (dq,)), ("dkdv", (dk, dv)))]
 
 
 def cuda_kernel_calls(q, k, v, mask_mode, target):
@@ -256,7 +270,9 @@ def attention_backward_preprocess(out, dout):
 
 def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode,
                             intervals=None):
-    """Add one K/V block's gradients to dq, dk, dv, in place (+=).
+    """Add one K/V block's gradients to dq, dk, dv, in place (+=): the dq kernel
+    (attention_step_backward_dq), then the dk/dv kernel
+    (attention_step_backward_dkdv).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
@@ -278,15 +294,46 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
     Deterministic: every output element has a single writer (no atomics).
     Returns (dq, dk, dv), the same tensors.
     """
-    causal = _is_causal(q, k, mask_mode, intervals)
+    _is_causal(q, k, mask_mode, intervals)
     if delta is None:
         delta = attention_backward_preprocess(out, dout)
+    attention_step_backward_dq(q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale, mask_mode=mask_mode,
+                               intervals=intervals)
+    attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
+                                 mask_mode=mask_mode, intervals=intervals)
+    return dq, dk, dv
+
+
+def _launch_backward(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, mask_mode, intervals):
+    causal = _is_causal(q, k, mask_mode, intervals)
     batch, seqlen_q, nheads, _ = q.shape
     if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
-        return dq, dk, dv
+        return  # an empty block adds nothing
+    launch, grid, args = _backward_call(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, causal, intervals,
+                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))
+    launch(grid, *args)
 
-    for launch, grid, args in _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, causal,
-                                              intervals, target=cuda_target(q),
-                                              interpreted=_runs_in_interpreter(q)):
-        launch(grid, *args)
-    return dq, dk, dv
+
+def attention_step_backward_dq(q, k, v, dout, lse, delta, dq, *, softmax_scale, mask_mode, intervals=None):
+    """Add one K/V block's share of the query gradient to dq, in place (+=).
+
+    The arguments are those of attention_step_backward; ``delta`` is required
+    (attention_backward_preprocess).  The dq kernel reads q, k, v, dout, lse,
+    delta and the row intervals, and writes dq only, so a caller may run it
+    while dk/dv of the same step are still elsewhere (e.g. on their way round
+    the ring).  Deterministic: each dq element has a single writer.  Returns dq.
+    """
+    _launch_backward("dq", q, k, v, dout, lse, delta, (dq,), softmax_scale, mask_mode, intervals)
+    return dq
+
+
+def attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale, mask_mode, intervals=None):
+    """Add one K/V block's key and value gradients to dk and dv, in place (+=).
+
+    The arguments are those of attention_step_backward; ``delta`` is required.
+    The dk/dv kernel reads q, k, v, dout, lse, delta and the column intervals,
+    and writes dk and dv only.  Deterministic: each dk/dv element has a single
+    writer.  Returns (dk, dv).
+    """
+    _launch_backward("dkdv", q, k, v, dout, lse, delta, (dk, dv), softmax_scale, mask_mode, intervals)
+    return dk, dv

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from seqpar_kernels import ring_attention
 from seqpar_kernels.comm.groups import resolve_group
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT, step_kernels_for
+from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
 from seqpar_kernels.testing import ReplacedExchange
 
 from bench.baselines import leaves, sdpa, single_device_attention
@@ -213,7 +213,7 @@ def measure_ring(case: RingCase, ctx: Context) -> Row:
             return sdpa(*full[:3], case.causal)
 
     options = (case.causal, scale, case.layout == "zigzag", resolve_group(None).name,
-               step_kernels_for(DEVICE_DEFAULT, q.device))  # fmt: skip
+               step_kernels_for(AUTO, q))  # fmt: skip
 
     def compute_only():
         return run_driver(q, k, v, dout, options, ReplacedExchange("none"), case.backward)

@@ -23,7 +23,7 @@ import torch
 
 from seqpar_kernels.comm.groups import SINGLE_PROCESS
 from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT, step_kernels_for
+from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
 from seqpar_kernels.testing import ReplacedExchange
 
 from bench.cases import run_on_one_gpu, timed_row
@@ -88,7 +88,7 @@ def measure_probe(case: ProbeCase, ctx: Context) -> Row:
     scale = 1.0 / math.sqrt(case.head_dim)
     steps = case.steps
     # One process: a group of one rank acting as a ring of case.steps.
-    options = (case.causal, scale, case.layout == "zigzag", SINGLE_PROCESS, step_kernels_for(DEVICE_DEFAULT, q.device))
+    options = (case.causal, scale, case.layout == "zigzag", SINGLE_PROCESS, step_kernels_for(AUTO, q))
 
     def ring_with(mode):
         return lambda: run_driver(q, k, v, dout, options, ReplacedExchange(mode, steps), case.backward)

@@ -32,7 +32,7 @@ def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
     kernels named `step_kernels` ("aten", "aten-repeated-kv" or "triton")."""
     arguments = inspect.signature(ring_attention).bind(q, k, v, **options)
     arguments.apply_defaults()  # ring_attention's own defaults
-    return _ring_attention(**arguments.arguments, step_kernels=step_kernels)
+    return _ring_attention(**{**arguments.arguments, "step_backend": step_kernels})
 
 
 EXCHANGE_MODES = ("none", "copy", "serial_copy")

@@ -66,6 +66,7 @@ def test_sdist_builds_and_installs_cpu_only_in_a_fresh_venv(tmp_path):
         members = {name.removeprefix(prefix) for name in archive.getnames()}
     needed = {"CMakeLists.txt", "setup.py", "pyproject.toml", "README.md"}
     needed |= _tree_files(source / "csrc", "*") | _tree_files(source / "seqpar_kernels", "*.py")
+    needed |= _tree_files(source / "seqpar_kernels", "*.json")  # the step backend table
     assert not needed - members, f"missing from {sdist.name}: {sorted(needed - members)}"
     assert not [name for name in members if name.endswith(".so")], "a compiled module in the sdist"
 
@@ -110,3 +111,9 @@ def test_sdist_builds_and_installs_cpu_only_in_a_fresh_venv(tmp_path):
     # site-packages nor the tree itself.
     location = Path(report.get("installed at", "")).resolve()
     assert location.is_relative_to(venv.resolve()), info.stdout
+    # The data the package reads at run time came along: step_backend="auto"'s table.
+    table = subprocess.run(
+        [str(python), "-c", "from seqpar_kernels.parallel.ring_steps import step_backend_table as t; print(len(t()))"],
+        cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300,
+    )  # fmt: skip
+    assert table.returncode == 0 and table.stdout.strip() == "5", table.stdout + table.stderr

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import reference
 import seqpar_kernels as sp
 from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import CPU_FLASH_READS_GQA, DEVICE_DEFAULT, AtenCpuSteps
+from seqpar_kernels.parallel.ring_steps import CPU_FLASH_READS_GQA, AUTO, STEP_KERNELS
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 
@@ -57,7 +57,7 @@ def full_inputs(case, world_size, dtype, seed):
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-def run_case(case, dtype, seed=0, group=None, step_kernels=DEVICE_DEFAULT):
+def run_case(case, dtype, seed=0, group=None, step_kernels=AUTO):
     """One case on this rank. Returns (errors, yardsticks): errors[name] is the max error
     of ring_attention's piece against the fp64 reference; yardsticks["plain"][name] and
     yardsticks["sdpa"][name] are those of plain attention and of torch SDPA computed in
@@ -111,7 +111,7 @@ def run_case(case, dtype, seed=0, group=None, step_kernels=DEVICE_DEFAULT):
     return errors, yardsticks
 
 
-def run_cases(cases, dtype, step_kernels=DEVICE_DEFAULT):
+def run_cases(cases, dtype, step_kernels=AUTO):
     return [(case["id"], *run_case(case, dtype, seed, step_kernels=step_kernels)) for seed, case in enumerate(cases)]
 
 
@@ -216,7 +216,7 @@ def test_cpu_flash_kernel_reads_gqa_where_the_guard_says_so(kv_heads, causal):
     q, dout = (torch.randn(batch, seqlen, heads, head_dim, generator=gen) for _ in range(2))
     k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, generator=gen) for _ in range(2))
     results = []
-    for steps in (AtenCpuSteps(repeat_kv_heads=False), AtenCpuSteps(repeat_kv_heads=True)):
+    for steps in (STEP_KERNELS["aten"], STEP_KERNELS["aten-repeated-kv"]):
         out, lse = torch.zeros(q.shape), torch.full((batch, heads, seqlen), float("-inf"))
         steps.forward(q, k, v, out, lse, scale, causal)
         grads = [torch.zeros(t.shape) for t in (q, k, v)]

@@ -16,7 +16,7 @@ import seqpar_kernels as sp
 from on_ranks import rank_and_world
 from seqpar_kernels.parallel import checks as checks_module
 from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_steps import AUTO
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -100,12 +100,12 @@ def opcheck_ops():
         q = torch.randn(1, seq_lens[rank], 2, 16, generator=gen, requires_grad=True)
         k = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
         v = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
-        args = (q, k, v, causal, 0.25, zigzag, group_name, DEVICE_DEFAULT, seq_lens)
+        args = (q, k, v, causal, 0.25, zigzag, group_name, AUTO, seq_lens)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
         out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
         dout = torch.randn(out.shape, generator=gen)
         backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name,
-                         DEVICE_DEFAULT, seq_lens)
+                         AUTO, seq_lens)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
         results.append(True)
     return results
@@ -120,7 +120,7 @@ def test_opcheck_single_process():
     q = torch.randn(2, 6, 4, 32, requires_grad=True)
     k = torch.randn(2, 6, 2, 32, requires_grad=True)
     v = torch.randn(2, 6, 2, 32, requires_grad=True)
-    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", DEVICE_DEFAULT, [6]))
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", AUTO, [6]))
     out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
     expected, expected_lse = reference.attention(q.double(), k.double(), v.double(), True, 32**-0.5)
     assert reference.max_error(out, expected) <= reference.FP32_TOLERANCE and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
@@ -172,6 +172,7 @@ def bad_inputs_raise_everywhere():
         "devices": lambda: sp.ring_attention(q.to("meta"), k, v),
         "meta device": lambda: sp.ring_attention(*(t.to("meta") for t in (q, k, v))),
         "layout": lambda: sp.ring_attention(q, k, v, layout="striped"),
+        "step_backend": lambda: sp.ring_attention(q, k, v, step_backend="cudnn"),
         "softmax_scale": lambda: sp.ring_attention(q, k, v, softmax_scale=float("nan")),
         "seq_lens of other ranks": lambda: sp.ring_attention(q, k, v, seq_lens=[4] * (world_size + 1)),
         "seq_lens without this rank's": lambda: sp.ring_attention(q, k, v, seq_lens=[5] * world_size),
@@ -184,6 +185,9 @@ def bad_inputs_raise_everywhere():
         length = 1 if rank == 0 else 6  # never the zigzag pieces of their sum
         bad["zigzag lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)), layout="zigzag")
         bad["ranks disagree on causal"] = lambda: sp.ring_attention(q, k, v, causal=rank == 0)
+        bad["ranks disagree on step_backend"] = lambda: sp.ring_attention(
+            q, k, v, step_backend="aten" if rank == 0 else "auto"
+        )
         bad["ranks disagree on heads"] = lambda: sp.ring_attention(
             *_qkv((1, 4, 2 + 2 * (rank == 0), 16), (1, 4, 2, 16))
         )

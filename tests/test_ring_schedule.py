@@ -12,7 +12,7 @@ import torch
 import seqpar_kernels as sp
 from on_ranks import rank_and_world
 from seqpar_kernels.parallel.ring_driver import RingPieces, step_block, zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_steps import AUTO
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -176,7 +176,7 @@ def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch,
     gen = torch.Generator().manual_seed(22)
     q, k, v, dout = (torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16)
                      for heads in (8, 2, 2, 8))
-    steps = step_kernels_for(DEVICE_DEFAULT, q.device)
+    steps = step_kernels_for(AUTO, q)
 
     def ring(mode, rank):
         exchange = ReplacedExchange(mode, virtual_world_size=4, virtual_rank=rank)

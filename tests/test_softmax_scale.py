@@ -11,7 +11,7 @@ import torch
 import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_steps import AUTO
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 
@@ -19,7 +19,7 @@ SCALES = (0.0, -0.3, -1.0, 0.25)
 B, H, H_KV, D, S_LOCAL = 1, 4, 2, 8, 4
 
 
-def _ring(layout, step_kernels=DEVICE_DEFAULT):
+def _ring(layout, step_kernels=AUTO):
     return lambda q, k, v, causal, scale: ring_attention_with_step_kernels(
         q, k, v, step_kernels, causal=causal, softmax_scale=scale, layout=layout, group=timeout_group()
     )
@@ -33,7 +33,7 @@ def _ulysses(q, k, v, causal, scale):
 def run_scales(path):
     rank, world_size = rank_and_world()
     layout = "zigzag" if path == "ring-zigzag" else "contiguous"
-    attention = _ulysses if path == "ulysses" else _ring(layout, "triton" if path == "ring-triton" else DEVICE_DEFAULT)
+    attention = _ulysses if path == "ulysses" else _ring(layout, "triton" if path == "ring-triton" else AUTO)
     rows = lambda x, rank, world_size: reference.ring_piece(x, layout, rank, world_size)  # noqa: E731
     generator = torch.Generator().manual_seed(5)
     total = S_LOCAL * world_size

@@ -562,6 +562,7 @@ def run_bad_inputs():
         "mesh without the named dims": lambda: sp.usp_attention(q, k, v, mesh=wrong_names),
         "mesh and groups": lambda: sp.usp_attention(q, k, v, mesh=wrong_names, **groups),
         "one group": lambda: sp.usp_attention(q, k, v, ulysses_group=row),
+        "step_backend": lambda: sp.usp_attention(q, k, v, step_backend="cudnn", **groups),
         "the Ulysses group as both": lambda: sp.usp_attention(q, k, v, ulysses_group=row, ring_group=row),
         "the ring group as both": lambda: sp.usp_attention(q, k, v, ulysses_group=column, ring_group=column),
         "not a grid": lambda: sp.usp_attention(q, k, v, ulysses_group=row, ring_group=crossed_ring),
@@ -579,6 +580,8 @@ def run_bad_inputs():
                   lambda: sp.usp_attention(*_qkv(dtype=torch.float64), **groups)),
         "causal": (lambda: sp.usp_attention(q, k, v, causal=True, **groups),
                    lambda: sp.usp_attention(q, k, v, causal=False, **groups)),
+        "step_backend": (lambda: sp.usp_attention(q, k, v, **groups),
+                         lambda: sp.usp_attention(q, k, v, step_backend="aten", **groups)),
         "usp_split shape": (lambda: sp.usp_split(torch.randn(2, 8), 1, **groups),
                             lambda: sp.usp_split(torch.randn(2, 9), 1, **groups)),
     }  # fmt: skip

@@ -21,8 +21,8 @@ import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group
-from seqpar_kernels.parallel.ring import _ring_attention
 from seqpar_kernels.parallel.varlen import VarlenLayout
+from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 from test_usp import usp_groups
 
@@ -192,11 +192,13 @@ def _inputs(case):
 def _call(case, plan, q, k, v):
     method, causal = case["method"], case["causal"]
     if method == "ring-triton":  # the GPU path's kernels, in the Triton interpreter
-        return _ring_attention(q, k, v, group=timeout_group(), causal=causal, softmax_scale=None,
-                               layout="contiguous", return_lse=False, check_ranks=True, seq_lens=None,
-                               step_kernels="triton", varlen=plan)
+        return sp.ring_attention(q, k, v, group=timeout_group(), causal=causal, varlen=plan, step_backend="triton")
     if method == "ring":
         return sp.ring_attention(q, k, v, group=timeout_group(), causal=causal, varlen=plan)
+    if method.startswith("ring with "):  # step kernels by name (tests/test_step_backends.py)
+        return ring_attention_with_step_kernels(
+            q, k, v, method.removeprefix("ring with "), group=timeout_group(), causal=causal, varlen=plan
+        )  # fmt: skip
     if method == "ulysses":
         return sp.ulysses_attention(q, k, v, group=timeout_group(), causal=causal, varlen=plan)
     return sp.usp_attention(q, k, v, causal=causal, varlen=plan, **usp_groups("inner", case["ulysses"]))

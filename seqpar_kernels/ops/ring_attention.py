@@ -41,7 +41,7 @@ def ring_attention_forward(
     zigzag: causal positions follow the zigzag layout (rank r holds chunks r and 2P-1-r
     of the 2P chunks torch.tensor_split cuts the sequence into). Ignored when not causal.
     step_kernels: which kernels compute each step (parallel/ring_steps.py: a name of
-    STEP_KERNELS, or DEVICE_DEFAULT).
+    STEP_KERNELS, or AUTO).
     seq_lens: every rank's S, in group rank order.
     cu_seqlens, segments: packed documents (None: one dense sequence). cu_seqlens: the
     (D + 1,) int64 CPU document bounds of the global sequence; segments: (count, 3)
@@ -50,7 +50,7 @@ def ring_attention_forward(
     each document; zigzag is then False.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log; -inf for a row that saw no key, whose out is 0)."""
-    steps = step_kernels_for(step_kernels, q.device)
+    steps = step_kernels_for(step_kernels, q)
     documents = _documents(cu_seqlens, segments, seq_lens)
     return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
                         documents=documents)
@@ -95,7 +95,7 @@ def ring_attention_backward(
     """Gradients of ring_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
     of each block accumulate in fp32 while they travel the ring."""
-    steps = step_kernels_for(step_kernels, q.device)
+    steps = step_kernels_for(step_kernels, q)
     documents = _documents(cu_seqlens, segments, seq_lens)
     return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
                          documents=documents)

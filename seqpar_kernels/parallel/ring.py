@@ -28,7 +28,7 @@ import torch.distributed as dist
 from seqpar_kernels.comm.groups import GroupInfo, resolve_group
 from seqpar_kernels.ops.ring_attention import ring_attention_forward
 from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_steps import check_step_backend
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_gather_arguments,
@@ -94,6 +94,7 @@ def ring_attention(
     check_ranks: bool = True,
     seq_lens: list[int] | None = None,
     varlen=None,
+    step_backend: str = "auto",
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -138,18 +139,21 @@ def ring_attention(
     """
     return _ring_attention(
         q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-        return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, step_kernels=DEVICE_DEFAULT,
-        varlen=varlen,
+        return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, varlen=varlen,
+        step_backend=step_backend, public_backend=True,
     )  # fmt: skip
 
 
 def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, seq_lens,
-                    step_kernels, varlen=None):
-    """ring_attention with the step kernels named `step_kernels` (parallel/ring_steps.py)."""
+                    step_backend, varlen=None, public_backend=False):
+    """ring_attention with the step kernels named `step_backend`: one of STEP_BACKENDS
+    (public_backend) or any key of STEP_KERNELS (parallel/ring_steps.py; tests)."""
     info = resolve_group(group)
     exchange = check_ranks is not False and seq_lens is None
     with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=exchange) as checks:
         scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
+        if public_backend:
+            check_step_backend(step_backend)
         check_bool("check_ranks", check_ranks)
         batch, seqlen, heads, head_dim = q.shape
         if varlen is not None:
@@ -157,14 +161,16 @@ def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse
             seq_lens = varlen.seq_lens
         elif seq_lens is not None:
             seq_lens = check_local_sizes(seq_lens, info, seqlen, "seq_lens", q.shape, 1)
-        checks.share(seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens))
+        checks.share(
+            seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens, step_backend)
+        )
     seq_lens = checks.sizes if seq_lens is None else seq_lens
     if layout == "zigzag":
         _check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
     q, scale = fold_scale_sign(q, scale)
     documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
     out, lse = ring_attention_forward(
-        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents
+        q, k, v, causal, scale, layout == "zigzag", info.name, step_backend, seq_lens, *documents
     )
     return (out, lse.detach()) if return_lse else out
 

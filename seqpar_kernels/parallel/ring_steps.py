@@ -1,112 +1,66 @@
-"""How one ring step computes, by device: the step kernels the ring driver
-(seqpar_kernels/parallel/ring_driver.py) calls.
+"""How one ring step computes: the step kernels the ring driver
+(seqpar_kernels/parallel/ring_driver.py) calls, and which of them "auto" picks.
 
 Each folds one K/V block into this rank's running fp32 (out, lse) in place (forward),
 or adds one block's share of the gradients (backward):
 
-    "aten"              CPU: aten's CPU flash kernel for the block's (out, lse) in fp32,
-                        then the attention_merge_ kernel; aten's flash backward given the
-                        final out and lse. The device default on CPUs.
-    "aten-repeated-kv"  the same with kv heads repeated for the local kernel: the path of
-                        torch releases whose CPU flash kernel cannot read GQA
+    "aten"              torch's own attention kernel for the block's (out, lse), then the
+                        attention_merge_ kernel; the kernel's backward given the final
+                        out and lse (parallel/block_attention.py): on CPUs aten's flash
+                        kernel in fp32, on GPUs cuDNN (sm_90 and newer) or flash-attention
+                        2, the memory-efficient kernel for what they do not take.
+    "aten-repeated-kv"  the same with kv heads repeated for the local kernel: the CPU path
+                        of torch releases whose CPU flash kernel cannot read GQA
                         (CPU_FLASH_READS_GQA), selectable on any release.
-    "triton"            the fused Triton step kernels (seqpar_kernels/kernels/): the
-                        device default on GPUs (packed documents: one launch per step
-                        with per-row key intervals, forward_intervals); on CPU tensors they run in the Triton
-                        interpreter (TRITON_INTERPRET=1), which tests use to check the
-                        GPU path's schedule without a GPU.
+    "triton"            the fused Triton step kernels (seqpar_kernels/kernels/): the merge
+                        inside the kernel, no rounding of a block to the input dtype
+                        (packed documents: one launch per step with per-row key
+                        intervals, forward_intervals); on CPU tensors they run in the
+                        Triton interpreter (TRITON_INTERPRET=1), which tests use to check
+                        the GPU path's schedule without a GPU.
+
+"auto" (AUTO, the default of ring_attention and usp_attention): "aten" on CPUs; on GPUs
+"triton" for fp32 and, for fp16/bf16, the backend of the GPU's family in
+step_backends.json: the published figures until a GPU benchmark of that family has
+measured both (python -m bench --only ring-step-backends writes the entry).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+
 import torch
 
 from seqpar_kernels.ops.attention_merge import attention_merge_
+from seqpar_kernels.parallel.block_attention import CPU_FLASH_READS_GQA, CpuFlashBlocks, CudaLibraryBlocks
 
-# aten's private CPU flash kernels (the public SDPA checks layouts before it calls them;
-# these calls bypass that). Layout they assume, read from their source and measured on
-# torch 2.14: every tensor is (B, H, S, D) logically and element (b, h, s, d) is read at
-# b * stride_b + h * stride_h + s * stride_s + d, so ANY strides along B, H and S but a
-# unit stride along the head dim. A q (forward) or out (backward) with another last
-# stride gives wrong results without an error; the kernels happen to copy k, v and dout
-# first today, which nothing promises. _cpu_flash_operand enforces the assumption for
-# every tensor they read.
-_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+class AtenSteps:
+    """torch's own attention kernel per block (parallel/block_attention.py: aten's CPU
+    flash kernels on CPUs, cuDNN/flash/memory-efficient on GPUs), each block's (out, lse)
+    merged by attention_merge_; the kernels' backward given the final out and lse.
+    cpu_blocks, cuda_blocks: the block kernels by device."""
 
+    def __init__(self, cpu_blocks, cuda_blocks):
+        self.blocks_by_device = {"cpu": cpu_blocks, "cuda": cuda_blocks}
 
-def _cpu_flash_operand(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(B, S, H, D) -> the (B, H, S, D) view aten's CPU flash kernels read, in `dtype`
-    (default: x's), with a unit stride along the head dim: copied only when x has
-    another one (a transposed or strided last dim, which those kernels misread)."""
-    if dtype is not None:
-        x = x.to(dtype)
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        x = x.contiguous()
-    return x.transpose(1, 2)
-
-
-# aten's CPU flash kernel maps q head h to kv head h // (H / H_kv) from torch 2.9 on.
-# Measured on 2.6.0, 2.7.1, 2.8.0, 2.9.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and
-# 2.14.1, forward and backward with fewer kv heads than q heads against fp64 on
-# repeated heads (8 to 24 shapes each, causal and not, head-major and sequence-major
-# layouts): before 2.9 it reads past the kv heads (errors up to 1e38, NaN) and the
-# backward corrupts the heap (SIGABRT) in nearly every shape; from 2.9 on it matches
-# SDPA on repeated heads (max error 2.5e-6 forward, 6.2e-6 backward). Older releases
-# take the repeated path: kv heads repeated for the local kernel, a copy per step on
-# this rank only (what travels the ring stays the kv heads).
-CPU_FLASH_READS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
-
-
-def _sum_head_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(B, S, H, D) gradient of repeated kv heads -> (B, S, H_kv, D)."""
-    if grad.shape[2] == num_kv_heads:
-        return grad
-    batch, seqlen, heads, head_dim = grad.shape
-    return grad.reshape(batch, seqlen, num_kv_heads, heads // num_kv_heads, head_dim).sum(3)
-
-
-class AtenCpuSteps:
-    """CPU: aten's flash kernel per block + attention_merge_; aten's flash backward.
-    repeat_kv_heads: hand the kernels q's head count of kv heads (each kv head repeated
-    for its q heads, gradients summed back), for torch releases whose kernel cannot read
-    GQA; only this rank's local kernel sees the copies."""
-
-    def __init__(self, repeat_kv_heads: bool):
-        self.repeat_kv_heads = repeat_kv_heads
-
-    def _kv_for_kernel(self, k: torch.Tensor, v: torch.Tensor, num_heads: int):
-        """k, v: (B, S, H_kv, D) -> what the kernel reads for `num_heads` q heads."""
-        if k.shape[2] == num_heads or not self.repeat_kv_heads:
-            return k, v
-        group = num_heads // k.shape[2]
-        return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    def _blocks(self, q):
+        return self.blocks_by_device[q.device.type]
 
     def prepare_backward(self, out, dout):
-        return None  # aten's backward computes rowsum(dout * out) itself
+        return None  # the library backward computes rowsum(dout * out) itself
 
-    def forward(self, q, k, v, out, lse, scale, causal):
-        # In fp32, as the CUDA path keeps every block: aten returns a block's output in
-        # the input dtype, and rounding each block to bf16 before the fp32 merge measured
-        # 2-4x plain torch's dq/dk error (randomized test, bf16, 2 ranks). On a CPU
-        # without bf16 matrix units the fp32 kernel plus the casts is also faster than
-        # the bf16 kernel (one thread, causal, (1, 8, 1024, 64): 19.8 ms against 26.4).
-        k, v = self._kv_for_kernel(k, v, q.shape[2])
-        block_out, block_lse = _cpu_flash(
-            *(_cpu_flash_operand(x, torch.float32) for x in (q, k, v)), 0.0, causal, scale=scale
-        )
-        attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
+    def forward(self, q, k, v, out, lse, scale, causal, first_step=False):
+        block_out, block_lse = self._blocks(q).forward(q, k, v, scale, causal)
+        attention_merge_(out, lse, block_out, block_lse)
 
     def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows):
         """forward under an fp32 additive (q rows, k rows) mask; empty_rows: the rows
-        whose mask is all -inf, for which aten returns lse 0 (not -inf) and out 0, so
-        their lse is set to -inf and the merge leaves them untouched."""
-        k, v = self._kv_for_kernel(k, v, q.shape[2])
-        block_out, block_lse = _cpu_flash(
-            *(_cpu_flash_operand(x, torch.float32) for x in (q, k, v)), 0.0, False, attn_mask=mask, scale=scale
-        )
-        block_lse = block_lse.masked_fill(empty_rows, float("-inf"))
-        attention_merge_(out, lse, block_out.transpose(1, 2), block_lse)
+        whose mask is all -inf, for which the kernels return lse 0 (not -inf) or NaN
+        outputs, so their lse is set to -inf and the merge leaves them untouched."""
+        block_out, block_lse = self._blocks(q).forward(q, k, v, scale, False, mask)
+        attention_merge_(out, lse, block_out, block_lse.masked_fill(empty_rows, float("-inf")))
 
     def backward_masked(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask):
         # exp(s + mask - lse) is exactly 0 where the mask is -inf: the masked keys and the
@@ -117,20 +71,12 @@ class AtenCpuSteps:
         self._backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None)
 
     def _backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, mask):
-        # Given the final out and lse, aten rebuilds this block's probabilities as
+        # Given the final out and lse, the kernels rebuild this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
-        # In fp32 too: aten returns each block's gradients in the input dtype, and
-        # rounding every block's dk/dv to bf16 before the fp32 accumulation measured
-        # 2.2-2.7x plain torch's dv error (bf16 GQA causal, 4 ranks; bench ring-train).
-        kv_heads = k.shape[2]
-        k, v = self._kv_for_kernel(k, v, q.shape[2])
-        grad_q, grad_k, grad_v = _cpu_flash_backward(
-            *(_cpu_flash_operand(x, torch.float32) for x in (dout, q, k, v, out)),
-            lse, 0.0, causal, attn_mask=mask, scale=scale,
-        )  # fmt: skip
-        dq.add_(grad_q.transpose(1, 2))
-        dk.add_(_sum_head_groups(grad_k.transpose(1, 2), kv_heads))
-        dv.add_(_sum_head_groups(grad_v.transpose(1, 2), kv_heads))
+        grad_q, grad_k, grad_v = self._blocks(q).backward(dout, q, k, v, out, lse, scale, causal, mask)
+        dq.add_(grad_q)
+        dk.add_(grad_k)
+        dv.add_(grad_v)
 
 
 class TritonSteps:
@@ -176,20 +122,72 @@ class TritonSteps:
 
 
 STEP_KERNELS = {
-    "aten": AtenCpuSteps(repeat_kv_heads=not CPU_FLASH_READS_GQA),
-    "aten-repeated-kv": AtenCpuSteps(repeat_kv_heads=True),
+    "aten": AtenSteps(CpuFlashBlocks(repeat_kv_heads=not CPU_FLASH_READS_GQA), CudaLibraryBlocks()),
+    "aten-repeated-kv": AtenSteps(CpuFlashBlocks(repeat_kv_heads=True), CudaLibraryBlocks()),
     "triton": TritonSteps(),
 }
-DEVICE_DEFAULT = "device-default"
-_DEVICE_DEFAULTS = {"cpu": "aten", "cuda": "triton"}
+
+# The public choices of ring_attention(step_backend=...) and usp_attention.
+AUTO = "auto"
+STEP_BACKENDS = (AUTO, "triton", "aten")
+# Where "auto" looks up each GPU family's backend: python -m bench --only
+# ring-step-backends rewrites a family's entry with what it measured.
+STEP_BACKEND_TABLE = os.path.join(os.path.dirname(__file__), "step_backends.json")
 
 
-def step_kernels_for(name: str, device: torch.device):
-    """The step kernels called `name`, or DEVICE_DEFAULT's choice for `device`."""
-    if name == DEVICE_DEFAULT:
-        if device.type not in _DEVICE_DEFAULTS:
-            raise ValueError(f"ring attention runs on CPU or CUDA tensors, got device {device}")
-        name = _DEVICE_DEFAULTS[device.type]
+def gpu_family(capability: int) -> str:
+    """The family key of the table for a GPU of compute capability `capability` (90
+    for sm_90): GPUs of one family share their tile choices and library kernels."""
+    if capability >= 120:
+        return "sm_120"  # RTX 50xx, RTX PRO Blackwell, DGX Spark
+    if capability >= 100:
+        return "sm_100"  # B200, B300
+    if capability >= 90:
+        return "sm_90"  # H100, H200
+    if capability in (86, 89):
+        return "sm_86"  # RTX 30xx/40xx, A10, A40, L4, L40S
+    return "sm_80"  # A100, A30, Orin
+
+
+@functools.lru_cache(maxsize=None)
+def step_backend_table() -> dict:
+    """{family: {"backend", "measured", "basis", ...}} from STEP_BACKEND_TABLE."""
+    with open(STEP_BACKEND_TABLE) as f:
+        return json.load(f)["families"]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+def auto_step_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend "auto" runs for tensors of `dtype` on `device`: "aten" on CPUs
+    (Triton kernels run there only in the interpreter); on GPUs "triton" for fp32 (exact
+    fp32 products, where the library kernels round to TF32 or refuse fp32) and the
+    table's entry for the GPU's family otherwise."""
+    if device.type == "cpu":
+        return "aten"
+    if device.type != "cuda":
+        raise ValueError(f"ring attention runs on CPU or CUDA tensors, got device {device}")
+    if dtype == torch.float32:
+        return "triton"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return step_backend_table()[gpu_family(_device_capability(index))]["backend"]
+
+
+def check_step_backend(step_backend) -> None:
+    """Raises ValueError unless `step_backend` is one of STEP_BACKENDS."""
+    if step_backend not in STEP_BACKENDS:
+        raise ValueError(f"step_backend must be one of {STEP_BACKENDS}, got {step_backend!r}")
+
+
+def step_kernels_for(name: str, q: torch.Tensor):
+    """The step kernels called `name` (a key of STEP_KERNELS, or AUTO: auto_step_backend's
+    choice for q's device and dtype)."""
+    if name == AUTO:
+        name = auto_step_backend(q.device, q.dtype)
     if name not in STEP_KERNELS:
-        raise ValueError(f"step kernels must be one of {[DEVICE_DEFAULT, *STEP_KERNELS]}, got {name!r}")
+        raise ValueError(f"step kernels must be one of {[AUTO, *STEP_KERNELS]}, got {name!r}")
     return STEP_KERNELS[name]

@@ -72,7 +72,7 @@ from seqpar_kernels.parallel.ring import (
     ring_attention,
 )
 from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT
+from seqpar_kernels.parallel.ring_steps import check_step_backend
 from seqpar_kernels.parallel.varlen import check_varlen_call
 from seqpar_kernels.parallel.ulysses import (
     UlyssesPlan,
@@ -271,6 +271,7 @@ def usp_attention(
     seq_lens: list[int] | None = None,
     return_lse: bool = False,
     varlen=None,
+    step_backend: str = "auto",
 ):
     """Exact attention over a sequence sharded across a grid of R x U ranks: Ulysses
     inside each ring slot, the ring across slots.
@@ -298,6 +299,8 @@ def usp_attention(
         (plan.split makes them); attention stays inside each document. The plan's
         balanced layout balances the ring slots; Ulysses splits each slot's work by
         heads. layout and seq_lens then come from the plan.
+    step_backend: "auto", "triton" or "aten": what computes each step of the ring
+        (ring_attention's argument; with R = 1 there is no ring and it is not used).
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached].
 
@@ -317,6 +320,7 @@ def usp_attention(
     def local_checks():
         scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
         check_bool("return_lse", return_lse)
+        check_step_backend(step_backend)
         batch, local_len, num_heads, head_dim = q.shape
         lengths = seq_lens
         if varlen is not None:
@@ -324,7 +328,8 @@ def usp_attention(
             lengths = varlen.seq_lens
         elif lengths is not None:
             lengths = check_local_sizes(lengths, grid.pieces, local_len, "seq_lens", q.shape, 1)
-        agreed = (batch, num_heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, return_lse, lengths)
+        agreed = (batch, num_heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, return_lse, lengths,
+                  step_backend)
         return local_len, agreed, (scale, lengths)
 
     (scale, lengths), row_lens, slot_lens = _checked_on_grid(
@@ -338,19 +343,23 @@ def usp_attention(
         _check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
 
     if varlen is not None:  # one path for every degree: the plan describes the grid
-        return _usp_attention(q, k, v, grid, causal, scale, False, row_lens, slot_lens, return_lse, varlen)
+        return _usp_attention(
+            q, k, v, grid, causal, scale, False, row_lens, slot_lens, return_lse, step_backend, varlen
+        )  # fmt: skip
     # Degree 1: the one-dimensional algorithms themselves, their checks already run here.
     if ulysses_size == 1:
         return ring_attention(
             q, k, v, group=grid.ring_group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-            return_lse=return_lse, seq_lens=slot_lens,
+            return_lse=return_lse, seq_lens=slot_lens, step_backend=step_backend,
         )  # fmt: skip
     if ring_size == 1 and not return_lse:
         # One slot: zigzag over one ring rank is the contiguous layout.
         return ulysses_attention(
             q, k, v, group=grid.ulysses_group, causal=causal, softmax_scale=softmax_scale, seq_lens=row_lens
         )
-    return _usp_attention(q, k, v, grid, causal, scale, layout == "zigzag", row_lens, slot_lens, return_lse)
+    return _usp_attention(
+        q, k, v, grid, causal, scale, layout == "zigzag", row_lens, slot_lens, return_lse, step_backend
+    )  # fmt: skip
 
 
 def _check_varlen_grid(plan, q, grid: _Grid, layout, seq_lens) -> None:
@@ -369,7 +378,9 @@ def _check_varlen_grid(plan, q, grid: _Grid, layout, seq_lens) -> None:
         raise ValueError(f"usp_attention: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
 
 
-def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, varlen=None):
+def _usp_attention(
+    q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None
+):
     """usp_attention once checked: Ulysses exchange, the ring per uniform head run,
     Ulysses exchange back."""
     batch, _, num_heads, _ = q.shape
@@ -389,7 +400,7 @@ def _usp_attention(q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_l
             q_heads.narrow(2, q_offset, q_count),
             k_heads.narrow(2, kv_offset, kv_count),
             v_heads.narrow(2, kv_offset, kv_count),
-            causal, scale, zigzag, grid.ring.name, DEVICE_DEFAULT, slot_lens, *documents,
+            causal, scale, zigzag, grid.ring.name, step_backend, slot_lens, *documents,
         )  # fmt: skip
         outs.append(out)  # (B, S_slot, q_count, D)
         lses.append(lse.detach())  # (B, q_count, S_slot); not differentiable, as ring_attention's

@@ -18,7 +18,7 @@ import torch
 
 from seqpar_kernels.parallel.documents import encode_segments, layout_of
 from seqpar_kernels.parallel.ring_driver import _backward_step, _forward_step
-from seqpar_kernels.parallel.ring_steps import DEVICE_DEFAULT, step_kernels_for
+from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
 
 
 def _uses_flash(q: torch.Tensor) -> bool:
@@ -59,7 +59,7 @@ def varlen_forward(q, k, v, causal: bool, scale: float, cu_seqlens: torch.Tensor
     lse = torch.full((1, q.shape[2], total), float("-inf"), dtype=torch.float32, device=q.device)
     mask = _mask(cu_seqlens, total, causal)
     if mask is not None and q.shape[2] * q.shape[3] > 0:
-        _forward_step(step_kernels_for(DEVICE_DEFAULT, q.device), mask, q, k, v, out, lse, scale)
+        _forward_step(step_kernels_for(AUTO, q), mask, q, k, v, out, lse, scale)
     return out.to(q.dtype), lse
 
 
@@ -76,7 +76,7 @@ def varlen_backward(dout, q, k, v, out, lse, causal: bool, scale: float, cu_seql
             torch.empty(0, device=q.device), scale=scale,
         )  # fmt: skip
         return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
-    steps = step_kernels_for(DEVICE_DEFAULT, q.device)
+    steps = step_kernels_for(AUTO, q)
     fp32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, dv = torch.zeros(q.shape, **fp32), torch.zeros(k.shape, **fp32), torch.zeros(v.shape, **fp32)
     mask = _mask(cu_seqlens, total, causal)

@@ -1,0 +1,227 @@
+"""torch's own attention kernels for one ring step's block: the kernels of the "aten"
+step backend (parallel/ring_steps.py AtenSteps), which merges each block's result into
+the running (out, lse) with seqpar::attention_merge_.
+
+Every kernel here returns a block's log-sum-exp (forward) and takes the FINAL out and lse
+(backward): with them a block's probabilities are exp(s - lse), so each block's
+gradients are its exact share of the whole attention's.
+
+    CpuFlashBlocks      aten's CPU flash kernels, computed in fp32.
+    CudaLibraryBlocks   CUDA: cuDNN's fused attention on sm_90 and newer where torch has
+                        it (the fastest published kernel there), flash-attention 2
+                        otherwise; aten's memory-efficient kernel for what neither takes
+                        (fp32, an additive mask for packed documents, head dims that are
+                        not a multiple of 8).
+
+Layouts: q, dout, out (B, S, H, D); k, v (B, S, H_kv, D), any strides; lse (B, H, S)
+fp32. Forward returns (block_out (B, S, H, D) view in the kernel's output dtype, block_lse
+(B, H, S) fp32); backward returns (dq, dk, dv) as (B, S, heads, D) views with k's head
+count for dk and dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_aten = torch.ops.aten
+
+# aten's private CPU flash kernels (the public SDPA checks layouts before it calls them;
+# these calls bypass that). Layout they assume, read from their source and measured on
+# torch 2.14: every tensor is (B, H, S, D) logically and element (b, h, s, d) is read at
+# b * stride_b + h * stride_h + s * stride_s + d, so ANY strides along B, H and S but a
+# unit stride along the head dim. A q (forward) or out (backward) with another last
+# stride gives wrong results without an error; the kernels happen to copy k, v and dout
+# first today, which nothing promises. _head_major enforces the assumption for every
+# tensor they read.
+_cpu_flash = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_cpu_flash_backward = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+# aten's CPU flash kernel maps q head h to kv head h // (H / H_kv) from torch 2.9 on.
+# Measured on 2.6.0, 2.7.1, 2.8.0, 2.9.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and
+# 2.14.1, forward and backward with fewer kv heads than q heads against fp64 on
+# repeated heads (8 to 24 shapes each, causal and not, head-major and sequence-major
+# layouts): before 2.9 it reads past the kv heads (errors up to 1e38, NaN) and the
+# backward corrupts the heap (SIGABRT) in nearly every shape; from 2.9 on it matches
+# SDPA on repeated heads (max error 2.5e-6 forward, 6.2e-6 backward). Older releases
+# take the repeated path: kv heads repeated for the local kernel, a copy per step on
+# this rank only (what travels the ring stays the kv heads).
+CPU_FLASH_READS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
+def _head_major(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, S, H, D) -> the (B, H, S, D) view the kernels read, in `dtype` (default: x's),
+    with a unit stride along the head dim: copied only when x has another one."""
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        x = x.contiguous()
+    return x.transpose(1, 2)
+
+
+def _repeat_kv(k: torch.Tensor, v: torch.Tensor, num_heads: int):
+    """k, v: (B, S, H_kv, D) -> each kv head repeated for its q heads: (B, S, H, D)."""
+    if k.shape[2] == num_heads:
+        return k, v
+    group = num_heads // k.shape[2]
+    return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+
+
+def _sum_head_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, S, H, D) gradient of repeated kv heads -> (B, S, H_kv, D)."""
+    if grad.shape[2] == num_kv_heads:
+        return grad
+    batch, seqlen, heads, head_dim = grad.shape
+    return grad.reshape(batch, seqlen, num_kv_heads, heads // num_kv_heads, head_dim).sum(3)
+
+
+class CpuFlashBlocks:
+    """aten's CPU flash kernels. repeat_kv_heads: hand them q's head count of kv heads
+    (each repeated, gradients summed back), for torch releases whose kernel cannot read
+    GQA; only this rank's local kernel sees the copies.
+
+    In fp32, as the Triton step kernels keep every block: aten returns a block's output
+    and gradients in the input dtype, and rounding each block to bf16 before the fp32
+    merge measured 2-4x plain torch's dq/dk error (randomized test, bf16, 2 ranks), and
+    each block's dk/dv 2.2-2.7x its dv error (bf16 GQA causal, 4 ranks). On a CPU without
+    bf16 matrix units the fp32 kernel plus the casts is also faster than the bf16 kernel
+    (one thread, causal, (1, 8, 1024, 64): 19.8 ms against 26.4)."""
+
+    def __init__(self, repeat_kv_heads: bool):
+        self.repeat_kv_heads = repeat_kv_heads
+
+    def _kv(self, k, v, num_heads):
+        return _repeat_kv(k, v, num_heads) if self.repeat_kv_heads else (k, v)
+
+    def forward(self, q, k, v, scale, causal, mask=None):
+        k, v = self._kv(k, v, q.shape[2])
+        out, lse = _cpu_flash(
+            *(_head_major(x, torch.float32) for x in (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale
+        )  # fmt: skip
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, mask=None):
+        kv_heads = k.shape[2]
+        k, v = self._kv(k, v, q.shape[2])
+        dq, dk, dv = _cpu_flash_backward(
+            *(_head_major(x, torch.float32) for x in (dout, q, k, v, out)),
+            lse, 0.0, causal, attn_mask=mask, scale=scale,
+        )  # fmt: skip
+        return (dq.transpose(1, 2), _sum_head_groups(dk.transpose(1, 2), kv_heads),
+                _sum_head_groups(dv.transpose(1, 2), kv_heads))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------
+# CUDA
+# ----------------------------------------------------------------------------------
+
+FLASH = "flash"  # flash-attention 2 (torch's build): fp16/bf16, head dim % 8 == 0, <= 256; GQA
+CUDNN = "cudnn"  # cuDNN's SDPA: fp16/bf16, head dim % 8 == 0, <= 128; kv heads repeated
+EFFICIENT = "efficient"  # the memory-efficient kernel: any float dtype, additive masks
+
+
+def _cudnn_available() -> bool:
+    return hasattr(_aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available()
+
+
+def cuda_block_kernel(q: torch.Tensor, masked: bool, capability: int) -> str:
+    """Which library kernel computes a block of q's dtype and head dim on a GPU of
+    compute capability `capability` (90 for sm_90); masked: the block carries an
+    additive mask (coalesced packed documents)."""
+    head_dim = q.shape[-1]
+    if masked or q.dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 != 0 or head_dim > 256:
+        return EFFICIENT
+    if capability >= 90 and head_dim <= 128 and _cudnn_available():
+        return CUDNN
+    return FLASH
+
+
+def _rng_state(kernel: str, device):
+    """(philox seed, philox offset) tensors a backward kernel takes. Without dropout none
+    is read; they only have to be tensors of the kinds the forward returns."""
+    if kernel == FLASH:
+        return torch.empty(2, dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
+
+
+def _additive_bias(mask: torch.Tensor, q: torch.Tensor, heads: int) -> torch.Tensor:
+    """The fp32 (q rows, k rows) additive mask as the memory-efficient kernel reads it:
+    q's dtype, (B, H, q rows, k rows), its rows 16-element aligned (a view into a padded
+    buffer, as SDPA prepares masks for this kernel)."""
+    rows, cols = mask.shape
+    padded = torch.empty((rows, -(-cols // 16) * 16), dtype=q.dtype, device=q.device)
+    bias = padded[:, :cols]
+    bias.copy_(mask)
+    return bias.expand(q.shape[0], heads, rows, cols)
+
+
+class CudaLibraryBlocks:
+    """CUDA: torch's fused attention kernels per block (cuDNN, flash, memory-efficient:
+    cuda_block_kernel chooses). Blocks are computed in the input dtype: the kernels take
+    fp16/bf16 inputs on tensor cores and return the block's output and gradients in that
+    dtype (the merge and the dq/dk/dv accumulators stay fp32).
+
+    kernel: force one kernel (tests, benchmarks); None: cuda_block_kernel's choice.
+    capability: the GPU's compute capability; None: asked of q's device."""
+
+    def __init__(self, kernel: str | None = None, capability: int | None = None):
+        assert kernel in (None, FLASH, CUDNN, EFFICIENT), kernel
+        self.kernel, self.capability = kernel, capability
+
+    def _choose(self, q, masked):
+        if self.kernel is not None:
+            return self.kernel
+        capability = self.capability
+        if capability is None:
+            major, minor = torch.cuda.get_device_capability(q.device)
+            capability = 10 * major + minor
+        return cuda_block_kernel(q, masked, capability)
+
+    def forward(self, q, k, v, scale, causal, mask=None):
+        kernel = self._choose(q, mask is not None)
+        heads = q.shape[2]
+        if kernel != FLASH:  # cuDNN and the memory-efficient kernel read as many kv heads as q heads
+            k, v = _repeat_kv(k, v, heads)
+        q_, k_, v_ = (_head_major(x) for x in (q, k, v))
+        if kernel == FLASH:
+            out, lse, *_ = _aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)
+        elif kernel == CUDNN:
+            out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(
+                q_, k_, v_, None, True, 0.0, causal, False, scale=scale
+            )  # fmt: skip
+            lse = lse.view(lse.shape[:3])  # cuDNN's (B, H, S, 1)
+        else:
+            bias = None if mask is None else _additive_bias(mask, q, heads)
+            out, lse, *_ = _aten._scaled_dot_product_efficient_attention(
+                q_, k_, v_, bias, True, 0.0, causal and mask is None, scale=scale
+            )  # fmt: skip
+            lse = lse[..., : q.shape[1]]  # padded to a multiple of 32 rows
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, mask=None):
+        kernel = self._choose(q, mask is not None)
+        heads, kv_heads, q_len, k_len = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+        if kernel != FLASH:
+            k, v = _repeat_kv(k, v, heads)
+        dout_, q_, k_, v_, out_ = (_head_major(x) for x in (dout, q, k, v, out.to(q.dtype)))
+        seed, offset = _rng_state(kernel, q.device)
+        if kernel == FLASH:
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                dout_, q_, k_, v_, out_, lse.contiguous(), None, None, q_len, k_len, 0.0, causal, seed, offset,
+                scale=scale,
+            )  # fmt: skip
+        elif kernel == CUDNN:
+            dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+                dout_, q_, k_, v_, out_, lse.contiguous().unsqueeze(-1), seed, offset, None, None, None,
+                q_len, k_len, 0.0, causal, scale=scale,
+            )  # fmt: skip
+        else:
+            bias = None if mask is None else _additive_bias(mask, q, heads)
+            padded_lse = torch.full((*lse.shape[:2], -(-q_len // 32) * 32), float("inf"), dtype=torch.float32,
+                                    device=q.device)  # fmt: skip
+            padded_lse[..., :q_len] = lse
+            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                dout_, q_, k_, v_, bias, out_, padded_lse, seed, offset, 0.0,
+                [True, True, True, False], causal and mask is None, scale=scale,
+            )  # fmt: skip
+        return (dq.transpose(1, 2), _sum_head_groups(dk.transpose(1, 2), kv_heads),
+                _sum_head_groups(dv.transpose(1, 2), kv_heads))  # fmt: skip

@@ -1,0 +1,254 @@
+"""The ring's step backends (seqpar_kernels/parallel/ring_steps.py,
+seqpar_kernels/parallel/block_attention.py): step_backend="auto" | "triton" | "aten".
+
+Without a GPU the CUDA library kernels of the "aten" backend (cuDNN, flash-attention 2,
+the memory-efficient kernel) cannot run, so the code that drives them is checked twice:
+- with meta tensors, through torch's own meta kernels of those ops: the argument order,
+  the schemas and the shapes that come back (cuDNN's (B, H, S, 1) lse, the
+  memory-efficient kernel's lse padded to 32 rows);
+- numerically, on gloo ranks, with CPU implementations of the six ops registered for
+  this test (plain attention in fp32 whose outputs are rounded to the input dtype, as the
+  library kernels return them): the ring driver, the merge and every CudaLibraryBlocks
+  line run on CPU tensors as they would on a GPU, against the fp64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import reference
+from seqpar_kernels.parallel import ring_steps
+from seqpar_kernels.parallel.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
+from test_ring_attention import CASE_GROUPS, LOW_PRECISION_CASES, _case, failures_of, run_cases
+from test_varlen import _case as varlen_case
+from test_varlen import run_varlen_cases
+
+# ----------------------------------------------------------------------------------
+# "auto" and its table
+# ----------------------------------------------------------------------------------
+
+
+def test_every_family_of_the_table_names_a_backend_and_its_basis():
+    with open(ring_steps.STEP_BACKEND_TABLE) as f:
+        families = json.load(f)["families"]
+    assert set(families) == {"sm_80", "sm_86", "sm_90", "sm_100", "sm_120"}
+    for family, entry in families.items():
+        assert entry["backend"] in ("aten", "triton"), family
+        assert isinstance(entry["measured"], bool) and entry["basis"], family
+
+
+@pytest.mark.parametrize(
+    "capability, family",
+    [(80, "sm_80"), (87, "sm_80"), (86, "sm_86"), (89, "sm_86"), (90, "sm_90"), (100, "sm_100"),
+     (103, "sm_100"), (120, "sm_120"), (121, "sm_120")],
+)  # fmt: skip
+def test_gpu_families(capability, family):
+    assert ring_steps.gpu_family(capability) == family
+
+
+def test_auto_picks_aten_on_cpus_triton_for_fp32_gpus_and_the_table_otherwise(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert ring_steps.auto_step_backend(torch.device("cpu"), torch.bfloat16) == "aten"
+    assert ring_steps.auto_step_backend(cuda, torch.float32) == "triton"
+    for capability, family in ((90, "sm_90"), (80, "sm_80")):
+        monkeypatch.setattr(ring_steps, "_device_capability", lambda index, capability=capability: capability)
+        for backend in ("aten", "triton"):
+            table = {name: dict(entry) for name, entry in ring_steps.step_backend_table().items()}
+            table[family]["backend"] = backend
+            monkeypatch.setattr(ring_steps, "step_backend_table", lambda table=table: table)
+            assert ring_steps.auto_step_backend(cuda, torch.bfloat16) == backend
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        ring_steps.auto_step_backend(torch.device("meta"), torch.bfloat16)
+
+
+def test_library_kernel_choice():
+    q = torch.empty(1, 8, 4, 128, dtype=torch.bfloat16, device="meta")
+    assert cuda_block_kernel(q, masked=False, capability=90) in (CUDNN, FLASH)  # cuDNN where torch has it
+    assert cuda_block_kernel(q, masked=False, capability=80) == FLASH
+    assert cuda_block_kernel(q, masked=True, capability=90) == EFFICIENT
+    assert cuda_block_kernel(q.float(), masked=False, capability=90) == EFFICIENT
+    assert cuda_block_kernel(q[..., :100], masked=False, capability=90) == EFFICIENT  # head dim % 8 != 0
+    assert cuda_block_kernel(torch.empty(1, 8, 4, 256, dtype=torch.half, device="meta"), False, 90) == FLASH
+
+
+# ----------------------------------------------------------------------------------
+# The CUDA library kernels' calls, through torch's meta kernels
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", [FLASH, CUDNN, EFFICIENT])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_library_calls_match_torch_schemas_and_shapes(kernel, kv_heads, causal):
+    batch, q_len, k_len, heads, head_dim = 2, 40, 40 if causal else 24, 4, 64
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    # (B, S, H, D) views of head-major storage, as the ring's narrowed blocks can be.
+    q = torch.empty(batch, heads, q_len, head_dim, **meta).transpose(1, 2)
+    k, v = (torch.empty(batch, k_len, kv_heads, head_dim, **meta) for _ in range(2))
+    blocks = CudaLibraryBlocks(kernel=kernel)
+    out, lse = blocks.forward(q, k, v, 0.125, causal)
+    assert out.shape == q.shape and lse.shape == (batch, heads, q_len) and lse.dtype == torch.float32
+    dq, dk, dv = blocks.backward(q, q, k, v, out, lse, 0.125, causal)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    if kernel == EFFICIENT:
+        mask = torch.zeros(q_len, k_len, dtype=torch.float32, device="meta")
+        out, lse = blocks.forward(q, k, v, 0.125, False, mask)
+        assert out.shape == q.shape and lse.shape == (batch, heads, q_len)
+        dq, dk, dv = blocks.backward(q, q, k, v, out, lse, 0.125, False, mask)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+# ----------------------------------------------------------------------------------
+# The CUDA library kernels' results, emulated on CPU tensors
+# ----------------------------------------------------------------------------------
+
+_emulation = None
+
+
+def _plain_attention_fp32(q, k, v, scale, causal, bias=None):
+    """(B, H, S, D) head-major inputs, kv heads repeated -> fp32 (out, lse (B, H, S)).
+    A row that sees no key gets lse -inf and NaN outputs (what a kernel may return)."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v.float(), lse
+
+
+def _plain_backward_fp32(dout, q, k, v, out, lse, scale, causal, bias=None):
+    """Gradients of one block given the FINAL out and lse, kv heads as given."""
+    group = q.shape[1] // k.shape[1]
+    k_, v_ = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q.float() @ k_.transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    probabilities = (scores - lse[..., : q.shape[2], None].float()).exp()
+    dout, out = dout.float(), out.float()
+    dv = probabilities.transpose(-1, -2) @ dout
+    dscores = probabilities * (dout @ v_.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    dq, dk = dscores @ k_ * scale, dscores.transpose(-1, -2) @ q.float() * scale
+    fold = lambda g: g.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731
+    return dq.to(q.dtype), fold(dk).to(q.dtype), fold(dv).to(q.dtype)
+
+
+def register_library_kernels_on_cpu():
+    """CPU kernels for torch's CUDA attention ops the aten backend calls, for this
+    process: plain attention computed in fp32, outputs in the input dtype."""
+    global _emulation
+    if _emulation is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    empty = lambda *shape: torch.empty(shape, dtype=torch.int64)  # noqa: E731
+
+    def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        group = q.shape[1] // k.shape[1]
+        out, lse = _plain_attention_fp32(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale, is_causal
+        )  # fmt: skip
+        return out.to(q.dtype), lse, empty(0), empty(0), q.shape[2], k.shape[2], empty(2), empty(), empty(0)
+
+    def flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
+                       scale=None):  # fmt: skip
+        return _plain_backward_fp32(dout, q, k, v, out, lse, scale, is_causal)
+
+    def cudnn(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        assert k.shape[1] == q.shape[1], "cuDNN is handed repeated kv heads"
+        out, lse = _plain_attention_fp32(q, k, v, scale, is_causal)
+        return (out.to(q.dtype), lse.unsqueeze(-1), empty(0), empty(0), q.shape[2], k.shape[2], empty(), empty(),
+                empty(0))  # fmt: skip
+
+    def cudnn_backward(dout, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p,
+                       is_causal, *, scale=None):  # fmt: skip
+        assert lse.shape[-1] == 1, "cuDNN's lse is (B, H, S, 1)"
+        return _plain_backward_fp32(dout, q, k, v, out, lse[..., 0], scale, is_causal)
+
+    def efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
+        assert k.shape[1] == q.shape[1], "the memory-efficient kernel is handed repeated kv heads"
+        assert bias is None or bias.stride(-2) % 16 == 0, "its mask rows 16-element aligned"
+        out, lse = _plain_attention_fp32(q, k, v, scale, is_causal, bias)
+        padded = torch.full((*lse.shape[:2], -(-q.shape[2] // 32) * 32), float("inf"))
+        padded[..., : q.shape[2]] = lse
+        return out.to(q.dtype), padded, empty(), empty()
+
+    def efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False,
+                           *, scale=None):  # fmt: skip
+        assert lse.shape[-1] % 32 == 0, "its lse is padded to a multiple of 32 rows"
+        return (*_plain_backward_fp32(dout, q, k, v, out, lse, scale, is_causal, bias), torch.empty(0))
+
+    for name, function in (
+        ("_scaled_dot_product_flash_attention", flash),
+        ("_scaled_dot_product_flash_attention_backward", flash_backward),
+        ("_scaled_dot_product_cudnn_attention", cudnn),
+        ("_scaled_dot_product_cudnn_attention_backward", cudnn_backward),
+        ("_scaled_dot_product_efficient_attention", efficient),
+        ("_scaled_dot_product_efficient_attention_backward", efficient_backward),
+    ):
+        library.impl(name, function, "CPU")
+    _emulation = library
+
+
+def emulated_library_steps(kernel) -> str:
+    """Registers step kernels running the aten backend's CUDA block code on CPU tensors
+    (`kernel` forced; None: the choice on an sm_90 GPU) and returns their name."""
+    register_library_kernels_on_cpu()
+    name = f"aten-emulated-{kernel or 'sm_90'}"
+    blocks = CudaLibraryBlocks(kernel=kernel, capability=90)
+    ring_steps.STEP_KERNELS[name] = ring_steps.AtenSteps(cpu_blocks=blocks, cuda_blocks=blocks)
+    return name
+
+
+def run_cases_on_emulated_library(kernel, cases, dtype):
+    return run_cases(cases, dtype, step_kernels=emulated_library_steps(kernel))
+
+
+def run_varlen_cases_on_emulated_library(cases):
+    for case in cases:
+        case["method"] = f"ring with {emulated_library_steps(None)}"
+    return run_varlen_cases(cases)
+
+
+EMULATED_CASES = [
+    *CASE_GROUPS["gqa-mqa"][:3],
+    _case("zigzag-causal-B2", H=4, H_kv=4, D=64, S=8, causal=True, layout="zigzag", B=2),
+    _case("D80-contig-full", H=2, H_kv=1, D=80, S=6, causal=False, layout="contiguous"),
+    *CASE_GROUPS["uneven-lengths"][:1],
+]
+
+
+@pytest.mark.parametrize("kernel", [FLASH, CUDNN, EFFICIENT])
+def test_library_blocks_match_the_reference_in_fp32(ranks, kernel):
+    per_rank = ranks.run(run_cases_on_emulated_library, kernel, EMULATED_CASES, torch.float32)
+    failures = failures_of(per_rank, lambda name, yardsticks: reference.FP32_TOLERANCE)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("kernel", [FLASH, CUDNN])
+def test_library_blocks_rounded_to_bf16_keep_the_accuracy_rule(ranks, kernel):
+    # Each block's output and gradients rounded to bf16 before the fp32 merge and sums,
+    # as the library kernels return them.
+    per_rank = ranks.run(run_cases_on_emulated_library, kernel, LOW_PRECISION_CASES, torch.bfloat16)
+    failures = failures_of(per_rank, lambda name, yardsticks: reference.error_bound(
+        torch.bfloat16, yardsticks["plain"][name], yardsticks["magnitude"][name]))
+    assert not failures, "\n".join(failures)
+
+
+def test_packed_documents_through_the_library_blocks(ranks):
+    # Coalesced short documents are masked blocks: the memory-efficient kernel with an
+    # additive mask; the rest dense blocks of cuDNN (bf16) or the memory-efficient
+    # kernel (fp32).
+    cases = [
+        varlen_case("ring", "mixed", causal=True, layout="balanced"),
+        varlen_case("ring", "lengths 1", causal=False, layout="contiguous", seed=1),
+        varlen_case("ring", "spanning ranks", causal=True, layout="contiguous", seed=2),
+        varlen_case("ring", "mixed", dtype=torch.bfloat16, heads=3, kv_heads=1, head_dim=80),
+    ]
+    failures = [failure for per_rank in ranks.run(run_varlen_cases_on_emulated_library, cases)
+                for failure in per_rank]  # fmt: skip
+    assert not failures, "\n".join(failures)

@@ -27,8 +27,10 @@ backward given the final out and lse, which rebuilds the same probabilities). dq
 home in fp32. The fp32 dK|dV accumulator of a block travels the ring behind its K|V
 block: the home rank keeps its own (step 0) share; the accumulator starts at rank r+1
 (step 1), collects every rank's share and arrives home after P-1 sends, where the home
-share is added. Each step computes into a scratch buffer first and adds it to the
-received accumulator only then, so that transfer also overlaps the step's compute.
+share is added. The step kernels compute dq (and library kernels the block's dK|dV into
+tensors of their own) first and wait for the arriving accumulator only then, so that
+transfer overlaps the step's compute; they add their share straight into it (no
+scratch buffer to zero and add).
 
 Pieces may differ in length by rank (empty ones too): every buffer has room for the
 largest block, and each exchange sends and receives exactly the blocks' rows. Under
@@ -172,18 +174,22 @@ def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale) -> None:
             steps.forward_masked(*arguments, block.mask, block.empty_rows)
 
 
-def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, dk, dv, scale) -> None:
-    """Adds one step's share of the gradients (the rows `mask` selects)."""
+def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale) -> None:
+    """Adds one step's share of the gradients (the rows `mask` selects): to dq, and to
+    the block's dK|dV accumulator, which grad_kv() returns as (dk, dv) once it is here
+    (it may still be arriving from the previous rank: the step kernels compute what they
+    can before they ask for it)."""
     if mask.has_intervals and hasattr(steps, "backward_intervals"):
-        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask.intervals(q.device))
+        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask.intervals(q.device))
         return
     for block in mask.blocks:
         q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
         kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
         stat_rows = lambda x: None if x is None else x.narrow(2, block.q_start, block.q_len)  # noqa: E731
+        block_grad_kv = lambda kv_rows=kv_rows: tuple(kv_rows(t) for t in grad_kv())  # noqa: E731
         arguments = (
             q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
-            q_rows(dq), kv_rows(dk), kv_rows(dv), scale,
+            q_rows(dq), block_grad_kv, scale,
         )  # fmt: skip
         if block.mask is None:
             steps.backward(*arguments, block.causal)
@@ -289,7 +295,6 @@ def ring_backward(
         capacity = max(numels)
         kv = DoubleBuffer(ring, _pack_pair(k, v, capacity), numels)
         grad_ring = exchange(group_name, GRAD_KV_TAG)
-        scratch = torch.empty(capacity, **fp32)
         # The travelling accumulator: sent from one, received into the other. At step
         # i >= 1 it belongs to the block held at step i (numels[i]); the one received
         # then belongs to the block of step i + 1, the local one after the last step.
@@ -302,19 +307,24 @@ def ring_backward(
         block_shape = _block_shape(k, pieces.lengths[src])
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shape)
         mask = step_mask(step, rank, pieces, causal, documents)
-        # Step 0: the home share; step 1: starts the accumulator that leaves; later
-        # steps: a scratch share, added to the accumulator once it has arrived.
-        target = own if step == 0 else travelling if step == 1 else scratch
-        if step >= 2 and mask is not None:
-            scratch[: numels[step]].zero_()  # only this block's share is added below
+        # Where this step's dK|dV share goes. Step 0: the home share; step 1: starts the
+        # accumulator that leaves; later steps: the accumulator arriving from the
+        # previous rank, waited for only when the step kernels ask for it (after dq and
+        # whatever else they compute first), so the transfer overlaps that compute and
+        # the share is added straight into it: no scratch buffer to zero and add.
+        arrived = step < 2
+
+        def grad_kv():
+            nonlocal arrived, travelling, arriving
+            if not arrived:
+                grad_work.wait()
+                travelling, arriving = arriving, travelling
+                arrived = True
+            return _unpack_pair(own if step == 0 else travelling, block_shape)
+
         if mask is not None:
-            dk_target, dv_target = _unpack_pair(target, block_shape)
-            _backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, dk_target, dv_target, scale)
-        if step >= 2:
-            grad_work.wait()
-            travelling, arriving = arriving, travelling
-            if mask is not None:
-                travelling[: numels[step]].add_(scratch[: numels[step]])
+            _backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale)
+        grad_kv()  # a step that computed nothing still relays the accumulator
         if step >= 1:
             receives = numels[(step + 1) % world_size]
             grad_work = grad_ring.start(travelling[: numels[step]], arriving[:receives])

@@ -51,7 +51,7 @@ class AtenSteps:
     def prepare_backward(self, out, dout):
         return None  # the library backward computes rowsum(dout * out) itself
 
-    def forward(self, q, k, v, out, lse, scale, causal, first_step=False):
+    def forward(self, q, k, v, out, lse, scale, causal):
         block_out, block_lse = self._blocks(q).forward(q, k, v, scale, causal)
         attention_merge_(out, lse, block_out, block_lse)
 
@@ -62,19 +62,22 @@ class AtenSteps:
         block_out, block_lse = self._blocks(q).forward(q, k, v, scale, False, mask)
         attention_merge_(out, lse, block_out, block_lse.masked_fill(empty_rows, float("-inf")))
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, mask):
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask):
         # exp(s + mask - lse) is exactly 0 where the mask is -inf: the masked keys and the
         # empty rows get nothing.
-        self._backward(dout, q, k, v, out, lse, dq, dk, dv, scale, False, mask)
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, False, mask)
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, causal):
-        self._backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, None)
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal):
+        """Adds the block's gradients to dq and to grad_kv()'s (dk, dv), asked for only
+        once they are computed (ring_driver._backward_step)."""
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, causal, None)
 
-    def _backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, mask):
+    def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, scale, causal, mask):
         # Given the final out and lse, the kernels rebuild this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
         grad_q, grad_k, grad_v = self._blocks(q).backward(dout, q, k, v, out, lse, scale, causal, mask)
         dq.add_(grad_q)
+        dk, dv = grad_kv()
         dk.add_(grad_k)
         dv.add_(grad_v)
 
@@ -93,13 +96,19 @@ class TritonSteps:
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
         kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal):
+        """The dq kernel, then the dk/dv kernel into grad_kv()'s (dk, dv), asked for only
+        after dq is launched (ring_driver._backward_step)."""
         from seqpar_kernels.kernels import attention_step_launch as kernels
 
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        kernels.attention_step_backward(
-            q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale, mask_mode=mode
-        )
+        self._backward(kernels, dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, None)
+
+    @staticmethod
+    def _backward(kernels, dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals):
+        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals)
+        kernels.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, **options)
+        kernels.attention_step_backward_dkdv(q, k, v, dout, lse, delta, *grad_kv(), **options)
 
 
     def forward_intervals(self, q, k, v, out, lse, scale, intervals):
@@ -112,13 +121,10 @@ class TritonSteps:
             q, k, v, out, lse, softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, intervals=intervals
         )
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, dk, dv, scale, intervals):
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals):
         from seqpar_kernels.kernels import attention_step_launch as kernels
 
-        kernels.attention_step_backward(
-            q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS,
-            intervals=intervals,
-        )
+        self._backward(kernels, dout, q, k, v, lse, delta, dq, grad_kv, scale, kernels.MASK_INTERVALS, intervals)
 
 
 STEP_KERNELS = {

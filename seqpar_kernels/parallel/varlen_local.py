@@ -82,5 +82,5 @@ def varlen_backward(dout, q, k, v, out, lse, causal: bool, scale: float, cu_seql
     mask = _mask(cu_seqlens, total, causal)
     if mask is not None and q.shape[2] * q.shape[3] > 0:
         delta = steps.prepare_backward(out, dout)
-        _backward_step(steps, mask, dout, q, k, v, out, lse, delta, dq, dk, dv, scale)
+        _backward_step(steps, mask, dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), scale)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

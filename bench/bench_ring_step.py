@@ -1,4 +1,5 @@
-"""(GPU) The ring's step kernel alone against SDPA's flash and cuDNN backends.
+"""(GPU) The ring's step alone, both step backends, against SDPA's flash and cuDNN
+backends; writes the table step_backend="auto" reads.
 
 Rows (bench column):
   ring-step-fwd   one forward step (attention_step_forward) merging into a running fp32
@@ -11,6 +12,13 @@ D, backward 2.5x that, causal half) and ours as a fraction of the spec-sheet den
 peak. check: ours against the exact fp64 result on the first head, by the tests'
 accuracy rule with the trusted baseline's error in the yardstick (bench/verify.py:
 accuracy_verdict).
+
+The "aten" step backend (torch's library kernel per block, then the merge kernel:
+seqpar_kernels/parallel/ring_steps.py AtenSteps) is timed in the same run; its TFLOP/s
+and accuracy are in each row's detail. After the cases, the backend with the shorter
+total time over them (forward + backward) becomes this GPU family's entry of the table
+step_backend="auto" reads (seqpar_kernels/parallel/step_backends.json: commit it with
+the results), unless either failed its accuracy check somewhere.
 
 Rank 0 runs the cases on its GPU while the other ranks wait; on CPU nothing runs.
 """
@@ -28,7 +36,7 @@ from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
-from bench.verify import Accuracy, accuracy_verdict, chunked_attention, within_error_rule
+from bench.verify import accuracy_verdict, chunked_attention, within_error_rule
 from tests.reference import ERROR_FACTOR, max_error
 
 
@@ -140,7 +148,24 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
                                         softmax_scale=scale, mask_mode=mode)  # fmt: skip
         return [dq, dk, dv]
 
-    candidates = {"ours": ours_backward if case.backward else ours_forward}
+    # The aten backend's step, with running results of its own.
+    from seqpar_kernels.parallel.ring_steps import STEP_KERNELS
+
+    aten = STEP_KERNELS["aten"]
+    aten_out, aten_lse = torch.zeros(q.shape, **fp32), torch.full(lse.shape, float("-inf"), **fp32)
+    aten_grads = [torch.zeros(t.shape, **fp32) for t in (q, k, v)]
+
+    def aten_forward():
+        aten.forward(q, k, v, aten_out, aten_lse, scale, case.causal)
+        return [aten_out]
+
+    def aten_backward():
+        aten.backward(dout, q, k, v, out_low, final_lse, None, aten_grads[0], lambda: aten_grads[1:], scale,
+                      case.causal)  # fmt: skip
+        return aten_grads
+
+    candidates = {"ours": ours_backward if case.backward else ours_forward,
+                  "aten": aten_backward if case.backward else aten_forward}  # fmt: skip
     for name, backend in backends.items():
         if case.backward:
             inputs = leaves(q, k, v)
@@ -157,10 +182,10 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
     return candidates
 
 
-def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accuracy, list[str], list[str]]:
+def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, list[str], list[str]]:
     """Every candidate against the exact result on the first head.
 
-    Returns ours' verdict (accuracy_verdict's rule, SDPA error from the first trusted
+    Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend) (accuracy_verdict's rule, SDPA error from the first trusted
     backend), the SDPA backends trusted as baselines, and a note for each one that is
     not: a backend outside the accuracy rule with plain torch as the yardstick
     (within_error_rule) is not timed against, so a broken baseline cannot make ours
@@ -175,7 +200,7 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accurac
     if case.backward:
         exact, plains = exact[1:], plains[1:]
     trusted, untrusted = [], []
-    for backend in (name for name in candidates if name != "ours"):
+    for backend in (name for name in candidates if name in sdpa_backends()):
         errors = [(name, max_error(theirs, truth), max_error(plain, truth), truth)
                   for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
         wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
@@ -187,8 +212,10 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[Accurac
             trusted.append(backend)
     if not trusted:
         raise RuntimeError(f"no SDPA backend computes {case.shape} within the error rule: {untrusted}")
-    accuracy = accuracy_verdict(results["ours"], plains, results[trusted[0]], exact, lse_magnitude,
-                                names, case.dtype)  # fmt: skip
+    accuracy = {
+        name: accuracy_verdict(results[name], plains, results[trusted[0]], exact, lse_magnitude, names, case.dtype)
+        for name in ("ours", "aten")
+    }  # fmt: skip
     return accuracy, trusted, untrusted
 
 
@@ -202,15 +229,20 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     accuracy, trusted, untrusted = check_step(case, candidates, q, k, v, dout)
     for note in untrusted:
         ctx.log(f"WARNING {case.bench} {case.label}: {note}")
-    candidates = {name: fn for name, fn in candidates.items() if name == "ours" or name in trusted}
+    candidates = {name: fn for name, fn in candidates.items() if name in ("ours", "aten") or name in trusted}
     timings = time_side_by_side(candidates, ctx, collective=False)
     tflops = {name: case.flops / timing.median_s / 1e12 for name, timing in timings.items()}
     best = max(trusted, key=lambda name: tflops[name])
+    BACKEND_TIMES.append((case, timings["ours"].median_s, timings["aten"].median_s,
+                          accuracy["ours"].check, accuracy["aten"].check))  # fmt: skip
+    timings = {name: timing for name, timing in timings.items() if name != "aten"}
     timings["baseline"] = timings[best]
     peak, peak_source = ctx.peak_flops
     rates = ", ".join(f"{name} {tflops[name]:.3g}" for name in trusted)
-    detail = "; ".join([f"TFLOP/s: ours {tflops['ours']:.3g}, {rates}; baseline = {best}",
-                        *missing, *untrusted, accuracy.detail])  # fmt: skip
+    detail = "; ".join([f"TFLOP/s: ours (triton) {tflops['ours']:.3g}, aten step {tflops['aten']:.3g}, {rates}; "
+                        f"baseline = {best}", *missing, *untrusted, accuracy["ours"].detail,
+                        f"aten step: {accuracy['aten'].check} {accuracy['aten'].detail}"])  # fmt: skip
+    accuracy = accuracy["ours"]
     return timed_row(
         ctx, timings,
         bench=case.bench, case=case.label, shape=case.shape, dtype=short_dtype(case.dtype),
@@ -222,5 +254,38 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     )  # fmt: skip
 
 
+# (case, triton seconds, aten seconds, triton check, aten check) of every case measured.
+BACKEND_TIMES: list = []
+
+
+def choose_step_backend(times) -> tuple[str | None, str]:
+    """(the faster step backend over `times` (BACKEND_TIMES' rows) by total time, or None
+    when a check failed or nothing was measured; a summary of the comparison)."""
+    if not times:
+        return None, "no case measured"
+    failed = [f"{backend} {case.bench} {case.label}" for case, _, _, *checks in times
+              for backend, check in zip(("triton", "aten"), checks) if check != "matches"]  # fmt: skip
+    triton_total, aten_total = sum(t[1] for t in times), sum(t[2] for t in times)
+    summary = (f"triton {triton_total * 1e3:.3g} ms, aten {aten_total * 1e3:.3g} ms over {len(times)} cases "
+               f"(ring-step-fwd/bwd)")
+    if failed:
+        return None, f"{summary}; not recorded, accuracy check failed: {', '.join(failed)}"
+    return ("triton" if triton_total < aten_total else "aten"), summary
+
+
 def run(ctx: Context) -> list[Row]:
-    return run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
+    BACKEND_TIMES.clear()
+    rows = run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
+    if ctx.is_root and ctx.on_gpu and not ctx.quick:
+        from seqpar_kernels.parallel.ring_steps import gpu_family, record_measured_step_backend
+
+        major, minor = torch.cuda.get_device_capability(ctx.device)
+        family = gpu_family(10 * major + minor)
+        backend, summary = choose_step_backend(BACKEND_TIMES)
+        ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
+        if backend is not None:
+            record_measured_step_backend(
+                family, backend, f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
+            )  # fmt: skip
+            ctx.log(f"step_backend=\"auto\" on {family}: {backend} (seqpar_kernels/parallel/step_backends.json)")
+    return rows

@@ -286,10 +286,10 @@ def test_step_bench_drops_a_baseline_that_computes_wrong():
         return [sdpa(q, k, v, False)]  # the causal mask forgotten
 
     accuracy, trusted, untrusted = check_step(
-        case, {"ours": right, "flash": right, "cudnn": wrong}, q, k, v, None
+        case, {"ours": right, "aten": wrong, "flash": right, "cudnn": wrong}, q, k, v, None
     )
-    assert accuracy.check == "matches"
-    assert trusted == ["flash"]
+    assert accuracy["ours"].check == "matches" and accuracy["aten"].check.startswith("MISMATCH")
+    assert trusted == ["flash"]  # the aten step backend is a candidate, never a baseline
     assert len(untrusted) == 1 and untrusted[0].startswith("cudnn not used as a baseline")
 
 
@@ -304,3 +304,19 @@ def test_nccl_rank_without_a_gpu_is_told_why(monkeypatch, tmp_path):
     options = Options(backend="nccl", world_size=None, quick=True, only=("reshard",), out=tmp_path)
     with pytest.raises(SystemExit, match="LOCAL_RANK 1 has no GPU; this node has 1"):
         run_rank(1, 2, 1, 2, "env://", options)
+
+
+def test_step_bench_records_the_faster_backend_only_when_both_are_right():
+    import torch
+
+    from bench.bench_ring_step import StepCase, choose_step_backend
+
+    forward = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=False)
+    backward = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=True)
+    assert choose_step_backend([])[0] is None
+    # triton faster forward, aten much faster backward: aten by total time.
+    times = [(forward, 1.0, 1.5, "matches", "matches"), (backward, 4.0, 2.0, "matches", "matches")]
+    assert choose_step_backend(times)[0] == "aten"
+    assert choose_step_backend(times[:1])[0] == "triton"
+    backend, summary = choose_step_backend([times[0], (backward, 4.0, 2.0, "matches", "MISMATCH dq")])
+    assert backend is None and "aten ring-step-bwd" in summary

@@ -252,3 +252,19 @@ def test_packed_documents_through_the_library_blocks(ranks):
     failures = [failure for per_rank in ranks.run(run_varlen_cases_on_emulated_library, cases)
                 for failure in per_rank]  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
+    table = tmp_path / "step_backends.json"
+    table.write_text(open(ring_steps.STEP_BACKEND_TABLE).read())
+    monkeypatch.setattr(ring_steps, "STEP_BACKEND_TABLE", str(table))
+    ring_steps.step_backend_table.cache_clear()
+    try:
+        ring_steps.record_measured_step_backend("sm_90", "triton", "measured on a test GPU")
+        families = ring_steps.step_backend_table()
+        assert families["sm_90"] == {"backend": "triton", "measured": True, "basis": "measured on a test GPU"}
+        assert families["sm_80"]["measured"] is False  # the others untouched
+        with pytest.raises(AssertionError):
+            ring_steps.record_measured_step_backend("sm_90", "auto", "")
+    finally:
+        ring_steps.step_backend_table.cache_clear()

@@ -162,6 +162,21 @@ def step_backend_table() -> dict:
         return json.load(f)["families"]
 
 
+def record_measured_step_backend(family: str, backend: str, basis: str, path: str | None = None) -> None:
+    """Writes `backend` as the measured choice of `family` into the table (default
+    STEP_BACKEND_TABLE), with `basis` (what was measured, where); the GPU benchmark
+    calls it. Other families' entries stay as they are."""
+    assert backend in STEP_BACKENDS[1:], backend
+    path = path or STEP_BACKEND_TABLE
+    with open(path) as f:
+        table = json.load(f)
+    table["families"][family] = {"backend": backend, "measured": True, "basis": basis}
+    with open(path, "w") as f:
+        json.dump(table, f, indent=2)
+        f.write("\n")
+    step_backend_table.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_capability(device_index: int) -> int:
     major, minor = torch.cuda.get_device_capability(device_index)

@@ -44,17 +44,20 @@ from bench.targets import target_checks
 
 # The benchmark families, one module each, under the names --only selects them by: each
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
-# (GPU) its step kernel alone and the single-GPU overlap probe; "usp" every grid U x R
+# (GPU) the single-GPU overlap probe; "usp" every grid U x R
 # of the P ranks, pure Ulysses, pure ring and the hybrids; "varlen" packed documents
 # (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence);
 # "loss" the fused LM loss against materialised logits (one process: rank 0);
 # "transformers" a transformers model's training step, one process against each mode of
-# the integration (skipped, with the reason, where transformers is not installed).
+# the integration (skipped, with the reason, where transformers is not installed);
+# "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
+# table of step_backend="auto".
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
     "kernels": (bench_kernels,),
-    "ring": (bench_ring, bench_ring_step, bench_ring_probe),
+    "ring": (bench_ring, bench_ring_probe),
+    "ring-step": (bench_ring_step,),
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
     "loss": (bench_loss,),

@@ -22,7 +22,7 @@ or adds one block's share of the gradients (backward):
 "auto" (AUTO, the default of ring_attention and usp_attention): "aten" on CPUs; on GPUs
 "triton" for fp32 and, for fp16/bf16, the backend of the GPU's family in
 step_backends.json: the published figures until a GPU benchmark of that family has
-measured both (python -m bench --only ring-step-backends writes the entry).
+measured both (python -m bench --only ring-step writes the entry).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ STEP_KERNELS = {
 AUTO = "auto"
 STEP_BACKENDS = (AUTO, "triton", "aten")
 # Where "auto" looks up each GPU family's backend: python -m bench --only
-# ring-step-backends rewrites a family's entry with what it measured.
+# ring-step rewrites a family's entry with what it measured.
 STEP_BACKEND_TABLE = os.path.join(os.path.dirname(__file__), "step_backends.json")
 
 

@@ -20,7 +20,6 @@ import pytest  # noqa: E402
 
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from seqpar_kernels.kernels import attention_step_kernels as kernels  # noqa: E402
 from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
 from seqpar_kernels.parallel.checks import check_launchable  # noqa: E402
@@ -210,6 +209,46 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
 
 
 @runs_triton_on(DEVICE)
+@pytest.mark.parametrize("mode", [MASK_CAUSAL, MASK_FULL, MASK_INTERVALS], ids=["causal", "full", "intervals"])
+def test_forward_first_step_writes_every_row_over_garbage(mode):
+    # first_step=True: out and lse hold NaN (as torch.empty may) and are neither
+    # read nor left unwritten.  With the intervals, rows 16-31 (a q tile of the
+    # interpreter) and more see no key of the block: out 0, lse -inf.  The
+    # following steps merge into the state the first one wrote.
+    torch.manual_seed(14)
+    b, sq, h, hk, d = 2, 40, 4, 2, 64
+    q = _randn(b, sq, h, d)
+    scale = d ** -0.5
+    if mode == MASK_INTERVALS:
+        k_positions = [torch.arange(40, 80), torch.arange(80, 120)]
+        steps = []
+        for k_pos in k_positions:
+            intervals, keep = _document_intervals(torch.arange(80, 120), k_pos, DOC_LENS, causal=True)
+            steps.append((_randn(b, 40, hk, d), _randn(b, 40, hk, d), MASK_INTERVALS, intervals, keep))
+        assert not steps[0][4][16:32].any() and steps[0][4].any()
+    else:
+        steps = [(_randn(b, n, hk, d), _randn(b, n, hk, d), step_mode, None, keep) for n, step_mode, keep in
+                 ((sq, mode, _causal_keep(sq, sq) if mode == MASK_CAUSAL else None), (23, MASK_FULL, None))]
+    out = torch.full((b, sq, h, d), float("nan"), device=DEVICE)
+    lse = torch.full((b, h, sq), float("nan"), device=DEVICE)
+    for index, (k, v, step_mode, intervals, keep) in enumerate(steps):
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=step_mode,
+                                         intervals=intervals, first_step=index == 0)
+        if index == 0:
+            ref_out, ref_lse = _reference(q, k, v, scale, keep)
+            torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+    keep_all = None
+    if steps[0][4] is not None or steps[1][4] is not None:
+        keep_all = torch.cat([s[4] if s[4] is not None else torch.ones(sq, s[0].shape[1], dtype=torch.bool,
+                                                                       device=DEVICE) for s in steps], dim=1)
+    ref_out, ref_lse = _reference(q, torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1),
+                                  scale, keep_all)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_large_logits(dtype):
     # q scaled by 40: logits of several hundred; naive exp would overflow.
@@ -248,21 +287,26 @@ def test_fully_masked_rows_stay_untouched():
     assert torch.isneginf(lse).all()
 
     # Inside the kernel: with seqlen_k = 0 no row sees a key, so nothing may be
-    # written (launched directly: the launcher short-cuts empty blocks).
+    # written (launched directly: the launcher short-cuts empty blocks), and the
+    # first step's kernel writes the state of no key over any garbage.
     k, v = _randn(b, 8, hk, d), _randn(b, 8, hk, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
     out_before, lse_before = out.clone(), lse.clone()
     fresh_out, fresh_lse = _fresh_state(b, sq, h, d)
-    for o, l in ((out, lse), (fresh_out, fresh_lse)):
-        kernels._attention_step_fwd_kernel[(2, h, b)](
-            q, k, v, o, l, None, None,  # no interval pointers
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *l.stride(),
-            sq, 0, d, 1, 0.125 * 1.4426950408889634,
-            CAUSAL=False, INTERVALS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64, DOT_PRECISION="ieee", DOT_UPCAST=False,
-            SPLIT_SWEEP=step_tiles.SPLIT_FORWARD_SWEEP,
-        )
+    nan_out, nan_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    for o, l, first_step in ((out, lse, False), (fresh_out, fresh_lse, False), (nan_out, nan_lse, True)):
+        launch, grid, args = launchers._forward_call(
+            q, k[:, :0], v[:, :0], o, l, 0.125, False, None, first_step=first_step,
+            target=step_tiles.cuda_target(q), interpreted=launchers._runs_in_interpreter(q))
+        launch(grid, *args)
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
     assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
+    assert torch.equal(nan_out, torch.zeros_like(nan_out)) and torch.isneginf(nan_lse).all()
+    # The launcher's short cut does the same for an empty first block.
+    nan_out.fill_(float("nan")), nan_lse.fill_(float("nan"))
+    launchers.attention_step_forward(q, empty, empty, nan_out, nan_lse, softmax_scale=0.125, mask_mode=MASK_FULL,
+                                     first_step=True)
+    assert torch.equal(nan_out, torch.zeros_like(nan_out)) and torch.isneginf(nan_lse).all()
 
 
 @runs_triton_on(DEVICE)

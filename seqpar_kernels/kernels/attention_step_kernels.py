@@ -14,8 +14,11 @@ Forward (``_attention_step_fwd_kernel``)
         new_lse = logaddexp(lse, block_lse)
         out     = out * exp(lse - new_lse) + block_out * exp(block_lse - new_lse)
 
-    Start from ``out = 0`` and ``lse = -inf``; after the last step ``out`` is the
-    exact softmax attention over every block seen and ``lse`` its log-sum-exp.
+    Start from ``out = 0`` and ``lse = -inf``, or run the first step with
+    FIRST_STEP, which reads neither and writes every row (out = block_out,
+    lse = block_lse; 0 and -inf for a row that sees no key of the block);
+    after the last step ``out`` is the exact softmax attention over every block
+    seen and ``lse`` its log-sum-exp.
 
 Backward (``_attention_step_bwd_dq_kernel``, ``_attention_step_bwd_dkdv_kernel``)
     With the *final* ``lse`` (after all steps) the softmax probabilities of any
@@ -61,8 +64,9 @@ dk/dv), axis 2 the batch.
 Numerics: all softmax statistics and accumulators are fp32.  Scores are taken
 to base 2 (``log2(e)`` folded into the scale) so the kernels use ``exp2``;
 ``lse`` is stored in natural-log units, the convention of flash-attention.
-Rows that see no valid key are never written by the forward (they stay exactly
-as they were), and rows whose final ``lse`` is ``-inf`` get zero gradient.
+Rows that see no valid key are never written by the forward after the first
+step (they stay exactly as they were), and rows whose final ``lse`` is ``-inf``
+get zero gradient.
 """
 
 import triton
@@ -181,6 +185,7 @@ def _attention_step_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
+    FIRST_STEP: tl.constexpr,
 ):
     # One program owns (q tile, q head, batch) and sweeps the K/V block: all of
     # it, up to the diagonal (CAUSAL), or the keys its rows' intervals span.
@@ -253,35 +258,46 @@ def _attention_step_fwd_kernel(
         True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
 
     # ---- merge this block into the running (out, lse), in place ----
-    # Rows that saw no valid key in this block (l_i == 0) are not written at
-    # all: the running state stays bit-for-bit what it was.
     has_keys = mask_m & (l_i > 0.0)
     l_safe = tl.where(has_keys, l_i, 1.0)
     m_blk = tl.where(has_keys, m_i, 0.0)
     block_lse = (m_blk + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
 
     lse_ptrs = Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm
-    old_lse = tl.load(lse_ptrs, mask=has_keys, other=float("-inf"))
     o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
         + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
-    o_mask = has_keys[:, None] & mask_d[None, :]
-    old_out = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    # A row whose running lse is -inf carries no information: ignore whatever
-    # its out holds (e.g. torch.empty garbage) instead of letting 0 * NaN in.
-    old_out = tl.where(old_lse[:, None] == float("-inf"), 0.0, old_out)
+    if FIRST_STEP:
+        # Nothing to merge with: this block's result is the running state, and
+        # out/lse are neither read (they may be torch.empty) nor left unwritten.
+        # Every row of the tile is stored; a row that sees no key (l_i == 0, or
+        # a tile whose intervals are all empty and whose sweep ran no
+        # iteration) gets out = 0, lse = -inf, the state of no key at all.
+        new_out = tl.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
+        tl.store(o_ptrs, new_out, mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(lse_ptrs, tl.where(has_keys, block_lse, float("-inf")), mask=mask_m)
+    else:
+        # Rows that saw no valid key in this block (l_i == 0) are not written
+        # at all: the running state stays bit-for-bit what it was.
+        old_lse = tl.load(lse_ptrs, mask=has_keys, other=float("-inf"))
+        o_mask = has_keys[:, None] & mask_d[None, :]
+        old_out = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        # A row whose running lse is -inf carries no information: ignore
+        # whatever its out holds (e.g. torch.empty garbage) instead of letting
+        # 0 * NaN in.
+        old_out = tl.where(old_lse[:, None] == float("-inf"), 0.0, old_out)
 
-    # logaddexp written as max + log(1 + exp(-|diff|)): both exponentials stay
-    # <= 1, so large logits cannot overflow.  old_lse may be -inf (first step):
-    # then -|diff| = -inf, exp -> 0 and new_lse == block_lse exactly.
-    # block_lse is always finite here, so no inf - inf appears.
-    mx = tl.maximum(old_lse, block_lse)
-    new_lse = mx + tl.log(1.0 + tl.exp(-tl.abs(old_lse - block_lse)))
-    w_old = tl.exp(old_lse - new_lse)
-    w_blk = tl.exp(block_lse - new_lse) / l_safe  # block_out = acc / l_i
-    new_out = old_out * w_old[:, None] + acc * w_blk[:, None]
+        # logaddexp written as max + log(1 + exp(-|diff|)): both exponentials
+        # stay <= 1, so large logits cannot overflow.  old_lse may be -inf:
+        # then -|diff| = -inf, exp -> 0 and new_lse == block_lse exactly.
+        # block_lse is always finite here, so no inf - inf appears.
+        mx = tl.maximum(old_lse, block_lse)
+        new_lse = mx + tl.log(1.0 + tl.exp(-tl.abs(old_lse - block_lse)))
+        w_old = tl.exp(old_lse - new_lse)
+        w_blk = tl.exp(block_lse - new_lse) / l_safe  # block_out = acc / l_i
+        new_out = old_out * w_old[:, None] + acc * w_blk[:, None]
 
-    tl.store(o_ptrs, new_out, mask=o_mask)
-    tl.store(lse_ptrs, new_lse, mask=has_keys)
+        tl.store(o_ptrs, new_out, mask=o_mask)
+        tl.store(lse_ptrs, new_lse, mask=has_keys)
 
 
 @triton.jit

@@ -97,12 +97,12 @@ def _interval_args(intervals):
     return tuple(intervals) if intervals is not None else (None,) * 4
 
 
-def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, target, interpreted):
+def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=False, target, interpreted):
     """(KernelLaunch, grid, positional arguments) of the forward step kernel;
     ``intervals``: the 4-tuple of MASK_INTERVALS, else None."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    launch = forward_launch(q.dtype, headdim, causal, intervals=intervals is not None,
+    launch = forward_launch(q.dtype, headdim, causal, intervals=intervals is not None, first_step=first_step,
                             target=target, interpreted=interpreted)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
     row_start, row_end, _, _ = _interval_args(intervals)
@@ -154,7 +154,7 @@ def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, interv
 
 def cuda_kernel_calls(q, k, v, mask_mode, target):
     """Every kernel launch that one forward and one backward ring step with
-    ``mask_mode`` run on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
+    ``mask_mode`` run (the forward of the first step and of a later one) on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
     (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
     dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
@@ -174,7 +174,8 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
     dq = torch.empty_like(out)
     dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
     scale = q.shape[-1] ** -0.5
-    calls = [_forward_call(q, k, v, out, lse, scale, causal, intervals, target=target, interpreted=False),
+    calls = [*(_forward_call(q, k, v, out, lse, scale, causal, intervals, first_step=first_step, target=target,
+                             interpreted=False) for first_step in (True, False)),
              _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
              *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals,
                               target=target, interpreted=False)]
@@ -207,7 +208,7 @@ def _is_causal(q, k, mask_mode, intervals):
 # ----------------------------------------------------------------------------
 
 
-def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, intervals=None):
+def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, intervals=None, first_step=False):
     """Fold one K/V block into the running attention result, in place.
 
     Args:
@@ -216,7 +217,8 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
             nheads % nheads_kv == 0 (q head h uses kv head h // (nheads // nheads_kv)).
         out: float32 (batch, seqlen_q, nheads, headdim), running output; updated in place.
         lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
-            updated in place.  Start with out = 0 and lse = -inf.
+            updated in place.  Start with out = 0 and lse = -inf, or pass
+            first_step=True.
         softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5), a finite float.
         mask_mode: MASK_FULL, MASK_CAUSAL for the diagonal block
             (seqlen_q == seqlen_k, query i attends keys j <= i), or MASK_INTERVALS.
@@ -228,19 +230,31 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
             queries col_start[j] <= i < col_end[j] (end <= start: none).  The
             two must describe the same mask; the same intervals hold for every
             batch entry and head.  The forward reads the row intervals only.
+        first_step: this block is the first one folded in: out and lse are
+            neither read nor merged with, so they may hold anything
+            (torch.empty), and every row is written: this block's attention
+            and log-sum-exp, or out = 0 and lse = -inf for a row that sees no
+            key of the block.
 
-    Any tensor but the intervals may be non-contiguous.  Rows that see no key
-    of this block are left untouched.  With MASK_INTERVALS the K/V rows outside
-    [min row_start, max row_end) over the non-empty intervals are never read,
-    so they may hold anything, NaN included.  Returns (out, lse), the same
-    tensors.
+    Any tensor but the intervals may be non-contiguous.  After the first step,
+    rows that see no key of this block are left untouched.  With
+    MASK_INTERVALS the K/V rows outside [min row_start, max row_end) over the
+    non-empty intervals are never read, so they may hold anything, NaN
+    included.  Returns (out, lse), the same tensors.
     """
     causal = _is_causal(q, k, mask_mode, intervals)
     batch, seqlen_q, nheads, _ = q.shape
-    if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
-        return out, lse  # an empty block changes nothing
+    if batch == 0 or nheads == 0 or seqlen_q == 0:
+        return out, lse
+    if k.shape[1] == 0:
+        # An empty block changes nothing; as the first one it leaves the state
+        # of no key at all.
+        if first_step:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
 
-    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals,
+    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals, first_step=first_step,
                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))
     launch(grid, *args)
     return out, lse

@@ -285,11 +285,13 @@ def _step_launch(kernel, tiles, dtype, block_d, causal, intervals, interpreted, 
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, intervals=False, target, interpreted):
+def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, target, interpreted):
     """The KernelLaunch of ``_attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
-    documents given as index intervals (MASK_INTERVALS; not with ``causal``).
+    documents given as index intervals (MASK_INTERVALS; not with ``causal``);
+    ``first_step``: the kernel that neither reads the running (out, lse) nor
+    leaves a row of it unwritten (FIRST_STEP).
     ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
     whether the Triton interpreter runs the kernel.
@@ -299,7 +301,7 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, target, interpret
     # see, so nothing to split off: its kernel sweeps once, masked.
     return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target, intervals),
                         dtype, block_d, causal, intervals, interpreted,
-                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals)
+                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step))
 
 
 def backward_preprocess_launch(headdim, *, target):

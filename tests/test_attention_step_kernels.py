@@ -249,6 +249,27 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
 
 
 @runs_triton_on(DEVICE)
+@pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero-scale", "negative-scale"])
+def test_steps_take_any_finite_scale(scale):
+    # The forward sweep folds the scale into its exponent, which needs a scale
+    # >= 0; the launcher gives a negative one to q.  Forward and backward over a
+    # causal diagonal block and a full block, against fp64 autograd.
+    torch.manual_seed(15)
+    b, sq, h, hk, d = 1, 40, 2, 1, 64
+    steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=[37])
+    q, dout = _randn(b, sq, h, d), _randn(b, sq, h, d)
+    dq = _zeros(b, sq, h, d)
+    out, lse, dk_all, dv_all = _run_steps(q, steps, k_all, [37], dout, dq, scale)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
+    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep)
+    ref_out.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=0)
+    for got, want in ((dq, qr.grad), (dk_all, kr.grad), (dv_all, vr.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+
+
+@runs_triton_on(DEVICE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_large_logits(dtype):
     # q scaled by 40: logits of several hundred; naive exp would overflow.

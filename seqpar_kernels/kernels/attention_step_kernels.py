@@ -62,8 +62,13 @@ Grid: axis 0 the q tiles (k tiles for dk/dv), axis 1 the q heads (kv heads for
 dk/dv), axis 2 the batch.
 
 Numerics: all softmax statistics and accumulators are fp32.  Scores are taken
-to base 2 (``log2(e)`` folded into the scale) so the kernels use ``exp2``;
-``lse`` is stored in natural-log units, the convention of flash-attention.
+to base 2 (``log2(e)`` folded into the scale, ``qk_scale``) so the kernels use
+``exp2``, and the scale goes into the exponent: ``exp2(qk * qk_scale - m)`` is
+one FFMA per score (the forward's running max ``m`` is kept in those scaled
+units; its unmasked sweep needs ``qk_scale >= 0``, which the launcher
+ensures).  ``lse`` is stored in natural-log units, the convention of
+flash-attention.  The head dim is a compile-time constant (``HEAD_DIM``), so
+the head-dim masks vanish when it is a power of two.
 Rows that see no valid key are never written by the forward after the first
 step (they stay exactly as they were), and rows whose final ``lse`` is ``-inf``
 get zero gradient.
@@ -103,16 +108,29 @@ def _load_intervals(Start, End, offs, mask, length):
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    # The Triton CPU interpreter (TRITON_INTERPRET=1) keeps bfloat16 as raw
-    # uint16 bits and its tl.dot multiplies those bits.  There the launcher sets
-    # DOT_UPCAST: operands already rounded to bf16 are widened to fp32 first,
-    # which gives the same numbers as a GPU bf16 dot (exact products, fp32
-    # accumulation).
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    # a @ b (+ acc, when acc is not None: the accumulator goes into the MMA
+    # itself, no separate addition).  The Triton CPU interpreter
+    # (TRITON_INTERPRET=1) keeps bfloat16 as raw uint16 bits and its tl.dot
+    # multiplies those bits.  There the launcher sets DOT_UPCAST: operands
+    # already rounded to bf16 are widened to fp32 first, which gives the same
+    # numbers as a GPU bf16 dot (exact products, fp32 accumulation).
     if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The valid head-dim columns of a BLOCK_D-wide tile.  BLOCK_D is HEAD_DIM
+    # padded to a power of two (80 -> 128); when they are equal the mask is a
+    # compile-time constant True, which Triton folds away: loads and stores
+    # then carry no head-dim predicate.
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        return offs_d < HEAD_DIM
 
 
 @triton.jit
@@ -127,7 +145,8 @@ def _attention_fwd_sweep(
     # up to a whole tile).  Keys from seqlen_k on are neither loaded nor
     # attended.  MASKED=False: every key of every tile is valid for every row,
     # so no key mask and no causal or interval test.  row_start/row_end: the
-    # rows' key intervals (INTERVALS only).
+    # rows' key intervals (INTERVALS only).  The running max m_i is in scaled
+    # base-2 units (of qk * qk_scale).
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             cols = start_n + offs_n
@@ -135,21 +154,31 @@ def _attention_fwd_sweep(
             kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         else:
             kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * qk_scale
+        qk = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
         if MASKED:
             valid = mask_n[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             if INTERVALS:
                 valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
-            s = tl.where(valid, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no valid key so far has m_new == -inf; subtracting it
-        # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2 below
-        # then sees -inf and yields exactly 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
+            s = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no valid key so far has m_new == -inf; subtracting it
+            # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2
+            # below then sees -inf and yields exactly 0.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+        else:
+            # Every row has a valid key here, so m_new is finite.  qk_scale >= 0
+            # (the launcher turns a negative scale into a negated q), and x * c
+            # rounds monotonically for c >= 0: max(qk) * qk_scale is exactly the
+            # max of the scaled scores, and the scale goes into the exponent,
+            # exp2(qk * qk_scale - m), one FFMA per score as in the Triton
+            # fused-attention tutorial, instead of a multiply for s and a
+            # subtraction.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = m_new
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
         l_i = l_i * alpha + tl.sum(p, 1)
 
@@ -158,8 +187,8 @@ def _attention_fwd_sweep(
         else:
             v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
         # p goes to the input dtype so that fp16/bf16 use tensor cores; the
-        # accumulation itself stays fp32.
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        # accumulation itself stays fp32, in the MMA's accumulator.
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -175,10 +204,11 @@ def _attention_step_fwd_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
-    seqlen_q, seqlen_k, headdim, kv_group,
+    seqlen_q, seqlen_k, kv_group,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -204,8 +234,7 @@ def _attention_step_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < seqlen_q
-    # BLOCK_D is headdim padded to a power of two (80 -> 128): mask the tail.
-    mask_d = offs_d < headdim
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
 
     q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
@@ -306,7 +335,8 @@ def _attention_bwd_preprocess_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_gb, stride_gm, stride_gh, stride_gd,
     stride_db, stride_dh, stride_dm,
-    seqlen_q, headdim,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -319,7 +349,7 @@ def _attention_bwd_preprocess_kernel(
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < seqlen_q)[:, None] & (offs_d < headdim)[None, :]
+    mask = (offs_m < seqlen_q)[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
     o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
         + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
     g_ptrs = DOut + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
@@ -342,10 +372,11 @@ def _attention_step_bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_eb, stride_eh, stride_em,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    seqlen_q, seqlen_k, headdim, kv_group,
+    seqlen_q, seqlen_k, kv_group,
     softmax_scale, qk_scale,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -365,7 +396,7 @@ def _attention_step_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < seqlen_q
-    mask_d = offs_d < headdim
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q_ptrs = Q + _offset64(off_b, stride_qb, off_h, stride_qh, start_m, stride_qm) \
@@ -409,7 +440,7 @@ def _attention_step_bwd_dq_kernel(
         cols = start_n + offs_n
         mask_n = cols < key_end
         kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST)
+        s = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
         # Recompute P from the final lse (base 2, scale folded in).
         p = tl.exp2(s * qk_scale - lse2[:, None])
         valid = mask_m[:, None] & mask_n[None, :]
@@ -419,10 +450,10 @@ def _attention_step_bwd_dq_kernel(
             valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
         p = tl.where(valid, p, 0.0)
         vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        dp = _dot(do, vt, DOT_PRECISION, DOT_UPCAST)
+        dp = _dot(do, vt, None, DOT_PRECISION, DOT_UPCAST)
         ds = p * (dp - delta[:, None])
         k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_UPCAST)
         kt_ptrs += BLOCK_N * stride_kn
         k_ptrs += BLOCK_N * stride_kn
         vt_ptrs += BLOCK_N * stride_vn
@@ -446,10 +477,11 @@ def _attention_step_bwd_dkdv_kernel(
     stride_eb, stride_eh, stride_em,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    seqlen_q, seqlen_k, headdim, kv_group,
+    seqlen_q, seqlen_k, kv_group,
     softmax_scale, qk_scale,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -470,7 +502,7 @@ def _attention_step_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < seqlen_k
-    mask_d = offs_d < headdim
+    mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_nd = mask_n[:, None] & mask_d[None, :]
 
     k_ptrs = K + _offset64(off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn) \
@@ -522,7 +554,7 @@ def _attention_step_bwd_dkdv_kernel(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
             # Transposed scores (keys x queries) so dk/dv come out row-major.
-            st = _dot(k, tl.trans(q), DOT_PRECISION, DOT_UPCAST)
+            st = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
             pt = tl.exp2(st * qk_scale - lse2[None, :])
             valid = mask_n[:, None] & mask_m[None, :]
             if CAUSAL:
@@ -530,10 +562,10 @@ def _attention_step_bwd_dkdv_kernel(
             if INTERVALS:
                 valid = valid & (rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None])
             pt = tl.where(valid, pt, 0.0)
-            dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, DOT_UPCAST)
-            dpt = _dot(v, tl.trans(do), DOT_PRECISION, DOT_UPCAST)
+            dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
+            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)
             dst = pt * (dpt - delta[None, :])
-            dk += _dot(dst.to(q.dtype), q, DOT_PRECISION, DOT_UPCAST)
+            dk = _dot(dst.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
 
     # Accumulate (+=) into the travelling fp32 dk/dv buffers.
     dk_ptrs = DK + _offset64(off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn) \

@@ -108,7 +108,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
     row_start, row_end, _, _ = _interval_args(intervals)
     args = (q, k, v, out, lse, row_start, row_end,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            seqlen_q, seqlen_k, headdim, nheads // nheads_kv,
+            seqlen_q, seqlen_k, nheads // nheads_kv,
             scale * _LOG2E)
     return launch, grid, args
 
@@ -118,7 +118,7 @@ def _backward_preprocess_call(out, dout, delta, *, target):
     batch, seqlen_q, nheads, headdim = out.shape
     launch = backward_preprocess_launch(headdim, target=target)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
-    args = (out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), seqlen_q, headdim)
+    args = (out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), seqlen_q)
     return launch, grid, args
 
 
@@ -133,7 +133,7 @@ def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, inte
                                                target=target, interpreted=interpreted)
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    sizes_and_scales = (seqlen_q, seqlen_k, headdim, nheads // nheads_kv, scale, scale * _LOG2E)
+    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * _LOG2E)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     if kernel == "dq":
         grid = (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch)
@@ -254,6 +254,13 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
             lse.fill_(float("-inf"))
         return out, lse
 
+    if softmax_scale < 0:
+        # The kernel takes the running max of the scaled scores as the max of
+        # the unscaled ones times the scale, which holds for a scale >= 0: a
+        # negative one goes into q instead (-q, exact in every dtype).  The
+        # ring never gets here: it folds the sign into q once
+        # (parallel/checks.py fold_scale_sign).
+        q, softmax_scale = -q, -softmax_scale
     launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals, first_step=first_step,
                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))
     launch(grid, *args)

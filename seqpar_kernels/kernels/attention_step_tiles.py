@@ -276,10 +276,11 @@ def _dot_upcast(dtype, interpreted):
     return dtype == torch.bfloat16 and interpreted
 
 
-def _step_launch(kernel, tiles, dtype, block_d, causal, intervals, interpreted, **more_constexprs):
+def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, **more_constexprs):
     assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
-    constexprs = dict(CAUSAL=bool(causal), INTERVALS=bool(intervals), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    constexprs = dict(CAUSAL=bool(causal), INTERVALS=bool(intervals), HEAD_DIM=headdim, BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_D=_block_d(headdim),
                       DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
                       **more_constexprs)
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
@@ -296,11 +297,10 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False,
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
     whether the Triton interpreter runs the kernel.
     """
-    block_d = _block_d(headdim)
     # The interval mask has no k tile that every row of a q tile is known to
     # see, so nothing to split off: its kernel sweeps once, masked.
-    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, block_d, target, intervals),
-                        dtype, block_d, causal, intervals, interpreted,
+    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, _block_d(headdim), target, intervals),
+                        dtype, headdim, causal, intervals, interpreted,
                         SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step))
 
 
@@ -310,7 +310,7 @@ def backward_preprocess_launch(headdim, *, target):
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
     return KernelLaunch(_attention_bwd_preprocess_kernel,
-                        dict(BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
+                        dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
                         num_warps=4, num_stages=3)
 
 
@@ -320,7 +320,7 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, target, interp
     block_d = _block_d(headdim)
     return (
         _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals),
-                     dtype, block_d, causal, intervals, interpreted),
+                     dtype, headdim, causal, intervals, interpreted),
         _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target, intervals),
-                     dtype, block_d, causal, intervals, interpreted),
+                     dtype, headdim, causal, intervals, interpreted),
     )

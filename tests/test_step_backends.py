@@ -25,6 +25,7 @@ from seqpar_kernels.parallel.block_attention import CUDNN, EFFICIENT, FLASH, Cud
 from test_ring_attention import CASE_GROUPS, LOW_PRECISION_CASES, _case, failures_of, run_cases
 from test_varlen import _case as varlen_case
 from test_varlen import run_varlen_cases
+from triton_interpreter import runs_triton_on
 
 # ----------------------------------------------------------------------------------
 # "auto" and its table
@@ -268,3 +269,40 @@ def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
             ring_steps.record_measured_step_backend("sm_90", "auto", "")
     finally:
         ring_steps.step_backend_table.cache_clear()
+
+
+# ----------------------------------------------------------------------------------
+# The Triton backend's first step: the running output starts uninitialised
+# ----------------------------------------------------------------------------------
+
+
+@runs_triton_on("cpu")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
+    # One process: step 0 is the whole ring. The driver hands the first step an
+    # uninitialised output (filled with NaN here, as torch.empty may hold anything).
+    from seqpar_kernels.parallel.ring_driver import _first_step_writes_every_row, ring_forward, step_mask
+    from seqpar_kernels.parallel.ring_driver import RingPieces
+
+    triton_steps = ring_steps.STEP_KERNELS["triton"]
+    mask = step_mask(0, 0, RingPieces.of([5], False), causal, None)
+    assert _first_step_writes_every_row(triton_steps, mask, 5)
+    assert not _first_step_writes_every_row(ring_steps.STEP_KERNELS["aten"], mask, 5)
+    forward = type(triton_steps).forward
+    first_steps = []
+
+    def forward_on_garbage(self, q, k, v, out, lse, scale, causal, first_step=False):
+        if first_step:
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        first_steps.append(first_step)
+        return forward(self, q, k, v, out, lse, scale, causal, first_step=first_step)
+
+    monkeypatch.setattr(type(triton_steps), "forward", forward_on_garbage)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 5, heads, 16, generator=generator) for heads in (4, 2, 2))
+    out, lse = ring_forward(q, k, v, causal, 0.25, False, "", triton_steps)
+    expected, expected_lse = ring_forward(q, k, v, causal, 0.25, False, "", ring_steps.STEP_KERNELS["aten"])
+    assert first_steps == [True]
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-6, rtol=0)

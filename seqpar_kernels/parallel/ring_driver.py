@@ -159,19 +159,35 @@ def step_mask(step: int, rank: int, pieces: RingPieces, causal: bool, documents:
     return StepMask((BlockPair(block.q_start, block.q_len, 0, block.kv_len, block.causal),))
 
 
-def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale) -> None:
-    """Folds the rows of one step's K/V block that `mask` selects into (out, lse)."""
+def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale, first_step=False) -> None:
+    """Folds the rows of one step's K/V block that `mask` selects into (out, lse).
+    first_step: (out, lse) hold nothing yet and the step kernels write every row
+    (_first_step_writes_every_row)."""
+    more = {"first_step": True} if first_step else {}
     if mask.has_intervals and hasattr(steps, "forward_intervals"):
-        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device))
+        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device), **more)
         return
     for block in mask.blocks:
         q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
         kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
         arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), scale)
         if block.mask is None:
-            steps.forward(*arguments, block.causal)
+            steps.forward(*arguments, block.causal, **more)
         else:
             steps.forward_masked(*arguments, block.mask, block.empty_rows)
+
+
+def _first_step_writes_every_row(steps, mask: StepMask | None, seqlen: int) -> bool:
+    """Whether the step kernels' first step writes every row of (out, lse) under `mask`
+    (step 0's), so that the running state need not be initialised: kernels that say so
+    (first_step_writes_every_row) write every row of each launch, and the launch covers
+    all rows (one interval launch, or one unmasked block of every row)."""
+    if mask is None or not getattr(steps, "first_step_writes_every_row", False):
+        return False
+    if mask.has_intervals:
+        return hasattr(steps, "forward_intervals")
+    (block, *others) = mask.blocks
+    return not others and block.mask is None and block.q_start == 0 and block.q_len == seqlen
 
 
 def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale) -> None:
@@ -251,15 +267,19 @@ def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Rin
     whose slots are the ranks (packed documents: attention stays inside each), or None
     for one dense sequence."""
     batch, seqlen, heads, _ = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     ring = exchange(group_name, KV_TAG)
+    lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     # Every rank agrees on batch, heads and head dim, so every rank returns here alike;
     # an empty piece (seqlen 0) still relays the other ranks' blocks below.
     if batch * heads * k.shape[2] * q.shape[3] == 0:
-        return out.to(q.dtype), lse
+        return q.new_zeros(q.shape), lse
     world_size, rank = ring.world_size, ring.rank
     pieces = _pieces(ring, seqlen, zigzag, seq_lens)
+    # The first step's kernels may fill the running output themselves: then it starts
+    # uninitialised (the fp32 output is the size of q twice over in bf16; a zero fill is
+    # a pass over it that step 0 would overwrite).
+    first_step_writes = _first_step_writes_every_row(steps, step_mask(0, rank, pieces, causal, documents), seqlen)
+    out = (torch.empty if first_step_writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
     numels = _block_numels(k, rank, pieces)
     kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if world_size > 1 else None
     for step in range(world_size):
@@ -269,7 +289,7 @@ def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Rin
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, pieces.lengths[src]))
         mask = step_mask(step, rank, pieces, causal, documents)
         if mask is not None:
-            _forward_step(steps, mask, q, k_block, v_block, out, lse, scale)
+            _forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=step == 0 and first_step_writes)
         if step + 1 < world_size:
             kv.advance()
     return out.to(q.dtype), lse

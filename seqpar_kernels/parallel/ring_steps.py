@@ -83,18 +83,22 @@ class AtenSteps:
 
 
 class TritonSteps:
-    """CUDA (or the Triton interpreter on CPU tensors, in tests): the fused step kernels."""
+    """CUDA (or the Triton interpreter on CPU tensors, in tests): the fused step kernels.
+    Their first step writes every row of the running (out, lse), so the driver hands
+    them uninitialised state and they never read it there."""
+
+    first_step_writes_every_row = True
 
     def prepare_backward(self, out, dout):
         from seqpar_kernels.kernels.attention_step_launch import attention_backward_preprocess
 
         return attention_backward_preprocess(out, dout)
 
-    def forward(self, q, k, v, out, lse, scale, causal):
+    def forward(self, q, k, v, out, lse, scale, causal, first_step=False):
         from seqpar_kernels.kernels import attention_step_launch as kernels
 
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+        kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode, first_step=first_step)
 
     def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal):
         """The dq kernel, then the dk/dv kernel into grad_kv()'s (dk, dv), asked for only
@@ -111,7 +115,7 @@ class TritonSteps:
         kernels.attention_step_backward_dkdv(q, k, v, dout, lse, delta, *grad_kv(), **options)
 
 
-    def forward_intervals(self, q, k, v, out, lse, scale, intervals):
+    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False):
         """forward over packed documents: query row i attends key rows [row_start[i],
         row_end[i]) of the block (intervals = (row_start, row_end, col_start, col_end),
         parallel/documents.py), in one launch that skips tiles with no common document."""

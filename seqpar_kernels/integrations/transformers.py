@@ -203,10 +203,10 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
                   varlen=varlen, **settings.group_kwargs())  # fmt: skip
     if mode == "ulysses":
         out = ulysses_attention(q, k, v, **common)
-    elif mode == "ring":
-        out = ring_attention(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout, **common)
     else:
-        out = usp_attention(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout, **common)
+        ring_or_usp = ring_attention if mode == "ring" else usp_attention
+        out = ring_or_usp(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout,
+                          step_backend=settings.step_backend, **common)  # fmt: skip
     return out, None  # (B, S_local, H, D), no attention weights
 
 
@@ -294,6 +294,7 @@ def apply(
     ulysses_group=None,
     ring_group=None,
     layout: str = "contiguous",
+    step_backend: str = "auto",
 ) -> SequenceParallelism:
     """Switch a loaded transformers model's attention to sequence-parallel attention.
 
@@ -304,12 +305,15 @@ def apply(
         from make_usp_groups).
     layout: "contiguous", or "balanced" (ring and usp: causal work balanced across the
         ring; shard_batch must be given the same).
+    step_backend: "auto", "triton" or "aten": what computes the ring's steps (ring and
+        usp; ring_attention's argument).
     Returns the SequenceParallelism it recorded on the model's modules (and as
     model.seqpar_parallelism). Calls register() first. Raises ValueError for a model
     that cannot switch (its attention does not dispatch through AttentionInterface) or
     that has sub-models (a vision tower's tokens are not sharded)."""
     settings = SequenceParallelism.resolve(
-        "apply", mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
+        "apply", mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+        step_backend=step_backend,
     )
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"apply: model must be a transformers PreTrainedModel, got {type(model).__name__}")

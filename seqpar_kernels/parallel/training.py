@@ -25,7 +25,7 @@ full sequence has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -36,6 +36,7 @@ from seqpar_kernels.comm.plan import tensor_split_sizes
 from seqpar_kernels.parallel.reshard import split_sequence
 from seqpar_kernels.parallel.ring import zigzag_split
 from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
+from seqpar_kernels.parallel.ring_steps import check_step_backend
 from seqpar_kernels.parallel.usp import _layout_lengths, _resolve_grid, usp_split
 from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
 
@@ -55,18 +56,23 @@ class SequenceParallelism:
     stays valid in this process; the object itself cannot be copied or pickled).
 
     group_names: (group,) for "ulysses" and "ring" ("" without torch.distributed: one
-    process); (ulysses_group, ring_group) for "usp"."""
+    process); (ulysses_group, ring_group) for "usp".
+    step_backend: what computes the ring's steps (ring_attention's argument); not part
+    of the comparison with a batch's sharding, which it does not change."""
 
     mode: str
     layout: str
     group_names: tuple[str, ...]
+    step_backend: str = field(default="auto", compare=False)
 
     @classmethod
-    def resolve(cls, describe: str, mode, layout, *, group=None, mesh=None, ulysses_group=None, ring_group=None):
+    def resolve(cls, describe: str, mode, layout, *, group=None, mesh=None, ulysses_group=None, ring_group=None,
+                step_backend="auto"):
         if mode not in MODES:
             raise ValueError(f"{describe}: mode must be one of {MODES}, got {mode!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"{describe}: layout must be one of {LAYOUTS}, got {layout!r}")
+        check_step_backend(step_backend)
         if mode == "ulysses" and layout != "contiguous":
             raise ValueError(
                 f"{describe}: mode='ulysses' takes layout='contiguous' only (got {layout!r}): Ulysses attends "
@@ -76,10 +82,10 @@ class SequenceParallelism:
             if group is not None:
                 raise ValueError(f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group=")
             grid = _resolve_grid(describe, mesh, ulysses_group, ring_group)
-            return cls(mode, layout, (grid.ulysses.name, grid.ring.name))
+            return cls(mode, layout, (grid.ulysses.name, grid.ring.name), step_backend)
         if mesh is not None or ulysses_group is not None or ring_group is not None:
             raise ValueError(f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh")
-        return cls(mode, layout, (resolve_group(group).name,))
+        return cls(mode, layout, (resolve_group(group).name,), step_backend)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """The process groups (None: the single process)."""

@@ -405,16 +405,65 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
 
 @runs_triton_on(DEVICE)
 @pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
-def test_forward_with_and_without_the_split_sweep(monkeypatch, split_sweep):
-    # Triton 3.8+ compiles the forward with its unmasked sweep split off, older
-    # Triton with one masked sweep (SPLIT_FORWARD_SWEEP): both must be exact.
+def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
+    # Triton 3.8+ compiles the forward, dq and dk/dv kernels with their unmasked
+    # sweeps split off, older Triton with one masked sweep each
+    # (SPLIT_FORWARD_SWEEP, SPLIT_BACKWARD_SWEEPS): both must be exact.
     # 45 rows in 16-row q tiles and 32-key tiles: the causal diagonal has a whole
     # tile every row of the last q tile sees, the 70-key block two and a partial one.
     monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
+    monkeypatch.setattr(step_tiles, "SPLIT_BACKWARD_SWEEPS", split_sweep)
     assert step_tiles.forward_launch(torch.float32, 64, True, target=None, interpreted=True) \
         .constexprs["SPLIT_SWEEP"] is split_sweep
+    for launch in step_tiles.backward_launches(torch.float32, 64, True, target=None, interpreted=True):
+        assert launch.constexprs["SPLIT_SWEEP"] is split_sweep
     torch.manual_seed(12)
     _check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.skipif(not step_tiles.TENSOR_DESCRIPTORS_AVAILABLE, reason="this Triton has no tl.make_tensor_descriptor")
+@pytest.mark.parametrize("case", ["steps", "intervals", "bf16"])
+def test_tensor_descriptor_loads(monkeypatch, case):
+    # The loads through tensor descriptors (TMA on sm_90), run by the
+    # interpreter: rows past the block and head-dim columns past 80 come in as
+    # 0 from the descriptors' bounds instead of masks; with the intervals, the
+    # descriptors end at the hull of the tile's intervals.
+    monkeypatch.setattr(step_tiles, "_INTERPRETER_TENSOR_DESCRIPTORS", True)
+    if DEVICE == "cpu":
+        q = torch.zeros(1, 8, 2, 80)
+        assert launchers._forward_call(q, q, q, q, q, 1.0, False, None, target=None, interpreted=True)[0] \
+            .constexprs["TENSOR_DESCRIPTORS"]
+        # A layout TMA cannot take (a head-dim stride of 2) falls back to pointer loads.
+        strided = torch.zeros(1, 8, 2, 160)[..., ::2]
+        assert not launchers._forward_call(strided, q, q, q, q, 1.0, False, None, target=None,
+                                           interpreted=True)[0].constexprs["TENSOR_DESCRIPTORS"]
+    if case == "steps":
+        torch.manual_seed(16)
+        _check_steps_forward_and_backward(h=4, hk=2, d=80, full_lens=[9, 70], b=1, sq=45)
+    elif case == "intervals":
+        _check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=25)
+    else:
+        torch.manual_seed(17)
+        b, sq, h, hk, d = 1, 33, 4, 2, 128
+        q, k, v, dout = (_randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk, h))
+        scale = d ** -0.5
+        out, lse = _fresh_state(b, sq, h, d)
+        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
+        dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)
+        launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv, softmax_scale=scale,
+                                          mask_mode=MASK_CAUSAL)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = _reference(qr, kr, vr, scale, _causal_keep(sq, sq))
+        ref_out.backward(dout.double())
+        torch_out = _torch_attention_in_dtype(q, k, v, scale, _causal_keep(sq, sq))
+        ours_err = (out.double() - ref_out).abs().max().item()
+        torch_err = (torch_out.double() - ref_out).abs().max().item()
+        assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
+        torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-4, rtol=0)
+        for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+            err = (got.double() - want).abs().max().item()
+            assert err <= 3e-2 * want.abs().max().item(), err
 
 
 def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
@@ -486,10 +535,13 @@ def test_backward_bf16_single_causal_step():
 
 @runs_triton_on(DEVICE)
 @pytest.mark.parametrize("mode", [MASK_FULL, MASK_CAUSAL, MASK_INTERVALS], ids=["full", "causal", "intervals"])
-def test_backward_dq_and_dkdv_launch_separately(mode):
+def test_backward_dq_and_dkdv_launch_separately(monkeypatch, mode):
     # The two halves of attention_step_backward, run one at a time and in the
     # other order, add exactly what it adds, each only to its own gradients
-    # (which start non-zero: the launchers accumulate).
+    # (which start non-zero: the launchers accumulate).  Deterministic
+    # algorithms asked for: no split of the dk/dv grid, whose atomics would add
+    # in any order on a GPU.
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     torch.manual_seed(13)
     b, sq, h, hk, d = 2, 40, 4, 2, 64
     q, dout = _randn(b, sq, h, d), _randn(b, sq, h, d)
@@ -514,6 +566,57 @@ def test_backward_dq_and_dkdv_launch_separately(mode):
     assert not torch.equal(dq, grads0[0]) and not torch.equal(dk, grads0[1])
 
 
+def test_dkdv_head_splits_fill_the_gpu():
+    splits = step_tiles.dkdv_head_splits
+    # MQA, 4096 keys in 64-key tiles, batch 1, 32 q heads, 132 SMs: 64 programs
+    # become 128 of 16 heads each; 3 splits (192 programs, 2 waves) would be slower.
+    assert splits(64, 32, 132) == 2
+    assert splits(32, 32, 132) == 4  # 128-key tiles: 32 programs of 8 heads
+    assert splits(132, 32, 132) == 1 and splits(64, 1, 132) == 1  # a full grid; MHA
+    assert splits(1, 3, 4) == 3
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("mode", [MASK_FULL, MASK_CAUSAL, MASK_INTERVALS], ids=["full", "causal", "intervals"])
+def test_dkdv_with_the_group_heads_split(monkeypatch, mode):
+    # SPLIT_HEADS: programs that share a k tile each sweep a part of the
+    # group's q heads and add with atomics.  The same dk/dv as one program per
+    # k tile, to fp32 rounding; asking torch for deterministic algorithms
+    # keeps one program per k tile.
+    torch.manual_seed(18)
+    b, sq, h, hk, d = 1, 40, 5, 1, 64
+    q, dout = _randn(b, sq, h, d), _randn(b, sq, h, d)
+    k, v = _randn(b, sq, hk, d), _randn(b, sq, hk, d)
+    intervals = None
+    if mode == MASK_INTERVALS:
+        intervals, _ = _document_intervals(torch.arange(80, 120), torch.arange(80, 120), DOC_LENS, causal=True)
+    out, lse = _fresh_state(b, sq, h, d)
+    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=mode, intervals=intervals)
+    delta = launchers.attention_backward_preprocess(out, dout)
+    target = step_tiles.cuda_target(q)
+    results = {}
+    for split in (False, True):
+        dk, dv = _randn(b, sq, hk, d), _randn(b, sq, hk, d)
+        start = (dk.clone(), dv.clone())
+        launch, grid, args = launchers._backward_call(
+            "dkdv", q, k, v, dout, lse, delta, (dk, dv), 0.125, mode == MASK_CAUSAL, intervals, split_heads=split,
+            target=target, interpreted=launchers._runs_in_interpreter(q))
+        assert launch.constexprs["SPLIT_HEADS"] is split and (grid[1] > hk) is split
+        launch(grid, *args)
+        results[split] = (dk - start[0], dv - start[1])
+    for unsplit, split in zip(results[False], results[True]):
+        torch.testing.assert_close(split, unsplit, atol=1e-6, rtol=1e-6)
+    # The launcher splits a grid smaller than the GPU (the interpreter's stand-in
+    # for one has 4 SMs), unless torch is asked for deterministic algorithms.
+    monkeypatch.setattr(step_tiles, "_INTERPRETER_MULTIPROCESSORS", 4)
+    if target is None:
+        for deterministic in (False, True):
+            monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+            launch, grid, _ = launchers._backward_call(
+                "dkdv", q, k, v, dout, lse, delta, (dk, dv), 0.125, False, None, target=None, interpreted=True)
+            assert launch.constexprs["SPLIT_HEADS"] is not deterministic
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GPU tiles; without a GPU the interpreter runs them "
                     "in test_cuda_tiles_compute_the_same_in_the_interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -525,8 +628,9 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     # tiles would run first in the benchmark.  A causal diagonal block of 333 rows and
     # full blocks of 700 and 260 keys, forward and backward, against fp64 autograd, with
     # at most twice the error of plain PyTorch attention in dtype (plus about one ulp).
-    # Both forms of the forward's sweep (SPLIT_FORWARD_SWEEP) compile and run.
+    # Both forms of the sweeps (SPLIT_FORWARD_SWEEP, SPLIT_BACKWARD_SWEEPS) compile and run.
     monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
+    monkeypatch.setattr(step_tiles, "SPLIT_BACKWARD_SWEEPS", split_sweep)
     torch.manual_seed(11)
     b, sq, h, hk = 1, 333, 4, 2
     full_lens = [700, 260]
@@ -845,7 +949,10 @@ def test_tiles_follow_the_target_family():
     # every target but sm_90; fp32 dq at d256 overflows 99 KiB of shared memory.
     bf16, fp32 = torch.bfloat16, torch.float32
     target = step_tiles.GpuTarget.of_capability
-    assert step_tiles._tiles("dkdv", bf16, 128, target(90)) == (32, 128, 8, 2)
+    assert step_tiles._tiles("dkdv", bf16, 128, target(90)) == (16, 128, 8, 2)
+    # sm_90 with tensor descriptors: wide tiles, 3 stages.
+    assert step_tiles._tiles("forward", bf16, 128, target(90), tensor_descriptors=True) == (128, 128, 8, 3)
+    assert step_tiles._tiles("dkdv", bf16, 128, target(90), intervals=True, tensor_descriptors=True) == (32, 64, 8, 3)
     for capability in (80, 86, 89, 100, 120):
         assert step_tiles._tiles("dkdv", bf16, 128, target(capability)) == (32, 64, 8, 2), capability
     assert step_tiles._tiles("dq", fp32, 256, target(80)) == (16, 32, 8, 2)

@@ -58,8 +58,23 @@ Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 never repeated in memory).  ``lse`` and ``delta`` are (batch, nheads,
 seqlen_q).  Every tensor may have arbitrary strides: the kernels take strides.
 
+Compile-time switches of the launches (attention_step_tiles.py):
+
+    SPLIT_SWEEP         the tiles every row (forward, dq) or every key (dk/dv)
+                        sees go through a loop without a causal or key mask,
+                        the diagonal and partial ones through a masked loop
+    TENSOR_DESCRIPTORS  q, k, v and dout come through tensor descriptors (TMA
+                        on sm_90), built per program over one (batch, head):
+                        rows past the block and columns past the head dim load
+                        as 0, so those loads need no mask and no pointer or
+                        offset tensor lives in registers
+    FIRST_STEP          forward: out and lse are written, never read
+    SPLIT_HEADS         dk/dv: the GQA group's q heads split over programs
+                        that add with atomics
+
 Grid: axis 0 the q tiles (k tiles for dk/dv), axis 1 the q heads (kv heads for
-dk/dv), axis 2 the batch.
+dk/dv, times the splits of each group's q heads with SPLIT_HEADS), axis 2 the
+batch.
 
 Numerics: all softmax statistics and accumulators are fp32.  Scores are taken
 to base 2 (``log2(e)`` folded into the scale, ``qk_scale``) so the kernels use
@@ -135,10 +150,10 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _attention_fwd_sweep(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
     offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # Folds the keys [lo, hi) into the online-softmax state (acc, l_i, m_i);
     # k_ptrs/v_ptrs point at key lo and come back pointing at key hi (rounded
@@ -146,11 +161,16 @@ def _attention_fwd_sweep(
     # attended.  MASKED=False: every key of every tile is valid for every row,
     # so no key mask and no causal or interval test.  row_start/row_end: the
     # rows' key intervals (INTERVALS only).  The running max m_i is in scaled
-    # base-2 units (of qk * qk_scale).
+    # base-2 units (of qk * qk_scale).  TENSOR_DESCRIPTORS: K and V come
+    # through k_desc/v_desc (TMA), whose rows end at seqlen_k and columns at
+    # the head dim: what lies past either loads as 0, no mask needed.
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             cols = start_n + offs_n
             mask_n = cols < seqlen_k
+        if TENSOR_DESCRIPTORS:
+            kt = tl.trans(k_desc.load([start_n, 0]))
+        elif MASKED:
             kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         else:
             kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
@@ -182,7 +202,9 @@ def _attention_fwd_sweep(
         alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if MASKED:
+        if TENSOR_DESCRIPTORS:
+            v = v_desc.load([start_n, 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
@@ -190,8 +212,9 @@ def _attention_fwd_sweep(
         # accumulation itself stays fp32, in the MMA's accumulator.
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TENSOR_DESCRIPTORS:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i, k_ptrs, v_ptrs
 
 
@@ -216,6 +239,7 @@ def _attention_step_fwd_kernel(
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
     FIRST_STEP: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # One program owns (q tile, q head, batch) and sweeps the K/V block: all of
     # it, up to the diagonal (CAUSAL), or the keys its rows' intervals span.
@@ -236,8 +260,12 @@ def _attention_step_fwd_kernel(
     mask_m = offs_m < seqlen_q
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
 
-    q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if TENSOR_DESCRIPTORS:
+        q = tl.make_tensor_descriptor(Q + _offset64(off_b, stride_qb, off_h, stride_qh), shape=[seqlen_q, HEAD_DIM],
+                                      strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+    else:
+        q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
     # Online softmax state in base 2: running max m_i, running sum l_i, acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -267,6 +295,16 @@ def _attention_step_fwd_kernel(
     # d64 causal GQA kernel 130 registers instead of 126.
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if TENSOR_DESCRIPTORS:
+        # The tiles of this (batch, kv head) through TMA: rows from key_end on
+        # and columns past the head dim load as 0, and no pointer tensor
+        # occupies registers through the sweep.
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc, v_desc = None, None
     if INTERVALS:
         k_ptrs += _offset64(lo, stride_kn)
         v_ptrs += _offset64(lo, stride_vn)
@@ -276,15 +314,15 @@ def _attention_step_fwd_kernel(
         # rest (the diagonal tiles, a partial last tile) with them.
         lo = (all_visible // BLOCK_N) * BLOCK_N
         acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, lo,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, 0, lo,
             offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
-            False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+            False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
     else:
         lo = 0
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
         offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
-        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
 
     # ---- merge this block into the running (out, lse), in place ----
     has_keys = mask_m & (l_i > 0.0)
@@ -362,6 +400,63 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _attention_dq_sweep(
+    dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
+    offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
+):
+    # Adds the keys [lo, hi) to the q tile's dq; kt_ptrs/k_ptrs/vt_ptrs (K^T,
+    # K, V^T tiles) point at key lo and come back pointing at key hi (rounded up to a
+    # whole tile).  MASKED=False: whole k tiles every row sees, no key mask and
+    # no causal or interval test.  MASKED: keys from key_end on are neither
+    # loaded nor attended.  Rows past seqlen_q need no mask: their q and dout
+    # are 0 and their lse and delta 0, and their dq is not stored.
+    # TENSOR_DESCRIPTORS: K and V through TMA (k_desc/v_desc, rows ending at
+    # key_end), one K tile serving as K and, transposed, as K^T.
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            cols = start_n + offs_n
+            mask_n = cols < key_end
+        if TENSOR_DESCRIPTORS:
+            k = k_desc.load([start_n, 0])
+            kt = tl.trans(k)
+        elif MASKED:
+            kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=mask_d[:, None], other=0.0)
+        qk = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
+        # Recompute P from the final lse (base 2, scale folded into the exponent).
+        p = tl.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            valid = mask_n[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            if INTERVALS:
+                valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
+            p = tl.where(valid, p, 0.0)
+        if TENSOR_DESCRIPTORS:
+            vt = tl.trans(v_desc.load([start_n, 0]))
+        elif MASKED:
+            vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        else:
+            vt = tl.load(vt_ptrs, mask=mask_d[:, None], other=0.0)
+        dp = _dot(do, vt, None, DOT_PRECISION, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        if not TENSOR_DESCRIPTORS:
+            if MASKED:
+                k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_UPCAST)
+        if not TENSOR_DESCRIPTORS:
+            kt_ptrs += BLOCK_N * stride_kn
+            k_ptrs += BLOCK_N * stride_kn
+            vt_ptrs += BLOCK_N * stride_vn
+    return dq, kt_ptrs, k_ptrs, vt_ptrs
+
+
+@triton.jit
 def _attention_step_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
@@ -382,6 +477,8 @@ def _attention_step_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SPLIT_SWEEP: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # One program owns (q tile, q head, batch) and loops over the k tiles, so
     # its dq rows have a single writer: deterministic, no atomics.
@@ -403,8 +500,14 @@ def _attention_step_bwd_dq_kernel(
         + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = DO + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
         + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
-    q = tl.load(q_ptrs, mask=mask_md, other=0.0)
-    do = tl.load(do_ptrs, mask=mask_md, other=0.0)
+    if TENSOR_DESCRIPTORS:
+        q = tl.make_tensor_descriptor(Q + _offset64(off_b, stride_qb, off_h, stride_qh), shape=[seqlen_q, HEAD_DIM],
+                                      strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+        do = tl.make_tensor_descriptor(DO + _offset64(off_b, stride_gb, off_h, stride_gh), shape=[seqlen_q, HEAD_DIM],
+                                       strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+    else:
+        q = tl.load(q_ptrs, mask=mask_md, other=0.0)
+        do = tl.load(do_ptrs, mask=mask_md, other=0.0)
     lse = tl.load(Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm,
                   mask=mask_m, other=0.0)
     delta = tl.load(Delta + _offset64(off_b, stride_eb, off_h, stride_eh) + offs_m * stride_em,
@@ -419,6 +522,7 @@ def _attention_step_bwd_dq_kernel(
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
 
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The keys [lo, hi) this q tile sees, as in the forward; keys from key_end
     # on are neither read nor attended.
     if INTERVALS:
@@ -428,41 +532,95 @@ def _attention_step_bwd_dq_kernel(
         k_ptrs += _offset64(lo, stride_kn)
         vt_ptrs += _offset64(lo, stride_vn)
     else:
-        lo = 0
+        row_start, row_end = offs_m, offs_m  # not read
         key_end = seqlen_k
         if CAUSAL:
             hi = tl.minimum(seqlen_k, start_m + BLOCK_M)
+            all_visible = tl.minimum(start_m, seqlen_k)
         else:
             hi = seqlen_k
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        mask_n = cols < key_end
-        kt = tl.load(kt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        s = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
-        # Recompute P from the final lse (base 2, scale folded in).
-        p = tl.exp2(s * qk_scale - lse2[:, None])
-        valid = mask_m[:, None] & mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None])
-        if INTERVALS:
-            valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
-        p = tl.where(valid, p, 0.0)
-        vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        dp = _dot(do, vt, None, DOT_PRECISION, DOT_UPCAST)
-        ds = p * (dp - delta[:, None])
-        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_UPCAST)
-        kt_ptrs += BLOCK_N * stride_kn
-        k_ptrs += BLOCK_N * stride_kn
-        vt_ptrs += BLOCK_N * stride_vn
+            all_visible = seqlen_k
+    if TENSOR_DESCRIPTORS:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc, v_desc = None, None
+    if not INTERVALS:
+        if SPLIT_SWEEP:
+            # The whole k tiles every row sees without a mask, the diagonal
+            # tiles and a partial last tile with it (as in the forward).  A key
+            # past seqlen_k is not harmless here even though its K and V load
+            # as 0: p = exp2(-lse) may overflow for rows of very negative lse.
+            lo = (all_visible // BLOCK_N) * BLOCK_N
+            dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
+                dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, 0, lo,
+                offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
+                False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+        else:
+            lo = 0
+    dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
+        dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
+        offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
+        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
 
     # Accumulate (+=) into the caller's fp32 dq: one ring step's contribution.
     dq_ptrs = DQ + _offset64(off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm) \
         + offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     dq_old = tl.load(dq_ptrs, mask=mask_md, other=0.0)
     tl.store(dq_ptrs, dq_old + dq * softmax_scale, mask=mask_md)
+
+
+@triton.jit
+def _attention_dkdv_sweep(
+    dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
+    stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em, lo, hi,
+    offs_m, offs_n, offs_d, mask_d, row_end, col_start, col_end, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
+):
+    # Adds the q rows [lo, hi) of one q head to the k tile's dk/dv.  Rows from
+    # row_end on load as 0 (q, dout, lse, delta) and so add exactly 0: pt is 1
+    # there and both of its products meet a zero row, so MASKED=False needs no
+    # score mask for a partial last q tile, only the loads' row mask.  MASKED:
+    # the causal or interval test (col_start/col_end: the keys' row
+    # intervals).  Keys past seqlen_k need no mask either: a dk/dv row depends
+    # on its own key only, and theirs are not stored.
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        mask_m = rows < row_end
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
+        # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
+        # loop (sm_80/86/90).
+        if TENSOR_DESCRIPTORS:
+            # TMA: rows from row_end on load as 0, no offsets in registers.
+            q = q_desc.load([start_m, 0])
+            do = do_desc.load([start_m, 0])
+        else:
+            q = tl.load(q_base + _offset64(start_m, stride_qm) + offs_m[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
+            do = tl.load(do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm
+                         + offs_d[None, :] * stride_gd, mask=mask_md, other=0.0)
+        lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
+        delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
+        # lse == -inf: row without any key -> P == 0 (see the dq kernel).
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+        # Transposed scores (keys x queries) so dk/dv come out row-major.
+        st = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
+        pt = tl.exp2(st * qk_scale - lse2[None, :])
+        if MASKED:
+            if CAUSAL:
+                pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+            if INTERVALS:
+                pt = tl.where((rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None]), pt, 0.0)
+        dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
+        dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
+    return dk, dv
 
 
 @triton.jit
@@ -478,6 +636,7 @@ def _attention_step_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     seqlen_q, seqlen_k, kv_group,
+    heads_per_program,  # q heads of the group one program sweeps: kv_group unless SPLIT_HEADS
     softmax_scale, qk_scale,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
@@ -487,14 +646,28 @@ def _attention_step_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SPLIT_SWEEP: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr,
 ):
-    # One program owns (k tile, kv head, batch).  It loops over every q head of
+    # One program owns (k tile, kv head, batch) and loops over every q head of
     # the GQA group and every q tile, so all contributions to these dk/dv rows
-    # are summed in registers by a single writer: no atomics, no races, and a
-    # deterministic summation order.
+    # are summed in registers by a single writer: no races, and a
+    # deterministic summation order.  SPLIT_HEADS: grid axis 1 also splits the
+    # group's q heads, heads_per_program per program, for grids too small to
+    # fill the GPU (MQA at a few thousand keys); the programs of one k tile
+    # then all add into the same dk/dv rows, in no fixed order.
     pid_n = tl.program_id(0)
-    off_hk = tl.program_id(1)
     off_b = tl.program_id(2)
+    if SPLIT_HEADS:
+        head_splits = tl.cdiv(kv_group, heads_per_program)
+        off_hk = tl.program_id(1) // head_splits
+        head_lo = (tl.program_id(1) % head_splits) * heads_per_program
+        head_hi = tl.minimum(head_lo + heads_per_program, kv_group)
+    else:
+        off_hk = tl.program_id(1)
+        head_lo = 0
+        head_hi = kv_group
     start_n = pid_n * BLOCK_N
 
     offs_tn = tl.arange(0, BLOCK_N)
@@ -509,8 +682,14 @@ def _attention_step_bwd_dkdv_kernel(
         + offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + _offset64(off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn) \
         + offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
-    v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
+    if TENSOR_DESCRIPTORS:
+        k = tl.make_tensor_descriptor(K + _offset64(off_b, stride_kb, off_hk, stride_kh), shape=[seqlen_k, HEAD_DIM],
+                                      strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]).load([start_n, 0])
+        v = tl.make_tensor_descriptor(V + _offset64(off_b, stride_vb, off_hk, stride_vh), shape=[seqlen_k, HEAD_DIM],
+                                      strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]).load([start_n, 0])
+    else:
+        k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
+        v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -522,57 +701,63 @@ def _attention_step_bwd_dkdv_kernel(
         # same intervals, held through the loop: exact, as the row intervals of
         # each q tile would be, without loading two more vectors per q tile.
         col_start, col_end, lo, hi = _load_intervals(ColStart, ColEnd, offs_n, mask_n, seqlen_q)
-    elif CAUSAL:
-        # Diagonal block: q rows before this k tile's first key see none of
-        # its keys, so start at the q tile containing row start_n.
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        hi = seqlen_q
+        masked_hi = hi
     else:
-        lo = 0
+        col_start, col_end = offs_n, offs_n  # not read
         hi = seqlen_q
+        if CAUSAL:
+            # Diagonal block: q rows before this k tile's first key see none of
+            # its keys, so start at the q tile containing row start_n; the q
+            # tiles from the first whole one past the tile's last key on see
+            # all of its keys.
+            lo = (start_n // BLOCK_M) * BLOCK_M
+            masked_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, hi)
+        else:
+            lo = 0
+            masked_hi = 0
+        if not SPLIT_SWEEP:
+            masked_hi = hi  # one masked sweep over every q tile
 
-    for g in range(0, kv_group):
+    for g in range(head_lo, head_hi):
         off_h = off_hk * kv_group + g
         q_base = Q + _offset64(off_b, stride_qb, off_h, stride_qh)
         do_base = DO + _offset64(off_b, stride_gb, off_h, stride_gh)
         lse_base = Lse + _offset64(off_b, stride_lb, off_h, stride_lh)
         delta_base = Delta + _offset64(off_b, stride_eb, off_h, stride_eh)
-        for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + offs_m
-            mask_m = rows < hi
-            mask_md = mask_m[:, None] & mask_d[None, :]
-            # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
-            # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
-            # loop (sm_80/86/90).
-            q = tl.load(q_base + _offset64(start_m, stride_qm) + offs_m[:, None] * stride_qm
-                        + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
-            do = tl.load(do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm
-                         + offs_d[None, :] * stride_gd, mask=mask_md, other=0.0)
-            lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
-            delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
-            # lse == -inf: row without any key -> P == 0 (see the dq kernel).
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-
-            # Transposed scores (keys x queries) so dk/dv come out row-major.
-            st = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
-            pt = tl.exp2(st * qk_scale - lse2[None, :])
-            valid = mask_n[:, None] & mask_m[None, :]
-            if CAUSAL:
-                valid = valid & (rows[None, :] >= offs_n[:, None])
-            if INTERVALS:
-                valid = valid & (rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None])
-            pt = tl.where(valid, pt, 0.0)
-            dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
-            dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)
-            dst = pt * (dpt - delta[None, :])
-            dk = _dot(dst.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
+        if TENSOR_DESCRIPTORS:
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[hi, HEAD_DIM], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[hi, HEAD_DIM], strides=[stride_gm, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            q_desc, do_desc = None, None
+        if INTERVALS or CAUSAL or not SPLIT_SWEEP:
+            # The diagonal tiles (causal) or the interval hull, masked ...
+            dk, dv = _attention_dkdv_sweep(
+                dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
+                stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em, lo, masked_hi,
+                offs_m, offs_n, offs_d, mask_d, hi, col_start, col_end, qk_scale,
+                True, CAUSAL, INTERVALS, BLOCK_M, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+        if not INTERVALS:
+            if SPLIT_SWEEP:
+                # ... and the q tiles that see every key of the k tile, without.
+                dk, dv = _attention_dkdv_sweep(
+                    dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
+                    stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em,
+                    tl.maximum(lo, masked_hi), hi,
+                    offs_m, offs_n, offs_d, mask_d, hi, col_start, col_end, qk_scale,
+                    False, CAUSAL, False, BLOCK_M, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
 
     # Accumulate (+=) into the travelling fp32 dk/dv buffers.
     dk_ptrs = DK + _offset64(off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn) \
         + offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + _offset64(off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn) \
         + offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-    dk_old = tl.load(dk_ptrs, mask=mask_nd, other=0.0)
-    tl.store(dk_ptrs, dk_old + dk * softmax_scale, mask=mask_nd)
-    dv_old = tl.load(dv_ptrs, mask=mask_nd, other=0.0)
-    tl.store(dv_ptrs, dv_old + dv, mask=mask_nd)
+    # As fp32 atomic adds (reductions, nothing returned) also when this
+    # program is the only writer: then the sum is exactly the load + add +
+    # store's (round to nearest; the atomics flush a subnormal to 0), and
+    # ptxas keeps the sweep's wgmma pipelined.  With a load of the old values
+    # here it serializes every wgmma of the full MHA kernel (C7515) and the
+    # loop takes 399 instructions instead of 302 (sm_90, bf16 d128, 32 x 64).
+    tl.atomic_add(dk_ptrs, dk * softmax_scale, mask=mask_nd, sem="relaxed")
+    tl.atomic_add(dv_ptrs, dv, mask=mask_nd, sem="relaxed")

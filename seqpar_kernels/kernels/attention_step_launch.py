@@ -50,7 +50,15 @@ import os
 import torch
 import triton
 
-from .attention_step_tiles import backward_launches, backward_preprocess_launch, cuda_target, forward_launch
+from . import attention_step_tiles
+from .attention_step_tiles import (
+    backward_launches,
+    backward_preprocess_launch,
+    cuda_target,
+    dkdv_head_splits,
+    forward_launch,
+    uses_tensor_descriptors,
+)
 
 __all__ = [
     "MASK_FULL",
@@ -87,6 +95,46 @@ def _runs_in_interpreter(t):
 # ----------------------------------------------------------------------------
 
 
+def _tensor_descriptors(target, *tensors):
+    """Whether the kernels load ``tensors`` through tensor descriptors: where
+    uses_tensor_descriptors says so for their dtype and ``target``, and every
+    one has the layout TMA takes (unit last stride, the other strides and the
+    address multiples of 16 bytes).  Any other layout takes pointer loads."""
+    if not uses_tensor_descriptors(tensors[0].dtype, tensors[0].shape[-1], target):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
+            return False
+    _ensure_allocator(tensors[0].device)
+    return True
+
+
+class _Scratch:
+    """Triton's allocator for the global scratch of kernels that build tensor
+    descriptors on the device (128 bytes per descriptor and program): torch
+    memory on ``device``, on the launch's stream."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+
+def _ensure_allocator(device):
+    # The allocator lives in a context variable: each thread (autograd runs the
+    # backward on its own) starts without one.  One the caller set is kept.
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        current = _allocator.get()
+        if not isinstance(current, (NullAllocator, _Scratch)) or getattr(current, "device", None) == device:
+            return
+    except ImportError:  # another layout of Triton's internals: set ours
+        pass
+    triton.set_allocator(_Scratch(device))
+
+
 def _interval_args(intervals):
     """(row_start, row_end, col_start, col_end): the interval pointers the kernels
     take in every mask mode.  Without MASK_INTERVALS they are None, which Triton
@@ -103,6 +151,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     launch = forward_launch(q.dtype, headdim, causal, intervals=intervals is not None, first_step=first_step,
+                            tensor_descriptors=_tensor_descriptors(target, q, k, v),
                             target=target, interpreted=interpreted)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
     row_start, row_end, _, _ = _interval_args(intervals)
@@ -122,14 +171,18 @@ def _backward_preprocess_call(out, dout, delta, *, target):
     return launch, grid, args
 
 
-def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, target, interpreted):
+def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, split_heads=None, target,
+                   interpreted):
     """(KernelLaunch, grid, positional arguments) of one backward step kernel:
     ``kernel`` "dq" (``grads`` = (dq,)) or "dkdv" (``grads`` = (dk, dv));
     ``intervals`` as in _forward_call.  dq reads the row intervals, dk/dv the
-    column intervals."""
+    column intervals.  ``split_heads`` (dk/dv): split each GQA group's q heads
+    over grid axis 1 (SPLIT_HEADS); None decides by whether the grid fills the
+    GPU (attention_step_tiles.dkdv_head_splits)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal, intervals=intervals is not None,
+                                               tensor_descriptors=_tensor_descriptors(target, q, k, v, dout),
                                                target=target, interpreted=interpreted)
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
@@ -140,9 +193,22 @@ def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, inte
         return dq_launch, grid, (q, k, v, dout, lse, delta, *grads, row_start, row_end,
                                  *inputs, *grad_strides, *sizes_and_scales)
     assert kernel == "dkdv", kernel
-    grid = (triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"]), nheads_kv, batch)
+    k_tiles = triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"])
+    group = nheads // nheads_kv
+    multiprocessors = target.multiprocessors if target is not None else attention_step_tiles._INTERPRETER_MULTIPROCESSORS
+    splits = dkdv_head_splits(k_tiles * nheads_kv * batch, group, multiprocessors)
+    if split_heads is None:
+        # Split the group's q heads only where the grid would leave SMs idle,
+        # and never when torch is asked for deterministic algorithms.
+        split_heads = splits > 1 and not torch.are_deterministic_algorithms_enabled()
+    heads_per_program = group
+    if split_heads:
+        heads_per_program = triton.cdiv(group, max(2, splits))
+        dkdv_launch = dkdv_launch._replace(constexprs={**dkdv_launch.constexprs, "SPLIT_HEADS": True})
+    grid = (k_tiles, nheads_kv * triton.cdiv(group, heads_per_program), batch)
+    seqlens, scales = sizes_and_scales[:3], sizes_and_scales[3:]
     return dkdv_launch, grid, (q, k, v, dout, lse, delta, *grads, col_start, col_end,
-                               *inputs, *grad_strides, *sizes_and_scales)
+                               *inputs, *grad_strides, *seqlens, heads_per_program, *scales)
 
 
 def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
@@ -154,7 +220,9 @@ def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, interv
 
 def cuda_kernel_calls(q, k, v, mask_mode, target):
     """Every kernel launch that one forward and one backward ring step with
-    ``mask_mode`` run (the forward of the first step and of a later one) on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
+    ``mask_mode`` run (the forward of the first step and of a later one;
+    with GQA also the dk/dv launch that splits the group's q heads, which a
+    grid too small for the GPU takes) on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
     (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
     dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
@@ -179,6 +247,9 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
              _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
              *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals,
                               target=target, interpreted=False)]
+    if nheads > k.shape[2]:
+        calls.append(_backward_call("dkdv", q, k, v, dout, lse, delta, (dk, dv), scale, causal, intervals,
+                                    split_heads=True, target=target, interpreted=False))
     return [(launch, args) for launch, _grid, args in calls]
 
 
@@ -312,8 +383,19 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
             intervals; dk/dv never read the q, dout, lse and delta rows outside
             [min col_start, max col_end) over the non-empty intervals.
 
-    Deterministic: every output element has a single writer (no atomics).
-    Returns (dq, dk, dv), the same tensors.
+    Deterministic but for one case: dq always has a single writer per
+    element, and so do dk and dv, except where GQA/MQA leaves the dk/dv grid
+    (k tiles x kv heads x batch) smaller than the GPU's SM count, e.g. MQA at
+    4096 keys: 64 programs for 132 SMs.  There the group's q heads are split
+    over more programs (attention_step_tiles.dkdv_head_splits: 2 splits, 128
+    programs, about half the time of that kernel), which add into dk/dv with
+    fp32 atomics in no fixed order: dk/dv may then differ between runs by fp32
+    rounding.  The cost: one fp32 atomic add per dk and dv element and
+    program instead of a load and a store, 2 x 64 x 128 = 16 K per program at
+    d128 (2.1 M in all for MQA at 4096 keys, against the 2 G multiply-adds
+    each of its programs sweeps), and the same kernel otherwise.  With
+    torch.use_deterministic_algorithms(True) nothing is split.  Returns
+    (dq, dk, dv), the same tensors.
     """
     _is_causal(q, k, mask_mode, intervals)
     if delta is None:
@@ -353,8 +435,10 @@ def attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_s
 
     The arguments are those of attention_step_backward; ``delta`` is required.
     The dk/dv kernel reads q, k, v, dout, lse, delta and the column intervals,
-    and writes dk and dv only.  Deterministic: each dk/dv element has a single
-    writer.  Returns (dk, dv).
+    and writes dk and dv only.  Deterministic (a single writer per element)
+    unless the grid is too small for the GPU and the GQA group's q heads are
+    split over programs that add with atomics (see attention_step_backward).
+    Returns (dk, dv).
     """
     _launch_backward("dkdv", q, k, v, dout, lse, delta, (dk, dv), softmax_scale, mask_mode, intervals)
     return dk, dv

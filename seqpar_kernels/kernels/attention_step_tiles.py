@@ -2,7 +2,7 @@
 
 Per GPU target: the tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of each
 kernel, the shared memory a target offers, the choices that depend on the
-installed Triton release (SPLIT_FORWARD_SWEEP), and the functions that turn a
+installed Triton release (SPLIT_FORWARD_SWEEP, SPLIT_BACKWARD_SWEEPS), and the functions that turn a
 (dtype, head dim, mask, target) into a KernelLaunch.  The full and the causal
 launches of a kernel share their tiles; the interval mask (packed documents)
 takes them too, except for two dk/dv tiles that spill with it
@@ -65,10 +65,14 @@ class KernelLaunch(NamedTuple):
 
 
 class GpuTarget(NamedTuple):
-    """The two properties of a CUDA GPU that decide the step kernels' tiles."""
+    """The properties of a CUDA GPU that decide the step kernels' launches."""
 
     capability: int  # 10 * major + minor: 90 for sm_90 (H100/H200)
     shared_memory_per_block: int  # bytes one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+    # Streaming multiprocessors: whether a dk/dv grid fills the GPU.  A GPU
+    # known only by its capability (ahead-of-time compiles) is taken to have
+    # an H100 SXM's 132.
+    multiprocessors: int = 132
 
     @classmethod
     def of_capability(cls, capability):
@@ -119,7 +123,8 @@ def _device_target(device_index):
     # and to the smallest size on record for a GPU not in it.
     shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
         SHARED_MEMORY_PER_BLOCK.get(capability, _SMALLEST_SHARED_MEMORY)
-    return GpuTarget(capability, shared_memory)
+    return GpuTarget(capability, shared_memory,
+                     getattr(properties, "multi_processor_count", None) or GpuTarget._field_defaults["multiprocessors"])
 
 
 # ----------------------------------------------------------------------------
@@ -151,12 +156,18 @@ _TILES = {
     # bf16/fp16 d64: (128, 64, 4, 3) spills 1 access on sm_100 (causal GQA): overridden there.
     "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
                 (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
-    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (64, 32, 8, 1),
+    # bf16/fp16 d256 with the split sweeps: (64, 32, 8, 1) spills 17-21 accesses
+    # in the loops on sm_90, (32, 64, 8, 1) 10 on sm_80; (32, 64, 8, 2) none
+    # (135168 B of shared memory: 99 KiB targets take (32, 32, 8, 1)).
+    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (32, 64, 8, 2),
            (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
     # bf16/fp16 d256: (32, 64, 8, 1) spills 9 to 25 accesses.  fp32: (16, 32, 4, 2)
     # spills at d64 (1, sm_80) and d256 (up to 294); at d128 with GQA (16, 32, 8, 2)
     # spills 3 and (16, 16, 8, 2) 2 on sm_120.
-    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (32, 128, 8, 2), (2, 256): (32, 32, 8, 1),
+    # bf16/fp16 d128 with pointer loads and the split sweeps (SPLIT_BACKWARD_SWEEPS):
+    # (32, 128, 8, 2) spills 15 accesses in the loops on sm_90 (causal GQA),
+    # (32, 64, 8, 2) 10; (16, 128, 8, 2) none.
+    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (16, 128, 8, 2), (2, 256): (32, 32, 8, 1),
              (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
 }
 
@@ -179,31 +190,44 @@ def _is_hopper(target):
 
 # (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
 # The sm_90 tiles they replace, in spill accesses inside the loop:
-# - mma.sync, bf16/fp16 dq d256: (64, 32, 8, 1) spills 365 on sm_80, 238 on sm_120;
+# - 99 KiB of shared memory, bf16/fp16 dq d256: (32, 64, 8, 2) takes 135168 B;
 # - mma.sync and sm_100, bf16/fp16 dk/dv d128: (32, 128, 8, 2) spills with GQA,
 #   12-13 on sm_80, 6-24 on sm_120, 37-55 on sm_100;
 # - sm_100, bf16/fp16 forward d64: (128, 64, 4, 3) spills 1 (causal GQA);
 # - 99 KiB of shared memory, fp32 dq d256: (16, 32, 8, 2) takes 133120 B, and
 #   with one stage it spills 800-860.
 _TILE_OVERRIDES = (
-    (_uses_mma_sync, {"dq": {(2, 256): (32, 64, 8, 1)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_uses_mma_sync, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),
     (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
-    (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES}}),
+    (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES, (2, 256): (32, 32, 8, 1)}}),
 )
 
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
-# between bounds loaded from them, which costs registers that two tiles lack:
-# with GQA they spill inside the loop, and are replaced for the interval mask
-# only (applied after _TILE_OVERRIDES):
-# - bf16/fp16 d128 on sm_90, (32, 128, 8, 2): 11 accesses.  With one stage none
-#   (88 B of MHA and 152 B of GQA spilled outside the loop); (32, 64, 8, 2)
-#   spills 8, (64, 64, 8, 2) 67, (32, 64, 4, 2) 21.
-# - fp32 d128 on sm_80, (16, 32, 4, 2): 3.  (16, 32, 8, 2) spills in no loop on
-#   any target of the ahead-of-time test, and is taken everywhere.
+# between bounds loaded from them, which costs registers: with GQA, fp32 d128
+# on sm_80 with (16, 32, 4, 2) spills 3 accesses inside the loop.
+# (16, 32, 8, 2) spills in no loop on any target of the ahead-of-time test,
+# and is taken everywhere for the interval mask (applied after
+# _TILE_OVERRIDES).
 _INTERVAL_TILE_OVERRIDES = (
-    (_is_hopper, {"dkdv": {(2, 128): (32, 128, 8, 1)}}),
     (lambda target: True, {"dkdv": {(4, 128): (16, 32, 8, 2)}}),
 )
+
+# sm_90 with tensor descriptors (fp16/bf16; uses_tensor_descriptors), applied
+# last.  Without pointer or offset tensors in registers the wide tiles fit
+# (ahead-of-time, bf16 d128, registers per thread, SASS instructions per loop
+# iteration of the unmasked sweep):
+# - forward (128, 128, 8, 3): 189-208 registers, 494 instructions per 128 keys
+#   (247 per 64; pointer loads at (128, 64, 8, 2): 364), 230400 B of shared
+#   memory (of 232448); no serialized wgmma.
+# - dq (128, 64, 8, 3): 182 registers, 288 instructions per 64 keys
+#   ((128, 32): 213 per 32).
+# - dk/dv (32, 64, 8, 3): 130-251 registers, no spill; (32, 128, 8, 2) takes
+#   252-255 and spills 14 accesses in the loops with GQA, (64, 64, 8, 2) 44.
+_TENSOR_DESCRIPTOR_TILES = {
+    "forward": {(2, 128): (128, 128, 8, 3)},
+    "dq": {(2, 128): (128, 64, 8, 3)},
+    "dkdv": {(2, 128): (32, 64, 8, 3)},
+}
 
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
@@ -211,16 +235,45 @@ _INTERVAL_TILE_OVERRIDES = (
 _INTERPRETER_TILES = (16, 32, 4, 1)
 
 
+# The interpreter's stand-in for a GPU's multiprocessor count: small, so that
+# the tests' short MQA/GQA blocks run the dk/dv kernel with its q heads split
+# (SPLIT_HEADS) and longer ones without.
+_INTERPRETER_MULTIPROCESSORS = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def dkdv_head_splits(programs, kv_group, multiprocessors):
+    """Into how many programs the dk/dv kernel splits the ``kv_group`` q heads of
+    each (k tile, kv head, batch), for a grid of ``programs`` such triples on a
+    GPU of ``multiprocessors`` SMs: 1 when the grid fills the GPU (or there is
+    no group), else the fewest splits that minimize waves x heads per program
+    (the time of the longest program, at one program per SM).  MQA at 4096
+    keys (64-key tiles, one kv head, batch 1) has 64 programs for 132 SMs: 2
+    splits of 16 heads fill 128 SMs, half the time of one program sweeping all
+    32 heads.  The split programs add with fp32 atomics: the sum is the same
+    up to rounding, its order is not fixed."""
+    if kv_group == 1 or programs >= multiprocessors:
+        return 1
+    best_cost, best_splits = None, 1
+    for heads in range(kv_group, 0, -1):  # fewest splits first: a tie keeps them
+        splits = -(-kv_group // heads)
+        cost = -(-programs * splits // multiprocessors) * heads
+        if best_cost is None or cost < best_cost:
+            best_cost, best_splits = cost, splits
+    return best_splits
+
+
 def all_cuda_tiles():
     """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
-    tables = [*_TILES.values()] + [table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES
-                                   for table in overrides.values()]
+    tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
+        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()]
     return sorted({tiles for table in tables for tiles in table.values()})
 
 
-def _tiles(kernel, dtype, block_d, target, intervals=False):
+def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False):
     # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors;
-    # intervals: the tiles of the interval mask.
+    # intervals: the tiles of the interval mask; tensor_descriptors: of the
+    # loads through tensor descriptors.
     if target is None:
         return _INTERPRETER_TILES
     key = (dtype.itemsize, max(64, block_d))
@@ -228,6 +281,8 @@ def _tiles(kernel, dtype, block_d, target, intervals=False):
     for applies, overrides in _TILE_OVERRIDES + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
         if applies(target) and key in overrides.get(kernel, {}):
             tiles = overrides[kernel][key]
+    if tensor_descriptors and key in _TENSOR_DESCRIPTOR_TILES[kernel]:
+        tiles = _TENSOR_DESCRIPTOR_TILES[kernel][key]
     return tiles
 
 
@@ -251,6 +306,44 @@ def _triton_version(version=triton.__version__):
 # 3.3 to 3.7, and at d128 takes 163840 B of shared memory where one loop takes
 # 98304 B.  The two forms have not been timed against each other on a GPU.
 SPLIT_FORWARD_SWEEP = _triton_version() >= (3, 8)
+# The same for the backward kernels: dq sweeps the whole k tiles every row of
+# its q tile sees without a mask, then the diagonal and partial ones; dk/dv
+# sweeps the diagonal q tiles (causal) with the mask, then the rest without.
+# Taken on the forward's evidence: Triton 3.8 compiles the split dq and dk/dv
+# without a spill in a loop on every target of the ahead-of-time test; older
+# releases run one masked sweep, not measured split.
+SPLIT_BACKWARD_SWEEPS = _triton_version() >= (3, 8)
+
+# Whether this Triton builds tensor descriptors inside a kernel
+# (tl.make_tensor_descriptor, Triton 3.4 on; the global scratch they take comes
+# from triton.set_allocator).  Feature-detected, not read off the version.
+TENSOR_DESCRIPTORS_AVAILABLE = hasattr(triton.language, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+# The interpreter runs the descriptor path as well (Triton 3.8: rows and
+# columns past the descriptor's shape load as 0, as TMA does); the tests turn
+# it on, the launchers keep pointer loads on CPU tensors.
+_INTERPRETER_TENSOR_DESCRIPTORS = False
+
+
+def uses_tensor_descriptors(dtype, headdim, target):
+    """Whether the step kernels load q, k, v and dout through tensor descriptors
+    (TMA on the GPU) for ``dtype`` on ``target`` (None: the interpreter), given
+    tensors whose layout allows it (attention_step_launch checks that).
+
+    sm_90 with fp16/bf16: TMA moves the tiles into shared memory without a
+    pointer or an offset tensor in registers.  With pointer loads, the
+    loop-invariant row offsets of the q and dout tiles in the dk/dv kernel
+    alone hold 32 registers per thread at BLOCK_M 32 (8 warps), which is what
+    puts that kernel at 255 registers.  Other families keep pointer loads:
+    mma.sync GPUs have no TMA, and sm_100 (which has it) is compiled and
+    checked with pointer loads.  fp32 runs its products as FMAs on small tiles:
+    not where the loads cost.  Head dims above 128 keep pointer loads too: at
+    d256 through descriptors the dq kernel (64, 32, 8, 1) spills 17-21
+    accesses in its loops and the causal dk/dv kernel (32, 32, 8, 1) 226-416."""
+    if not TENSOR_DESCRIPTORS_AVAILABLE:
+        return False
+    if target is None:
+        return _INTERPRETER_TENSOR_DESCRIPTORS
+    return _is_hopper(target) and dtype.itemsize == 2 and headdim <= 128
 
 
 # ----------------------------------------------------------------------------
@@ -286,22 +379,26 @@ def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, 
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, target, interpreted):
+def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target,
+                   interpreted):
     """The KernelLaunch of ``_attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
     documents given as index intervals (MASK_INTERVALS; not with ``causal``);
     ``first_step``: the kernel that neither reads the running (out, lse) nor
-    leaves a row of it unwritten (FIRST_STEP).
+    leaves a row of it unwritten (FIRST_STEP); ``tensor_descriptors``: loads
+    through tensor descriptors (TENSOR_DESCRIPTORS; see uses_tensor_descriptors).
     ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
     used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
     whether the Triton interpreter runs the kernel.
     """
     # The interval mask has no k tile that every row of a q tile is known to
     # see, so nothing to split off: its kernel sweeps once, masked.
-    return _step_launch(_attention_step_fwd_kernel, _tiles("forward", dtype, _block_d(headdim), target, intervals),
+    return _step_launch(_attention_step_fwd_kernel,
+                        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
                         dtype, headdim, causal, intervals, interpreted,
-                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step))
+                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step),
+                        TENSOR_DESCRIPTORS=bool(tensor_descriptors))
 
 
 def backward_preprocess_launch(headdim, *, target):
@@ -314,13 +411,19 @@ def backward_preprocess_launch(headdim, *, target):
                         num_warps=4, num_stages=3)
 
 
-def backward_launches(dtype, headdim, causal, *, intervals=False, target, interpreted):
+def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descriptors=False, target, interpreted):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
-    ``causal``, ``intervals``, ``target`` and ``interpreted`` as in forward_launch."""
+    ``causal``, ``intervals``, ``tensor_descriptors``, ``target`` and
+    ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals),
-                     dtype, headdim, causal, intervals, interpreted),
-        _step_launch(_attention_step_bwd_dkdv_kernel, _tiles("dkdv", dtype, block_d, target, intervals),
-                     dtype, headdim, causal, intervals, interpreted),
+        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
+                     dtype, headdim, causal, intervals, interpreted,
+                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+                     TENSOR_DESCRIPTORS=bool(tensor_descriptors)),
+        _step_launch(_attention_step_bwd_dkdv_kernel,
+                     _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
+                     dtype, headdim, causal, intervals, interpreted,
+                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+                     TENSOR_DESCRIPTORS=bool(tensor_descriptors), SPLIT_HEADS=False),
     )

@@ -20,6 +20,12 @@ total time over them (forward + backward) becomes this GPU family's entry of the
 step_backend="auto" reads (seqpar_kernels/parallel/step_backends.json: commit it with
 the results), unless either failed its accuracy check somewhere.
 
+Tile sweep (rows ring-step-tiles, not with --quick): for the first forward and backward
+case, each candidate tile of each step kernel (SWEEP_TILES: forward, dq, dk/dv) timed
+against the shipped one side by side (ours = the candidate, baseline = the shipped
+tile; speedup > 1: the candidate is faster), its result checked by the same accuracy
+rule. A candidate that does not compile or fit says so in its row.
+
 Rank 0 runs the cases on its GPU while the other ranks wait; on CPU nothing runs.
 """
 
@@ -254,6 +260,76 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     )  # fmt: skip
 
 
+# Candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of each step kernel, timed
+# against the shipped ones for bf16 at head dim 128: wider key tiles and deeper
+# pipelines forward, the tutorial's shapes and their neighbours backward.
+SWEEP_TILES = {
+    "forward": ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)),
+    "dq": ((128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)),
+    "dkdv": ((32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)),
+}
+
+
+@dataclass(frozen=True)
+class TileCase:
+    """One candidate tile of one step kernel on one step case."""
+
+    step: StepCase
+    kernel: str  # "forward", "dq" or "dkdv"
+    tiles: tuple[int, int, int, int]
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def bench(self) -> str:
+        return "ring-step-tiles"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} {self.tiles} {self.step.label}"
+
+    @property
+    def shape(self) -> str:
+        return self.step.shape
+
+
+def tile_cases(ctx: Context) -> list[TileCase]:
+    if ctx.quick:
+        return []
+    forward = next(case for case in step_cases(ctx) if not case.backward)
+    backward = next(case for case in step_cases(ctx) if case.backward)
+    return [TileCase(backward if kernel != "forward" else forward, kernel, tiles)
+            for kernel, candidates in SWEEP_TILES.items() for tiles in candidates]  # fmt: skip
+
+
+def measure_tiles(case: TileCase, ctx: Context) -> Row:
+    from seqpar_kernels.kernels.attention_step_tiles import tile_override
+
+    step = case.step
+    shape = (step.batch, step.seqlen, step.heads, step.head_dim)
+    q, k, v, dout = (ctx.random(shape, step.dtype, seed) for seed in (20, 21, 22, 23))
+    backends, _ = usable_backends(step, q, k, v)
+    shipped = step_candidates(step, backends, q, k, v, dout)
+    with tile_override(case.kernel, case.tiles):
+        candidate = step_candidates(step, backends, q, k, v, dout)
+        accuracy, _, _ = check_step(step, candidate, q, k, v, dout)
+    ours = candidate["ours"]
+
+    def ours_with_candidate_tiles():
+        with tile_override(case.kernel, case.tiles):
+            return ours()
+
+    timings = time_side_by_side({"ours": ours_with_candidate_tiles, "baseline": shipped["ours"]}, ctx,
+                                collective=False)  # fmt: skip
+    tflops = {name: step.flops / timing.median_s / 1e12 for name, timing in timings.items()}
+    return timed_row(
+        ctx, timings, bench=case.bench, case=case.label, shape=case.shape, dtype=short_dtype(step.dtype),
+        check=accuracy["ours"].check, error_vs_plain=accuracy["ours"].vs_plain,
+        ours_tflops=tflops["ours"], baseline_tflops=tflops["baseline"],
+        detail=f"TFLOP/s: {case.tiles} {tflops['ours']:.3g}, shipped tiles {tflops['baseline']:.3g}; "
+               f"{accuracy['ours'].detail}",
+    )  # fmt: skip
+
+
 # (case, triton seconds, aten seconds, triton check, aten check) of every case measured.
 BACKEND_TIMES: list = []
 
@@ -276,6 +352,7 @@ def choose_step_backend(times) -> tuple[str | None, str]:
 def run(ctx: Context) -> list[Row]:
     BACKEND_TIMES.clear()
     rows = run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
+    rows += run_on_one_gpu(ctx, "ring-step-tiles", None, measure_tiles, tile_cases)
     if ctx.is_root and ctx.on_gpu and not ctx.quick:
         from seqpar_kernels.parallel.ring_steps import gpu_family, record_measured_step_backend
 

@@ -19,6 +19,7 @@ from bench.rows import (  # noqa: E402
     LOSS_BENCH,
     RING_ALL,
     STEP_BENCHES,
+    STEP_TILES_BENCH,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
     Row,
@@ -184,6 +185,24 @@ def _plot_step_tflops(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.set_title("ring step kernel (one step) vs SDPA", pad=PAD_FOR_LEGEND)
 
 
+def _plot_step_tiles(axis, rows: list[Row]) -> None:
+    """Candidate tiles of each step kernel against the shipped ones (the tile sweep)."""
+    if not rows:
+        axis.set_axis_off()
+        return
+    positions = range(len(rows))
+    height = 0.4
+    axis.barh([p - height / 2 for p in positions], [row.ours_tflops or 0 for row in rows], height,
+              label="candidate tiles", color="tab:purple")  # fmt: skip
+    axis.barh([p + height / 2 for p in positions], [row.baseline_tflops or 0 for row in rows], height,
+              label="shipped tiles", color="lightgray")  # fmt: skip
+    axis.set_yticks(list(positions), [row.case for row in rows], fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel("TFLOP/s")
+    _legend_on_top(axis)
+    axis.set_title("step kernel tiles (BLOCK_M, BLOCK_N, warps, stages)", pad=PAD_FOR_LEGEND)
+
+
 # USP: a color per Ulysses degree U (the grid U x R of a run's world), in the order they come.
 GRID_COLORS = ("tab:blue", "tab:purple", "tab:red", "tab:orange", "tab:olive", "tab:cyan")
 USP_GAP = 0.6  # blank space between two cases' bars
@@ -334,8 +353,9 @@ def _plot_transformers(left, right, rows: list[Row], on_gpu: bool) -> None:
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
     general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH)]
-    ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES]
+    ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
+    tiles = [row for row in rows if row.bench == STEP_TILES_BENCH]
     usp = [row for row in rows if row.bench in USP_BENCHES]
     loss = [row for row in rows if row.bench == LOSS_BENCH]
     hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
@@ -359,7 +379,7 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if steps:
         left, right = next(line)
         _plot_step_tflops(left, steps, on_gpu)
-        right.set_axis_off()
+        _plot_step_tiles(right, tiles)
     if usp:
         left, right = next(line)
         _plot_usp_times(left, usp)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 KERNEL_BENCHES = ("pack", "unpack")  # bench_kernels.py: the kernels alone, no collective
 RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single-device SDPA
 STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
+STEP_TILES_BENCH = "ring-step-tiles"  # bench_ring_step.py (GPU): candidate tiles vs the shipped ones
 PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap probe
-RING_ALL = RING_BENCHES + STEP_BENCHES + (PROBE_BENCH,)
+RING_ALL = RING_BENCHES + STEP_BENCHES + (STEP_TILES_BENCH, PROBE_BENCH)
 USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid U x R of the ranks
 LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
 # bench_transformers.py: a transformers model's training step, one process against each mode

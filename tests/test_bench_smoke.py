@@ -320,3 +320,37 @@ def test_step_bench_records_the_faster_backend_only_when_both_are_right():
     assert choose_step_backend(times[:1])[0] == "triton"
     backend, summary = choose_step_backend([times[0], (backward, 4.0, 2.0, "matches", "MISMATCH dq")])
     assert backend is None and "aten ring-step-bwd" in summary
+
+
+def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
+    # GPU rows cannot be measured here; the plot of a GPU run is drawn from made-up ones.
+    from bench.plot import plot_results
+    from bench.rows import Row
+
+    def row(bench, case, ours, baseline):
+        return Row(bench=bench, case=case, shape="B=1 S_q=S_k=4096 H=32 D=128", dtype="bf16", world_size=1,
+                   backend="nccl", device="NVIDIA H100 80GB HBM3", ours_s=1.0, baseline_s=1.0, speedup=1.0,
+                   ours_faster_share=0.5, noise=0.01, reps=10, check="matches", ours_tflops=ours,
+                   baseline_tflops=baseline, peak_tflops=989.0, peak_tflops_source="spec sheet")  # fmt: skip
+
+    rows = [row("ring-step-fwd", "causal S=4096 D=128 bf16", 420.0, 600.0),
+            row("ring-step-tiles", "forward (128, 128, 8, 3) causal S=4096 D=128 bf16", 450.0, 420.0)]  # fmt: skip
+    metadata = dict(device_type="cuda", backend="nccl", world_size=1, device="NVIDIA H100 80GB HBM3",
+                    torch="2.14.1", git_commit="abc", date="2026-11-23")  # fmt: skip
+    path = plot_results(rows, metadata, tmp_path / "plot.png")
+    assert path.exists() and path.stat().st_size > 0
+
+
+def test_tile_override_replaces_one_kernels_gpu_tiles_for_the_block():
+    import torch
+
+    from bench.bench_ring_step import SWEEP_TILES
+    from seqpar_kernels.kernels import attention_step_tiles as tiles
+
+    hopper = tiles.GpuTarget.of_capability(90)
+    shipped = {kernel: tiles._tiles(kernel, torch.bfloat16, 128, hopper) for kernel in SWEEP_TILES}
+    with tiles.tile_override("dkdv", (64, 64, 4, 3)):
+        assert tiles._tiles("dkdv", torch.bfloat16, 128, hopper) == (64, 64, 4, 3)
+        assert tiles._tiles("dq", torch.bfloat16, 128, hopper) == shipped["dq"]
+        assert tiles._tiles("dkdv", torch.bfloat16, 128, None) == tiles._INTERPRETER_TILES  # CPU tensors
+    assert {kernel: tiles._tiles(kernel, torch.bfloat16, 128, hopper) for kernel in SWEEP_TILES} == shipped

@@ -13,6 +13,7 @@ present is what the launchers run.  docs/tuning.md gives the measurements
 behind the tiles.
 """
 
+import contextlib
 import functools
 import re
 from typing import Any, NamedTuple
@@ -270,12 +271,36 @@ def all_cuda_tiles():
     return sorted({tiles for table in tables for tiles in table.values()})
 
 
+# Tiles a benchmark tries in place of the shipped ones (tile_override), by kernel.
+_TRIED_TILES = {}
+
+
+@contextlib.contextmanager
+def tile_override(kernel, tiles):
+    """Within the block, every GPU launch of ``kernel`` ("forward", "dq" or "dkdv")
+    takes ``tiles`` (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the shipped
+    ones, whatever its dtype, head dim and mask: the GPU benchmark's tile sweep
+    (bench/bench_ring_step.py).  Not for use around collectives of other threads."""
+    assert kernel in _TILES, kernel
+    previous = _TRIED_TILES.get(kernel)
+    _TRIED_TILES[kernel] = tuple(tiles)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _TRIED_TILES[kernel]
+        else:
+            _TRIED_TILES[kernel] = previous
+
+
 def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False):
     # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors;
     # intervals: the tiles of the interval mask; tensor_descriptors: of the
     # loads through tensor descriptors.
     if target is None:
         return _INTERPRETER_TILES
+    if kernel in _TRIED_TILES:
+        return _TRIED_TILES[kernel]
     key = (dtype.itemsize, max(64, block_d))
     tiles = _TILES[kernel][key]
     for applies, overrides in _TILE_OVERRIDES + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
@@ -314,10 +339,14 @@ SPLIT_FORWARD_SWEEP = _triton_version() >= (3, 8)
 # releases run one masked sweep, not measured split.
 SPLIT_BACKWARD_SWEEPS = _triton_version() >= (3, 8)
 
-# Whether this Triton builds tensor descriptors inside a kernel
-# (tl.make_tensor_descriptor, Triton 3.4 on; the global scratch they take comes
-# from triton.set_allocator).  Feature-detected, not read off the version.
-TENSOR_DESCRIPTORS_AVAILABLE = hasattr(triton.language, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+# Whether the kernels build tensor descriptors inside a kernel
+# (tl.make_tensor_descriptor; the global scratch they take comes from
+# triton.set_allocator): where this Triton has both, and from 3.8 on, the
+# release whose compiles (ahead of time, every target) and interpreter runs
+# checked that path.  An older release with the feature (3.4 to 3.7) keeps
+# pointer loads rather than run a code path nothing has compiled with it.
+TENSOR_DESCRIPTORS_AVAILABLE = (hasattr(triton.language, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+                                and _triton_version() >= (3, 8))
 # The interpreter runs the descriptor path as well (Triton 3.8: rows and
 # columns past the descriptor's shape load as 0, as TMA does); the tests turn
 # it on, the launchers keep pointer loads on CPU tensors.

@@ -264,3 +264,179 @@ def test_cuda_pack_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(packed.cpu(), reference_pack([source.cpu()], [2], starts, lengths))
+
+
+# ---- The CUDA kernel's loop, run on the host ----
+#
+# seqpar_testing::pack_blocks_cuda_loop / unpack_blocks_cuda_loop run copy_block_rows
+# (csrc/include/seqpar/block_copy.h), the loop that every thread of the CUDA kernel
+# runs, for every thread of the grid the CUDA launch would use, on CPU tensors, with the
+# launch's unit width and index type. They raise on an access outside a block, on a unit
+# written twice and on a unit not written; these tests compare the values with the CPU
+# kernel. So the CUDA kernel's row arithmetic is checked on a machine without a GPU.
+
+
+def cuda_loop_pack(tensors, split_dims, starts, lengths, **options):
+    return torch.ops.seqpar_testing.pack_blocks_cuda_loop(
+        list(tensors), list(split_dims), list(starts), list(lengths), **options)
+
+
+def cuda_loop_unpack(buffer, out_shapes, split_dims, starts, lengths, out_dim_orders=None, **options):
+    ndim = len(out_shapes[0])
+    orders = out_dim_orders or [list(range(ndim))] * len(out_shapes)
+    return torch.ops.seqpar_testing.unpack_blocks_cuda_loop(
+        buffer, [size for shape in out_shapes for size in shape], [dim for order in orders for dim in order],
+        list(split_dims), list(starts), list(lengths), **options)
+
+
+def padded(tensor, width):
+    """The same values in the first columns of a wider tensor: rows of exactly
+    tensor.shape[-1] contiguous elements that do not merge with the next dim."""
+    wide = torch.zeros(*tensor.shape[:-1], width, dtype=tensor.dtype)
+    wide[..., : tensor.shape[-1]] = tensor
+    return wide[..., : tensor.shape[-1]]
+
+
+def even_ranges(extent, world_size):
+    sizes = [len(piece) for piece in torch.arange(extent).tensor_split(world_size)]
+    return [sum(sizes[:rank]) for rank in range(world_size)], sizes
+
+
+# (shape, dtype, layout, split dim, world size): what the CUDA launch makes of it.
+CUDA_LOOP_CASES = {
+    # 16-byte units; rows shorter than the 4 units a thread loads at once (each thread
+    # then takes 4 rows): 1336 rows a block, so that one CTA's 256 threads go round twice.
+    "rows_of_1_unit": ((4, 1000, 8), torch.bfloat16, ("padded", 16), 1, 3),
+    "rows_of_3_units": ((4, 1000, 24), torch.bfloat16, ("padded", 32), 1, 3),
+    # One thread per row, a whole pass then a partial one.
+    "rows_of_5_units": ((3, 9, 40), torch.bfloat16, ("padded", 48), 0, 2),
+    # Ulysses' heads of one rank (3, 3, 2 heads of 128 bf16): rows of 48 and 32 units,
+    # 4 and 2 threads per row.
+    "heads_of_a_rank": ((2, 64, 8, 128), torch.bfloat16, "contiguous", 2, 3),
+    # Blocks that are one row of 8200 and of 4100 units: 32 threads per row, segments
+    # of 512 units, the last one partial; then rows of 600 units, 2 segments.
+    "one_long_row": ((3, 4100, 4), torch.float32, "contiguous", 0, 2),
+    "rows_of_600_units": ((5, 4, 2400), torch.float32, "contiguous", 1, 4),
+    # 8-byte units (rows of 6 and 3 units), 4-byte, 2-byte (an odd head dim), 1-byte.
+    "8_byte_units": ((4, 6, 6), torch.float32, "contiguous", 1, 4),
+    "4_byte_units": ((5, 3, 12), torch.uint8, "contiguous", 1, 2),
+    "2_byte_units": ((3, 5, 7), torch.bfloat16, "contiguous", 1, 3),
+    "1_byte_units": ((3, 5, 7), torch.uint8, "contiguous", 2, 3),
+    # The split dim innermost: 16-element ranges are rows of 2 units; 22 and 21 are
+    # rows of elements.
+    "split_innermost_units": ((6, 64), torch.bfloat16, "contiguous", 1, 4),
+    "split_innermost_elements": ((6, 64), torch.bfloat16, "contiguous", 1, 3),
+    # Strided rows: element units with an innermost stride of 2 (rows of 24, 2 threads
+    # each) or 5 (a transposed layout: rows of 6, or of 2 when the ranges split them).
+    "strided_rows": ((4, 5, 24), torch.bfloat16, "sliced", 1, 3),
+    "transposed": ((2, 7, 5, 6), torch.bfloat16, "transposed", 2, 3),
+    "transposed_split_innermost": ((2, 7, 5, 6), torch.bfloat16, "transposed", 3, 3),
+    # 16-byte elements with a strided innermost dim: rows of 5, and of 3 and 2.
+    "complex128_transposed": ((3, 4, 5), torch.complex128, "transposed", 1, 2),
+    "complex128_transposed_split_innermost": ((3, 4, 5), torch.complex128, "transposed", 2, 2),
+}
+
+CUDA_LOOP_OPTIONS = {
+    "launch": {},
+    "int64": {"index_bits": 64},
+    "one_cta": {"ctas": 1},  # every thread loops over many rows and segments
+    "int64_two_ctas": {"index_bits": 64, "ctas": 2},
+}
+
+
+def cuda_loop_case_tensor(name, seed=0):
+    shape, dtype, layout, _, _ = CUDA_LOOP_CASES[name]
+    tensor = make(shape, dtype, "cpu", seed)
+    if isinstance(layout, tuple):
+        return padded(tensor, layout[1])
+    return views(tensor, layout)
+
+
+@pytest.mark.parametrize("options", CUDA_LOOP_OPTIONS.values(), ids=CUDA_LOOP_OPTIONS.keys())
+@pytest.mark.parametrize("case", CUDA_LOOP_CASES.keys())
+def test_cuda_loop_on_host_packs_and_unpacks_like_cpu_kernel(case, options):
+    shape, _, _, split_dim, world_size = CUDA_LOOP_CASES[case]
+    tensor = cuda_loop_case_tensor(case)
+    starts, lengths = even_ranges(shape[split_dim], world_size)
+    packed = cuda_loop_pack([tensor], [split_dim], starts, lengths, **options)
+    assert torch.equal(packed, pack_blocks([tensor], [split_dim], starts, lengths))
+    assert torch.equal(packed, reference_pack([tensor], [split_dim], starts, lengths))
+    for order in (list(range(len(shape))), list(reversed(range(len(shape))))):
+        (out,) = cuda_loop_unpack(packed, [shape], [split_dim], starts, lengths, [order], **options)
+        (expected,) = unpack_blocks(packed, [shape], [split_dim], starts, lengths, [order])
+        assert out.stride() == expected.stride() and torch.equal(out, expected), order
+        assert torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_loop_on_host_over_layouts_split_dims_and_world_sizes(dtype):
+    shape = (2, 7, 5, 8)
+    for split_dim, layout, world_size, options in itertools.product(
+            range(4), ["contiguous", "transposed", "sliced"], [1, 3, 4], [{}, {"ctas": 1, "index_bits": 64}]):
+        tensor = views(make(shape, dtype, "cpu"), layout)
+        starts, lengths = even_ranges(shape[split_dim], world_size)
+        packed = cuda_loop_pack([tensor], [split_dim], starts, lengths, **options)
+        assert torch.equal(packed, reference_pack([tensor], [split_dim], starts, lengths)), (split_dim, layout)
+        for order in [(0, 1, 2, 3), (0, 2, 1, 3), (3, 2, 1, 0)]:
+            (out,) = cuda_loop_unpack(packed, [shape], [split_dim], starts, lengths, [order], **options)
+            assert torch.equal(out, tensor), (split_dim, layout, world_size, order)
+
+
+@pytest.mark.parametrize("destinations", [3, 21, 22, 70])
+def test_cuda_loop_on_host_ulysses_qkv_many_blocks(destinations):
+    # q, k and v over up to 70 destinations: up to 210 blocks (the CUDA launch passes
+    # more than 64 through device memory), 1 to 24 heads per destination, and a
+    # transposed v (element units: a head's 64 values are a row of stride 70).
+    heads = 70
+    q = make((2, 37, heads, 64), torch.bfloat16, "cpu", 1)
+    k = make((2, 37, heads, 64), torch.bfloat16, "cpu", 2)
+    v = views(make((2, 37, heads, 64), torch.bfloat16, "cpu", 3), "transposed")
+    head_starts, sizes = even_ranges(heads, destinations)
+    starts = [s for s in head_starts for _ in range(3)]
+    lengths = [n for n in sizes for _ in range(3)]
+    packed = cuda_loop_pack([q, k, v], [2, 2, 2], starts, lengths)
+    assert torch.equal(packed, reference_pack([q, k, v], [2, 2, 2], starts, lengths))
+    # Unpack into (B, S, H, D) outputs laid out as (B, H, S, D), then split along S.
+    shapes = [tuple(q.shape)] * 3
+    orders = [(0, 2, 1, 3)] * 3
+    unpacked = cuda_loop_unpack(packed, shapes, [2] * 3, starts, lengths, orders)
+    for got, want in zip(unpacked, (q, k, v)):
+        assert torch.equal(got, want)
+    seq_starts, seq_lengths = even_ranges(37, destinations)
+    starts = [s for s in seq_starts for _ in range(3)]
+    lengths = [n for n in seq_lengths for _ in range(3)]
+    packed = pack_blocks([q, k, v], [1, 1, 1], starts, lengths)
+    unpacked = cuda_loop_unpack(packed, shapes, [1] * 3, starts, lengths, orders, ctas=1)
+    for got, want in zip(unpacked, (q, k, v)):
+        assert torch.equal(got, want)
+
+
+def test_cuda_loop_on_host_empty_blocks_overlaps_and_unaligned_flat_offsets():
+    q = make((2, 3, 6, 80), torch.bfloat16, "cpu", 1)
+    # Ranks with no heads take no room; one rank has all of them.
+    packed = cuda_loop_pack([q], [2], [0, 6, 0, 2], [6, 0, 0, 0])
+    assert torch.equal(packed, q.flatten())
+    # The first output's ranges overlap, so it is summed outside the kernel; its blocks
+    # (6 elements) still take room in the buffer, and the second output's blocks start
+    # at elements 6 and 20: not whole 16-byte units.
+    for dtype in (torch.bfloat16, torch.float32, torch.uint8):
+        buffer = make((2 * (2 * 3 + 8),), dtype, "cpu", 7)
+        arguments = ([(2, 8), (2, 8)], [1, 0], [0, 0, 2, 1], [3, 1, 3, 1])
+        expected = unpack_blocks(buffer, *arguments, [(0, 1), (0, 1)])
+        actual = cuda_loop_unpack(buffer, *arguments, [(0, 1), (0, 1)])
+        assert torch.equal(expected[1], buffer.view(2, 14)[:, 6:])
+        for want, got in zip(expected, actual):
+            assert torch.equal(got, want)
+    # A gap (head 2 of 4 uncovered) is zero-filled before the kernel writes the rest.
+    buffer = make((2 * 3 * 16 * 3,), torch.float32, "cpu", 8)
+    (out,) = cuda_loop_unpack(buffer, [(2, 3, 4, 16)], [2], [0, 3], [2, 1])
+    (expected,) = unpack_blocks(buffer, [(2, 3, 4, 16)], [2], [0, 3], [2, 1])
+    assert torch.equal(out, expected) and torch.count_nonzero(out[:, :, 2]) == 0
+
+
+def test_cuda_loop_on_host_rejects_bad_options():
+    tensor = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="index_bits"):
+        cuda_loop_pack([tensor], [0], [0, 2], [2, 2], index_bits=32)
+    with pytest.raises(RuntimeError, match="ctas"):
+        cuda_loop_pack([tensor], [0], [0, 2], [2, 2], ctas=70000)

@@ -1,8 +1,8 @@
 // CPU kernels of seqpar::pack_blocks and seqpar::unpack_blocks.
 //
-// Work is split into rows (see BlockRows): a row is the longest run of a block that is
-// contiguous in the strided tensor, one memcpy; rows with a non-unit innermost stride
-// copy element by element.
+// Work is split into rows (BlockRows in seqpar/block_copy.h, which the CUDA kernel
+// shares): a row is the longest run of a block that is contiguous in the strided
+// tensor, one memcpy; rows with a non-unit innermost stride copy element by element.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -70,65 +70,36 @@ void copy_row(char* strided, int64_t stride, char* flat, int64_t count, int64_t 
   }
 }
 
-// A block seen as rows: the trailing dims that are contiguous in the strided tensor
-// (the split dim included, with the block's extent) form one row, copied with one
-// memcpy; the remaining outer dims are walked with an odometer. Measured on a 2-core
-// Xeon, Ulysses' q pack (B*S, H, D): one memcpy per (token, head) row plus index
-// division per row made the kernel 1.45x slower than permute().contiguous(); rows of
-// (heads of one rank) x D elements and no division per row remove that.
-struct BlockRows {
-  int64_t row_length;    // units per row
-  int64_t inner_stride;  // stride between a row's units (1 when merged)
-  int outer_ndim;
-  int64_t outer_extents[kMaxDims];
-  int64_t outer_strides[kMaxDims];
-  int64_t start_offset;  // offset of the block's first unit in the strided tensor
-  int64_t rows;
-};
-
-BlockRows block_rows(const StridedLayout& layout, const BlockDescriptor& block) {
-  BlockRows rows{};
-  int dim = layout.ndim - 1;
-  auto extent = [&](int d) { return d == layout.split_dim ? block.length : layout.sizes[d]; };
-  rows.row_length = extent(dim);
-  rows.inner_stride = layout.strides[dim];
-  if (rows.inner_stride == 1) {
-    while (dim > 0 && layout.strides[dim - 1] == rows.row_length) {
-      --dim;
-      rows.row_length *= extent(dim);
-    }
-  }
-  rows.outer_ndim = dim;
-  rows.rows = 1;
-  for (int d = 0; d < dim; ++d) {
-    rows.outer_extents[d] = extent(d);
-    rows.outer_strides[d] = layout.strides[d];
-    rows.rows *= extent(d);
-  }
-  rows.start_offset = block.start * layout.strides[layout.split_dim];
-  return rows;
-}
+// A block is copied as rows (BlockRows, shared with the CUDA kernel): each row one
+// memcpy, the outer dims walked with an odometer. Measured on a 2-core Xeon, Ulysses'
+// q pack (B*S, H, D): one memcpy per (token, head) row plus index division per row
+// made the kernel 1.45x slower than permute().contiguous(); rows of (heads of one
+// rank) x D elements and no division per row remove that.
 
 // Walks a block's outer dims in C order and keeps the strided offset of the current
-// row (relative to the block's start): one division per dim to start, none per step.
+// row (relative to the block's start): row_offset's divisions to start, none per step.
 struct RowOdometer {
+  int outer_ndim;
   int64_t index[kMaxDims];
+  int64_t extents[kMaxDims];
+  int64_t strides[kMaxDims];
   int64_t offset;
 
-  void start(const BlockRows& shape, int64_t row) {
-    offset = 0;
-    for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-      index[d] = row % shape.outer_extents[d];
-      row /= shape.outer_extents[d];
-      offset += index[d] * shape.outer_strides[d];
+  void start(const StridedLayout& layout, const BlockDescriptor& block, const BlockRows& shape,
+             int64_t row) {
+    outer_ndim = shape.outer_ndim;
+    for (int d = 0; d < outer_ndim; ++d) {
+      extents[d] = block_extent(layout, block, d);
+      strides[d] = layout.strides[d];
     }
+    offset = row_offset<int64_t>(layout, block, outer_ndim, row, index);
   }
 
-  void step(const BlockRows& shape) {
-    for (int d = shape.outer_ndim - 1; d >= 0; --d) {
-      offset += shape.outer_strides[d];
-      if (++index[d] < shape.outer_extents[d]) return;
-      offset -= index[d] * shape.outer_strides[d];
+  void step() {
+    for (int d = outer_ndim - 1; d >= 0; --d) {
+      offset += strides[d];
+      if (++index[d] < extents[d]) return;
+      offset -= index[d] * strides[d];
       index[d] = 0;
     }
   }
@@ -212,7 +183,8 @@ void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRo
     // reading, taken once per row and tensor rather than once per row and block).
     int64_t visit_offsets[kMaxTensors][kMaxRowsPerVisit];
     for (int64_t t = 0; t < plan.num_tensors; ++t) {
-      if (first_block[t] >= 0) odometers[t].start(shapes[first_block[t]], row_begin);
+      const int64_t b = first_block[t];
+      if (b >= 0) odometers[t].start(plan.layouts[t], plan.blocks[b], shapes[b], row_begin);
     }
     for (int64_t visit_begin = row_begin; visit_begin < row_end; visit_begin += rows_per_visit) {
       const int64_t visit_rows = std::min(rows_per_visit, row_end - visit_begin);
@@ -220,7 +192,7 @@ void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRo
         if (first_block[t] < 0) continue;
         for (int64_t i = 0; i < visit_rows; ++i) {
           visit_offsets[t][i] = odometers[t].offset;
-          odometers[t].step(shapes[first_block[t]]);
+          odometers[t].step();
         }
       }
       for (const int64_t b : visit_order) {
@@ -265,14 +237,14 @@ void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
       char* strided = plan.bases[block.tensor_index] + shape.start_offset * element_size;
       // The odometer starts at this task's first row of the block.
       RowOdometer odometer;
-      odometer.start(shape, row - rows_before[b]);
+      odometer.start(plan.layouts[block.tensor_index], block, shape, row - rows_before[b]);
       const int64_t last_row = std::min(row_end, rows_before[b + 1]);
       char* packed = flat + (block.flat_offset + (row - rows_before[b]) * shape.row_length) * element_size;
       for (; row < last_row; ++row) {
         copy_row(strided + odometer.offset * element_size, shape.inner_stride, packed,
                  shape.row_length, element_size, to_flat);
         packed += shape.row_length * element_size;
-        odometer.step(shape);
+        odometer.step();
       }
       ++b;
     }

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/FunctionRef.h>
 
 #include <vector>
 
@@ -22,7 +23,18 @@ struct BlockCopyPlan {
 };
 
 // Moves data between the strided tensors and the flat buffer: to_flat is packing.
-using BlockCopyKernel = void (*)(const BlockCopyPlan& plan, char* flat, bool to_flat);
+using BlockCopyKernel = c10::function_ref<void(const BlockCopyPlan& plan, char* flat, bool to_flat)>;
+
+// How the CUDA kernel runs a plan, decided on the host (and decided the same way by
+// the host run of its loop that the tests use).
+struct CudaBlockCopyLaunch {
+  int64_t unit_bytes;      // bytes per load and store: 16 whenever the plan allows
+  bool int32_index;        // every unit index and offset fits in int32
+  int64_t ctas_per_block;  // gridDim.x; gridDim.y is the number of blocks
+};
+
+// Turns `plan` into units of the widest copy it allows (in place) and sizes the grid.
+CudaBlockCopyLaunch plan_cuda_launch(BlockCopyPlan& plan, const char* flat);
 
 // seqpar::pack_blocks: buffer order is destination-major, then tensor.
 at::Tensor pack_blocks(at::TensorList inputs, at::IntArrayRef split_dims,

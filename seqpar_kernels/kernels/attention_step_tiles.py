@@ -222,12 +222,16 @@ _INTERVAL_TILE_OVERRIDES = (
 #   memory (of 232448); no serialized wgmma.
 # - dq (128, 64, 8, 3): 182 registers, 288 instructions per 64 keys
 #   ((128, 32): 213 per 32).
-# - dk/dv (32, 64, 8, 3): 130-251 registers, no spill; (32, 128, 8, 2) takes
-#   252-255 and spills 14 accesses in the loops with GQA, (64, 64, 8, 2) 44.
+# - dk/dv (32, 64, 8, 3): 142-254 registers, no spill in a loop; (32, 128, 8, 2)
+#   takes 252-255 and spills 14 accesses in the loops with GQA, (64, 64, 8, 2) 44.
+# At d64: forward (128, 128, 8, 3) 156-160 registers, 449 instructions per 128
+# keys (pointer loads at (128, 64, 4, 3): 514 per 64); dq (128, 64, 8, 3)
+# 112-116 registers, 268 per 64 keys (197 per 32); dk/dv (32, 128, 8, 3)
+# 125-178 registers, 247 per 32 q rows.
 _TENSOR_DESCRIPTOR_TILES = {
-    "forward": {(2, 128): (128, 128, 8, 3)},
-    "dq": {(2, 128): (128, 64, 8, 3)},
-    "dkdv": {(2, 128): (32, 64, 8, 3)},
+    "forward": {(2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3)},
+    "dq": {(2, 64): (128, 64, 8, 3), (2, 128): (128, 64, 8, 3)},
+    "dkdv": {(2, 64): (32, 128, 8, 3), (2, 128): (32, 64, 8, 3)},
 }
 
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the

@@ -8,9 +8,20 @@ tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
 99 KiB of shared memory), sm_100 (B200) and sm_120 (RTX 50xx), with the same
 tiles and the same argument specialization as a real launch.  Without a GPU this is how CI
 knows that the kernels compile for the GPUs users have, that their shared memory
-fits (a launch that does not would fail with OutOfResources), and that no
-register spills land inside the K/V or Q sweep (a spilling kernel is still
-correct, only slow, so no correctness test would notice).
+fits (a launch that does not would fail with OutOfResources), that ptxas did
+not serialize their tensor-core products (C7515 and the other "Potential
+Performance Loss: ... serialized" advisories), and that no register spills land
+inside the K/V or Q sweep (a spilling or serialized kernel is still correct,
+only slow, so no correctness test would notice).
+
+Spills are held to the loops, not to zero: some shipped launches spill a few
+bytes outside their loops (test_spills_outside_loops_are_listed prints them),
+which costs a few cycles per program, once, where a spill in the sweep costs
+every iteration.
+
+The same module reads the SASS of the extension's CUDA pack/unpack kernels
+(test_the_block_copy_parse_finds_the_copy_loops) and checks that the reference
+kernels the report compares against compute attention.
 """
 
 import inspect
@@ -28,11 +39,22 @@ if "constexprs" not in inspect.signature(ASTSource).parameters:
     pytest.skip("ahead-of-time compiles need triton 3.3 or newer (ASTSource(constexprs=...))",
                 allow_module_level=True)
 
-from seqpar_kernels.kernels.ahead_of_time import DEFAULT_CAPABILITIES  # noqa: E402
+from seqpar_kernels.kernels.ahead_of_time import (  # noqa: E402
+    DEFAULT_CAPABILITIES,
+    block_copy_report,
+    is_serialization_warning,
+)
 from seqpar_kernels.kernels.attention_step_tiles import SHARED_MEMORY_PER_BLOCK  # noqa: E402
 
 KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
            "_attention_step_bwd_dq_kernel", "_attention_step_bwd_dkdv_kernel"}
+
+
+# The reference kernels (reference_attention.py) are compiled for this target
+# only: on every target they would add 38% to the compile (sm_90: 364 s of CPU
+# time with them, 264 s without), and the comparison is for the tile choices of
+# the H100 family.
+REFERENCE_CAPABILITY = 90
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +65,7 @@ def compiled():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-m", "seqpar_kernels.kernels.ahead_of_time", "--json",
-         "--capability", *map(str, DEFAULT_CAPABILITIES)],
+         "--capability", *map(str, DEFAULT_CAPABILITIES), "--reference-capability", str(REFERENCE_CAPABILITY)],
         capture_output=True, text=True, env=env, timeout=2400,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -63,10 +85,13 @@ def test_every_kernel_compiles_for_every_target(compiled):
         for dtype in ("bfloat16", "float16", "float32"):
             for headdim in (64, 128, 256):
                 assert any(f" {dtype} d{headdim} " in row["description"] for row in rows), (capability, dtype, headdim)
-        # The interval mask: each step kernel, MHA and GQA, bf16 and fp32 at d128.
-        intervals = {row["description"] for row in rows if " intervals " in row["description"]}
-        assert len(intervals) == 12 and {d.split()[0] for d in intervals} == KERNELS - {
-            "_attention_bwd_preprocess_kernel"}, (capability, sorted(intervals))
+        # The interval mask: each step kernel, MHA and GQA, bf16 and fp32 at d128
+        # (and the launch variants of each, e.g. a first step's forward).
+        intervals = {tuple(row["description"].split()[:5]) for row in rows if " intervals " in row["description"]}
+        assert intervals == {(kernel, dtype, "d128", "intervals", heads)
+                             for kernel in KERNELS - {"_attention_bwd_preprocess_kernel"}
+                             for dtype in ("bfloat16", "float32") for heads in ("MHA", "GQA")}, (
+            capability, sorted(intervals))
 
 
 def test_shared_memory_fits_the_target(compiled):
@@ -77,10 +102,39 @@ def test_shared_memory_fits_the_target(compiled):
 
 def test_the_sass_parse_finds_the_loops(compiled):
     # Every step kernel sweeps K/V or Q in a loop; a SASS listing in which the parse
-    # finds none would make the spill check below pass without looking.
-    loopless = [_describe(row) for row in compiled
-                if row["kernel"] != "_attention_bwd_preprocess_kernel" and row["loops"] == 0]
-    assert not loopless, "\n".join(loopless)
+    # finds none would make the spill check below pass without looking.  The hot
+    # loop must hold the products: tensor-core instructions wherever the inputs
+    # are fp16/bf16 (fp32 multiplies with FMAs).
+    missing = []
+    for row in compiled:
+        if row["kernel"] == "_attention_bwd_preprocess_kernel":
+            continue
+        if row["loops"] == 0 or row["loop_instructions"] == 0:
+            missing.append(f"{_describe(row)}: {row['loops']} loops, hot loop {row['loop_instructions']} instructions")
+        elif " float32 " not in row["description"] and row["loop_matrix_instructions"] == 0:
+            missing.append(f"{_describe(row)}: no tensor-core instruction in the hot loop")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_reference_kernels_compile_with_every_tile(compiled):
+    # Forward, dq and dk/dv each have a reference with their tiles, and the
+    # parse finds its hot loop.
+    rows = [row for row in compiled if row["capability"] == REFERENCE_CAPABILITY
+            and row["kernel"] != "_attention_bwd_preprocess_kernel"]
+    assert rows
+    missing = [_describe(row) for row in rows
+               if not row.get("reference") or row["reference"]["loop_instructions"] == 0]
+    assert not missing, "\n".join(missing)
+
+
+def test_no_ptxas_serialization_warnings(compiled):
+    # C7515 on sm_90: ptxas found instructions other than wgmma defining a
+    # wgmma's accumulator inside its pipeline stage and made every wgmma wait for
+    # the one before it.  Listed per launch, with ptxas's words.
+    serialized = [f"{_describe(row)}: " + " | ".join(warning for warning in row["ptxas_warnings"]
+                                                     if is_serialization_warning(warning))
+                  for row in compiled if any(is_serialization_warning(w) for w in row["ptxas_warnings"])]
+    assert not serialized, f"{len(serialized)} launches:\n" + "\n".join(serialized)
 
 
 def test_no_register_spills_inside_loops(compiled):
@@ -88,3 +142,79 @@ def test_no_register_spills_inside_loops(compiled):
                 f"({row['registers']} registers, {row['spill_bytes']} B spilled)"
                 for row in compiled if row["spills_in_loops"] > 0]
     assert not spilling, "\n".join(spilling)
+
+
+def test_spills_outside_loops_are_listed(compiled):
+    # Not a failure: a spill outside every loop is paid once per program.  The
+    # list shows what the in-loop rule lets through (pytest -rP prints it).
+    for row in compiled:
+        if row["spill_bytes"] and not row["spills_in_loops"]:
+            print(f"{_describe(row)}: {row['spill_bytes']} B spilled outside loops")
+
+
+def test_the_block_copy_parse_finds_the_copy_loops():
+    report = block_copy_report()
+    if report["skipped"]:
+        pytest.skip(report["skipped"])
+    architectures = {kernel["architecture"] for kernel in report["kernels"]}
+    assert architectures, report
+    for architecture in architectures:
+        # The 16-byte unit kernels (Unit16: every layout 16-byte aligned and
+        # contiguous inside) must show a loop with at least one 16-byte load.
+        wide = [kernel for kernel in report["kernels"]
+                if kernel["architecture"] == architecture and "Unit16" in kernel["kernel"]]
+        assert wide, (architecture, [kernel["kernel"] for kernel in report["kernels"]])
+        for kernel in wide:
+            assert kernel["loops"] and all(loop["units"] >= 1 and loop["instructions"] > loop["units"]
+                                           for loop in kernel["loops"]), kernel
+
+
+def test_the_reference_kernels_compute_attention():
+    # The report compares the step kernels' loops with these kernels': they have
+    # to compute attention and its gradients.  Interpreted on CPU tensors without
+    # a GPU (conftest), fp32, tiles with BLOCK_M < BLOCK_N and the reverse.
+    import torch
+    from triton_interpreter import INTERPRETER_LOOPS_FAIL
+
+    from seqpar_kernels.kernels.reference_attention import (
+        _reference_attention_bwd_dkdv_kernel,
+        _reference_attention_bwd_dq_kernel,
+        _reference_attention_fwd_kernel,
+    )
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and INTERPRETER_LOOPS_FAIL:
+        pytest.skip("the Triton interpreter here cannot run a loop with a runtime bound")
+    torch.manual_seed(0)
+    batch, seqlen, heads, headdim = 2, 64, 2, 16
+    scale = headdim ** -0.5
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, headdim, device=device) for _ in range(4))
+    for causal in (False, True):
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        scores = torch.einsum("bmhd,bnhd->bhmn", qr, kr) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).triu(1),
+                                        float("-inf"))
+        expected = torch.einsum("bhmn,bnhd->bmhd", scores.softmax(-1), vr)
+        expected.backward(dout)
+        expected_lse = scores.logsumexp(-1).detach()
+        delta = (dout * expected.detach()).sum(-1).transpose(1, 2).contiguous()
+        for block_m, block_n in ((16, 32), (32, 16)):
+            tiles = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=headdim, DOT_PRECISION="ieee")
+            out = torch.empty_like(q)
+            lse = torch.empty(batch, heads, seqlen, device=device)
+            _reference_attention_fwd_kernel[(seqlen // block_m, heads, batch)](
+                q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+                seqlen, scale * 1.4426950408889634, **tiles)
+            torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+            inputs = (q, k, v, dout, lse, delta)
+            strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+            dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+            _reference_attention_bwd_dq_kernel[(seqlen // block_m, heads, batch)](
+                *inputs, dq, *strides, *dq.stride(), seqlen, scale, scale * 1.4426950408889634, **tiles)
+            _reference_attention_bwd_dkdv_kernel[(seqlen // block_n, heads, batch)](
+                *inputs, dk, dv, *strides, *dk.stride(), *dv.stride(), seqlen, scale, scale * 1.4426950408889634,
+                **tiles)
+            for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

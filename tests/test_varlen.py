@@ -369,7 +369,7 @@ def test_opcheck_of_the_varlen_ops():
         )
         # The ring ops with documents, one process (group name ""): one slot holding all.
         plan = sp.varlen_plan(bounds)
-        args = (q, k, v, causal, 0.25, False, "", "device-default", [11], plan.cu_seqlens_tensor,
+        args = (q, k, v, causal, 0.25, False, "", "auto", [11], plan.cu_seqlens_tensor,
                 plan.segments_tensor)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
 

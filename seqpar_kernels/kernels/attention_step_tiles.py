@@ -195,22 +195,24 @@ def _is_hopper(target):
 # - mma.sync and sm_100, bf16/fp16 dk/dv d128: (32, 128, 8, 2) spills with GQA,
 #   12-13 on sm_80, 6-24 on sm_120, 37-55 on sm_100;
 # - sm_100, bf16/fp16 forward d64: (128, 64, 4, 3) spills 1 (causal GQA);
+# - sm_100, bf16/fp16 dk/dv d128 with the split sweeps: (32, 64, 8, 2) spills
+#   31-33 (causal GQA), (32, 64, 4, 2) 116; (16, 64, 8, 2) none;
 # - 99 KiB of shared memory, fp32 dq d256: (16, 32, 8, 2) takes 133120 B, and
 #   with one stage it spills 800-860.
 _TILE_OVERRIDES = (
     (_uses_mma_sync, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),
-    (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (32, 64, 8, 2)}}),
+    (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (16, 64, 8, 2)}}),
     (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES, (2, 256): (32, 32, 8, 1)}}),
 )
 
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
 # between bounds loaded from them, which costs registers: with GQA, fp32 d128
-# on sm_80 with (16, 32, 4, 2) spills 3 accesses inside the loop.
-# (16, 32, 8, 2) spills in no loop on any target of the ahead-of-time test,
-# and is taken everywhere for the interval mask (applied after
-# _TILE_OVERRIDES).
+# on sm_80 spills inside the loop with (16, 32, 4, 2) (3 accesses) and
+# (16, 32, 8, 2) (1).  (16, 16, 8, 2) spills in no loop on any target of the
+# ahead-of-time test, and is taken everywhere for the interval mask (applied
+# after _TILE_OVERRIDES).
 _INTERVAL_TILE_OVERRIDES = (
-    (lambda target: True, {"dkdv": {(4, 128): (16, 32, 8, 2)}}),
+    (lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),
 )
 
 # sm_90 with tensor descriptors (fp16/bf16; uses_tensor_descriptors), applied
@@ -454,9 +456,14 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descrip
                      dtype, headdim, causal, intervals, interpreted,
                      SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
                      TENSOR_DESCRIPTORS=bool(tensor_descriptors)),
+        # fp32 dk/dv sweeps once, masked: its 16-row tiles save little from
+        # the split, and with the split's second loop the fp32 tiles spill in
+        # a loop on some target at every head dim (causal GQA d64: 2 accesses
+        # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
+        # with (16, 32, 4, 2): 94 on sm_86).
         _step_launch(_attention_step_bwd_dkdv_kernel,
                      _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
                      dtype, headdim, causal, intervals, interpreted,
-                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
                      TENSOR_DESCRIPTORS=bool(tensor_descriptors), SPLIT_HEADS=False),
     )

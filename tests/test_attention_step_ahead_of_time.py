@@ -2,7 +2,8 @@
 
 Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
 64/128/256, full or causal, MHA or GQA; the interval mask of packed documents
-for bf16 and fp32 at head dim 128) is compiled by
+for bf16 and fp32 at head dim 128; on sm_90 the pointer loads that a q layout
+TMA cannot take falls back to, bf16 at head dim 128) is compiled by
 seqpar_kernels.kernels.ahead_of_time for one GPU of each family the tile choice
 tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
 99 KiB of shared memory), sm_100 (B200) and sm_120 (RTX 50xx), with the same
@@ -44,7 +45,10 @@ from seqpar_kernels.kernels.ahead_of_time import (  # noqa: E402
     block_copy_report,
     is_serialization_warning,
 )
-from seqpar_kernels.kernels.attention_step_tiles import SHARED_MEMORY_PER_BLOCK  # noqa: E402
+from seqpar_kernels.kernels.attention_step_tiles import (  # noqa: E402
+    SHARED_MEMORY_PER_BLOCK,
+    TENSOR_DESCRIPTORS_AVAILABLE,
+)
 
 KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
            "_attention_step_bwd_dq_kernel", "_attention_step_bwd_dkdv_kernel"}
@@ -92,6 +96,16 @@ def test_every_kernel_compiles_for_every_target(compiled):
                              for kernel in KERNELS - {"_attention_bwd_preprocess_kernel"}
                              for dtype in ("bfloat16", "float32") for heads in ("MHA", "GQA")}, (
             capability, sorted(intervals))
+    # sm_90: bf16 d128 through tensor descriptors and, for a q TMA cannot take,
+    # through pointers; each step kernel, full and causal, MHA and GQA.
+    if not TENSOR_DESCRIPTORS_AVAILABLE:
+        return
+    loads = {(*row["description"].split()[:5], "tensor_descriptors" in row["description"].split())
+             for row in compiled if row["capability"] == 90 and " bfloat16 d128 " in row["description"]
+             and row["kernel"] != "_attention_bwd_preprocess_kernel" and " intervals " not in row["description"]}
+    assert loads == {(kernel, "bfloat16", "d128", mask, heads, descriptors)
+                     for kernel in KERNELS - {"_attention_bwd_preprocess_kernel"} for mask in ("full", "causal")
+                     for heads in ("MHA", "GQA") for descriptors in (False, True)}, sorted(loads)
 
 
 def test_shared_memory_fits_the_target(compiled):

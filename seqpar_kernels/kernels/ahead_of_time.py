@@ -41,6 +41,7 @@ import functools
 import glob
 import importlib.util
 import io
+import itertools
 import os
 import re
 import shutil
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch
+from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch, uses_tensor_descriptors
 
 # One target per family of tile choices (attention_step_tiles._TILE_OVERRIDES): H100
 # (wgmma), A100 (mma.sync, 163 KiB of shared memory per block), RTX 30xx/40xx
@@ -545,6 +546,13 @@ TABLE_HEADS, TABLE_SEQLEN = 16, 4096
 # and fp32 at head dim 128, MHA and GQA: 12 kernels per target, where every
 # dtype and head dim would add 36 to the table's compile time.
 TABLE_INTERVAL_CASES = ((torch.bfloat16, 128), (torch.float32, 128))
+# Where the step kernels load through tensor descriptors (TMA), a q whose
+# strides TMA cannot take (a head dim of 100 bf16 elements: 200-byte rows) makes
+# the launcher fall back to pointer loads with the pointer tiles.  That fallback
+# is compiled for bf16 at head dim 128, full and causal, MHA and GQA: the
+# tightest of the pointer tiles in registers, at 18 kernels on sm_90 where
+# every descriptor case would add 72.
+TABLE_POINTER_FALLBACK_CASES = ((torch.bfloat16, 128),)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -558,7 +566,10 @@ def step_kernel_cases(capability: int):
     passes; kv heads 16 (MHA: the GQA group size 1 is a compile-time constant)
     and 4 (GQA) on every target: register use differs between them (GQA dk/dv
     at d128 spills on sm_80 with the sm_90 tiles).  Masks full and causal
-    everywhere, intervals for TABLE_INTERVAL_CASES.
+    everywhere, intervals for TABLE_INTERVAL_CASES.  On a target whose
+    launches take tensor descriptors, TABLE_POINTER_FALLBACK_CASES also with a
+    q that TMA cannot take (each row padded by one element), which takes the
+    pointer loads.
 
     A description reads "kernel dtype dN mask MHA|GQA"; where several launches
     share one, each is followed by the lower-cased names of the boolean
@@ -574,8 +585,11 @@ def step_kernel_cases(capability: int):
         for headdim in TABLE_HEAD_DIMS:
             masks = [MASK_FULL, MASK_CAUSAL] + [MASK_INTERVALS] * ((dtype, headdim) in TABLE_INTERVAL_CASES)
             for mask_mode in masks:
-                for kv_heads in (TABLE_HEADS, 4):
-                    q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, headdim, dtype=dtype, device="meta")
+                layouts = [headdim] + [headdim + 1] * (mask_mode != MASK_INTERVALS
+                                                      and (dtype, headdim) in TABLE_POINTER_FALLBACK_CASES
+                                                      and uses_tensor_descriptors(dtype, headdim, target))
+                for kv_heads, q_row in itertools.product((TABLE_HEADS, 4), layouts):
+                    q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, q_row, dtype=dtype, device="meta")[..., :headdim]
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
                     for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), mask_mode, target):
                         key = (launch.kernel.__name__, repr(_specialize(launch, args)),

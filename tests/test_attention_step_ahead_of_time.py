@@ -20,6 +20,10 @@ bytes outside their loops (test_spills_outside_loops_are_listed prints them),
 which costs a few cycles per program, once, where a spill in the sweep costs
 every iteration.
 
+The compiled rows come from a record (tests/data/attention_step_ahead_of_time.json)
+wherever it holds a kernel's compile key: a fresh machine's cold Triton cache
+would take 23 minutes on 2 cores for the whole table.
+
 The same module reads the SASS of the extension's CUDA pack/unpack kernels
 (test_the_block_copy_parse_finds_the_copy_loops) and checks that the reference
 kernels the report compares against compute attention.
@@ -61,19 +65,62 @@ KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
 REFERENCE_CAPABILITY = 90
 
 
+# The compiled kernels of the table under their compile keys.  Compiling the
+# whole table takes 23 minutes on 2 cores with a cold Triton cache, which a fresh
+# CI machine has; with the record the fixture compiles only the kernels whose
+# key it does not hold (any change to a kernel's source, tiles, specialization,
+# the Triton release or the report's code changes the key), and
+# test_the_record_holds_every_kernel says when to write it again.
+RECORD = os.path.join(os.path.dirname(__file__), "data", "attention_step_ahead_of_time.json")
+UPDATE_RECORD = ("python -m seqpar_kernels.kernels.ahead_of_time --record tests/data/attention_step_ahead_of_time.json "
+                 f"--update-record --reference-capability {REFERENCE_CAPABILITY}")
+
+
+def _without_interpreter():
+    # The compiles run in their own process: conftest sets TRITON_INTERPRET=1
+    # on machines without a GPU, and interpreted kernels cannot be compiled.
+    return {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    # The compile runs in its own process: conftest sets TRITON_INTERPRET=1 on
-    # machines without a GPU, and interpreted kernels cannot be compiled.  About
-    # 2 min per target on 2 cores with a cold Triton cache, 20 s with a warm one.
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "seqpar_kernels.kernels.ahead_of_time", "--json",
+        [sys.executable, "-m", "seqpar_kernels.kernels.ahead_of_time", "--json", "--record", RECORD,
          "--capability", *map(str, DEFAULT_CAPABILITIES), "--reference-capability", str(REFERENCE_CAPABILITY)],
-        capture_output=True, text=True, env=env, timeout=2400,
+        capture_output=True, text=True, env=_without_interpreter(), timeout=2400,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)
+
+
+def test_the_record_holds_every_kernel(compiled):
+    missing = [_describe(row) for row in compiled if not row["recorded"]]
+    missing += [f"the reference kernel of {_describe(row)}" for row in compiled
+                if row["reference"] and not row["reference"]["recorded"]]
+    assert not missing, (f"{len(missing)} kernels are not in the record (compiled by this run instead): write it "
+                         f"again with\n  {UPDATE_RECORD}\n" + "\n".join(missing[:20]))
+
+
+def test_the_recorded_kernels_compile_as_recorded():
+    # The record is only as good as its keys: a fresh compile of a few of its
+    # kernels (dk/dv, the one nearest its register limit, bf16 d128 causal GQA
+    # on every target: TMA and pointer loads, one program per group and split)
+    # must give the recorded rows.
+    with open(RECORD, encoding="utf-8") as f:
+        recorded = json.load(f)["kernels"]
+    script = ("import json, sys\n"
+              "from seqpar_kernels.kernels.ahead_of_time import recompile\n"
+              "json.dump([row for capability in json.loads(sys.argv[1]) for row in recompile(capability, "
+              "['_attention_step_bwd_dkdv_kernel bfloat16 d128 causal GQA'])], sys.stdout)")
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(list(DEFAULT_CAPABILITIES))],
+                            capture_output=True, text=True, env=_without_interpreter(), timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    fresh = json.loads(result.stdout)
+    assert len(fresh) >= 2 * len(DEFAULT_CAPABILITIES), [row["description"] for row in fresh]
+    for row in fresh:
+        assert row["compile_key"] in recorded, f"sm_{row['capability']} {row['description']}: not in the record"
+        expected = recorded[row["compile_key"]]
+        assert {name: row[name] for name in expected} == expected, (row, expected)
 
 
 def _describe(row):

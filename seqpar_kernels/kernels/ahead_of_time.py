@@ -29,6 +29,12 @@ The same SASS reading applies to the CUDA pack/unpack kernels of the built
 extension (csrc/cuda/block_copy.cu): instructions per 16-byte unit in their
 copy loops.
 
+Compiling every launch for every target takes about 23 minutes on 2 cores
+with a cold Triton cache.  A record (``--record FILE``, JSON) keeps each
+compiled kernel's row under a key of everything its compile and the reading of
+its SASS depend on (compile_key); a run takes the rows whose key it finds there
+and compiles the rest, and ``--update-record`` writes the record of the run.
+
 Used by tests/test_attention_step_ahead_of_time.py; `python -m
 seqpar_kernels.kernels.ahead_of_time` prints the table of every launch
 (``--help`` for the options).
@@ -39,9 +45,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import hashlib
 import importlib.util
 import io
 import itertools
+import json
 import os
 import re
 import shutil
@@ -533,6 +541,65 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
 
 
 # ----------------------------------------------------------------------------
+# The record: compiled rows kept under the key of their compile
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _toolchain_fingerprint() -> str:
+    # What every compile and its row depend on besides the launch: the Triton
+    # release, the ptxas builds it runs (the bundled ones, or the overrides
+    # Triton takes from the environment) and this module, which reads the SASS.
+    parts = [triton.__version__, *(os.environ.get(name, "") for name in
+                                   ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"))]
+    for tool in ("ptxas", "ptxas-blackwell"):
+        try:
+            parts.append(subprocess.run([_nvidia_tool(tool), "--version"], capture_output=True, text=True).stdout)
+        except RuntimeError:
+            parts.append(f"no {tool}")
+    with open(__file__, encoding="utf-8") as f:
+        parts.append(f.read())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def compile_key(launch: KernelLaunch, args: tuple, capability: int) -> str:
+    """The key of the compile of ``launch`` with the arguments ``args`` for
+    ``capability`` in a record: a hash of the kernel's source and of every
+    @triton.jit function it calls (Triton's own cache key, which also changes
+    with the kernel's first line), its specialization, warps and stages, the
+    target, the Triton release with its ptxas, and this module."""
+    signature, constexprs, attrs = _specialize(launch, args)
+    text = repr((launch.kernel.cache_key, signature, constexprs, attrs, launch.num_warps, launch.num_stages,
+                 capability, _toolchain_fingerprint()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read_record(path: str) -> dict:
+    """``{compile key: KernelResources fields (and the case's description)}`` of
+    the record at ``path``; empty when there is no such file."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["kernels"]
+
+
+def write_record(path: str, kernels: dict) -> None:
+    """Writes ``kernels`` ({compile key: row}; a row's "recorded" is left out)
+    as the record at ``path``: one
+    kernel per line, sorted by target and description, so that a change of
+    tiles shows as the lines of the kernels it changed."""
+    order = sorted(kernels, key=lambda key: (kernels[key]["capability"], kernels[key]["description"], key))
+    lines = [f"  {json.dumps(key)}: "
+             + json.dumps({name: value for name, value in kernels[key].items() if name != "recorded"}, sort_keys=True)
+             for key in order]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"about": "python -m seqpar_kernels.kernels.ahead_of_time --record FILE --update-record: '
+                'the compiled step and reference kernels under their compile keys", "kernels": {\n')
+        f.write(",\n".join(lines))
+        f.write("\n}}\n")
+
+
+# ----------------------------------------------------------------------------
 # The table of every CUDA launch of the ring-attention step kernels
 # ----------------------------------------------------------------------------
 
@@ -676,53 +743,91 @@ def reference_cases(capability: int):
     return references, reference_of
 
 
-def _compile_case(job):
-    # Runs in a worker process: kernels do not pickle, so cases travel by index.
-    kind, capability, index = job
+def _case(kind, capability, index):
+    # (description, KernelLaunch, args) of a job: cases travel to the workers
+    # by index, as kernels do not pickle.
     if kind == "reference":
         launch, args = reference_cases(capability)[0][index]
-        return compile_for_gpu(launch, args, capability).__dict__
-    description, launch, args = step_kernel_cases(capability)[index]
-    resources = compile_for_gpu(launch, args, capability)
-    return dict(description=description, constexprs={k: v for k, v in launch.constexprs.items()
-                                                     if k.startswith("BLOCK")},
-                num_stages=launch.num_stages, **resources.__dict__)
+        return f"reference {launch.kernel.__name__} {launch.constexprs} w{launch.num_warps} s{launch.num_stages}", \
+            launch, args
+    return step_kernel_cases(capability)[index]
+
+
+def _compile_case(job):
+    # Runs in a worker process.  A job found in the record is not compiled.
+    kind, capability, index, recorded = job
+    description, launch, args = _case(kind, capability, index)
+    resources = dict(recorded) if recorded is not None else compile_for_gpu(launch, args, capability).__dict__
+    resources["description"] = description
+    if kind == "reference":
+        return resources
+    return dict(resources, constexprs={k: v for k, v in launch.constexprs.items() if k.startswith("BLOCK")},
+                num_stages=launch.num_stages)
 
 
 def _reference_summary(resources: dict) -> dict:
     return {name: resources[name] for name in ("registers", "spill_bytes", "spills_in_loops", "shared_memory_bytes",
                                                "loop_instructions", "loop_matrix_instructions", "compute_loops",
-                                               "ptxas_warnings")}
+                                               "ptxas_warnings", "recorded")}
 
 
-def compile_table(capabilities, workers: int, reference_capabilities=None, on_row=None) -> list[dict]:
+def compile_table(capabilities, workers: int, reference_capabilities=None, on_row=None, record=None,
+                  compiled=None) -> list[dict]:
     """Every step kernel case of every capability, compiled by ``workers``
     processes: one dict per case (KernelResources' fields, plus description,
-    constexprs (the BLOCK_* ones), num_stages, and for a forward, dq or dk/dv
-    kernel ``reference``: the numbers of the reference kernel with the same
-    tiles; None where the capability is not in ``reference_capabilities``
-    (None: every capability)).  ``on_row(row)`` sees each row as it is done,
-    in order."""
+    constexprs (the BLOCK_* ones), num_stages, compile_key, recorded (whether
+    the row came from ``record``), and for a forward, dq or dk/dv kernel
+    ``reference``: the numbers of the reference kernel with the same tiles;
+    None where the capability is not in ``reference_capabilities`` (None: every
+    capability)).  ``record``: {compile key: row} (read_record) of kernels
+    not to compile again.  ``compiled``: a dict that receives {compile key:
+    row} of every step and reference kernel of the run (write_record's
+    input).  ``on_row(row)`` sees each row as it is done, in order."""
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = []
+    record = record or {}
+    jobs, keys = [], []
     for capability in capabilities:
+        kinds = [("step", len(step_kernel_cases(capability)))]
         if reference_capabilities is None or capability in reference_capabilities:
             # Before the step kernels, so that each row can be told its reference at once.
-            jobs += [("reference", capability, index) for index in range(len(reference_cases(capability)[0]))]
-        jobs += [("step", capability, index) for index in range(len(step_kernel_cases(capability)))]
+            kinds.insert(0, ("reference", len(reference_cases(capability)[0])))
+        for kind, count in kinds:
+            for index in range(count):
+                _, launch, args = _case(kind, capability, index)
+                key = compile_key(launch, args, capability)
+                keys.append(key)
+                jobs.append((kind, capability, index, record.get(key)))
     rows, compiled_references = [], {}
     with ProcessPoolExecutor(workers) as pool:
-        for job, result in zip(jobs, pool.map(_compile_case, jobs)):
-            kind, capability, index = job
+        for job, key, result in zip(jobs, keys, pool.map(_compile_case, jobs)):
+            kind, capability, index, recorded = job
+            result["recorded"] = recorded is not None
+            if compiled is not None:
+                compiled[key] = {name: value for name, value in result.items()
+                                 if name in KernelResources.__dataclass_fields__
+                                 or name in ("description", "recorded")}
             if kind == "reference":
                 compiled_references[capability, index] = _reference_summary(result)
                 continue
             reference = reference_cases(capability)[1].get(index)
             result["reference"] = None if reference is None else compiled_references.get((capability, reference))
+            result["compile_key"] = key
             rows.append(result)
             if on_row is not None:
                 on_row(result)
+    return rows
+
+
+def recompile(capability: int, prefixes) -> list[dict]:
+    """The rows of the step kernel cases of ``capability`` whose descriptions
+    start with one of ``prefixes``, compiled now whatever a record holds (with
+    their compile_key): a record's rows can be checked against them."""
+    rows = []
+    for description, launch, args in step_kernel_cases(capability):
+        if description.startswith(tuple(prefixes)):
+            rows.append(dict(compile_for_gpu(launch, args, capability).__dict__, description=description,
+                             compile_key=compile_key(launch, args, capability)))
     return rows
 
 
@@ -909,7 +1014,6 @@ def main(argv=None):
     next to the reference kernel with its tiles, then the block-copy loops of
     the built extension."""
     import argparse
-    import json
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -924,6 +1028,12 @@ def main(argv=None):
     parser.add_argument("--no-reference", action="store_true", help="compile no reference kernel")
     parser.add_argument("--block-copy", action="store_true",
                         help="only the block-copy kernels of the built extension (no Triton compile)")
+    parser.add_argument("--record", metavar="FILE",
+                        help="take the rows of the kernels whose compile key this record holds instead of "
+                             "compiling them (tests/data/attention_step_ahead_of_time.json: every default target, "
+                             "references for sm_90)")
+    parser.add_argument("--update-record", action="store_true",
+                        help="write the rows of this run as the record FILE of --record")
     options = parser.parse_args(argv)
     if options.block_copy:
         report = block_copy_report()
@@ -939,9 +1049,18 @@ def main(argv=None):
               "smem: shared memory in bytes;\ninstr/mma: SASS instructions / tensor-core products per "
               "iteration of the hot loop; ptxas: its warnings and numbered advisories (C7515: wgmma serialized)")
         print(TABLE_HEADER, flush=True)
+    if options.update_record and not options.record:
+        parser.error("--update-record needs --record FILE")
     references = () if options.no_reference else options.reference_capability
+    compiled = {}
     rows = compile_table(options.capability, options.workers, reference_capabilities=references,
-                         on_row=None if options.json else lambda row: print(format_row(row), flush=True))
+                         on_row=None if options.json else lambda row: print(format_row(row), flush=True),
+                         record=read_record(options.record) if options.record else None, compiled=compiled)
+    recorded = sum(row["recorded"] for row in compiled.values())
+    print(f"{len(compiled)} kernels: {recorded} from the record, {len(compiled) - recorded} compiled",
+          file=sys.stderr)
+    if options.update_record:
+        write_record(options.record, compiled)
     if options.json:
         json.dump(rows, sys.stdout)
         return

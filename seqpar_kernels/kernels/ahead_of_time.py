@@ -543,13 +543,18 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
 # ----------------------------------------------------------------------------
 # The record: compiled rows kept under the key of their compile
 # ----------------------------------------------------------------------------
+# Everything above this section (the compile and the reading of its SASS) goes
+# into every compile key; what follows builds the launches (which go into the
+# key one by one), the table and the command, and must not change a kernel's row.
+_RECORD_SECTION = "# The record: compiled rows kept under the key of their compile"
 
 
 @functools.lru_cache(maxsize=1)
 def _toolchain_fingerprint() -> str:
     # What every compile and its row depend on besides the launch: the Triton
     # release, the ptxas builds it runs (the bundled ones, or the overrides
-    # Triton takes from the environment) and this module, which reads the SASS.
+    # Triton takes from the environment) and this module's code up to the
+    # record's section, which compiles and reads the SASS.
     parts = [triton.__version__, *(os.environ.get(name, "") for name in
                                    ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"))]
     for tool in ("ptxas", "ptxas-blackwell"):
@@ -558,7 +563,9 @@ def _toolchain_fingerprint() -> str:
         except RuntimeError:
             parts.append(f"no {tool}")
     with open(__file__, encoding="utf-8") as f:
-        parts.append(f.read())
+        source = f.read()
+    assert source.count(_RECORD_SECTION) == 2, "the record's section header moved"  # itself and its constant
+    parts.append(source[:source.index(_RECORD_SECTION)])
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -567,7 +574,8 @@ def compile_key(launch: KernelLaunch, args: tuple, capability: int) -> str:
     ``capability`` in a record: a hash of the kernel's source and of every
     @triton.jit function it calls (Triton's own cache key, which also changes
     with the kernel's first line), its specialization, warps and stages, the
-    target, the Triton release with its ptxas, and this module."""
+    target, the Triton release with its ptxas, and this module's compile and
+    SASS reading."""
     signature, constexprs, attrs = _specialize(launch, args)
     text = repr((launch.kernel.cache_key, signature, constexprs, attrs, launch.num_warps, launch.num_stages,
                  capability, _toolchain_fingerprint()))
@@ -1033,7 +1041,8 @@ def main(argv=None):
                              "compiling them (tests/data/attention_step_ahead_of_time.json: every default target, "
                              "references for sm_90)")
     parser.add_argument("--update-record", action="store_true",
-                        help="write the rows of this run as the record FILE of --record")
+                        help="write the kernels of this run into the record FILE of --record, in place of "
+                             "its kernels of the same targets")
     options = parser.parse_args(argv)
     if options.block_copy:
         report = block_copy_report()
@@ -1060,7 +1069,11 @@ def main(argv=None):
     print(f"{len(compiled)} kernels: {recorded} from the record, {len(compiled) - recorded} compiled",
           file=sys.stderr)
     if options.update_record:
-        write_record(options.record, compiled)
+        # The run's kernels replace the record's for the targets it compiled;
+        # those of other targets stay.
+        kept = {key: row for key, row in read_record(options.record).items()
+                if row["capability"] not in options.capability}
+        write_record(options.record, {**kept, **compiled})
     if options.json:
         json.dump(rows, sys.stdout)
         return

@@ -80,6 +80,26 @@ def _torch_attention_in_dtype(q, k, v, scale, keep=None):
     return torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)
 
 
+def _assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout=None, grads=None):
+    """fp16/bf16 step results against fp64 attention on the same rounded inputs:
+    ``out`` within twice the error of plain PyTorch attention in the inputs'
+    dtype (a row without a key counts as 0 in both), ``lse`` fp32-accurate
+    (exact products accumulated in fp32), and ``grads`` (dq, dk, dv for
+    ``dout``), when given, each within 3% of its largest reference entry."""
+    qr, kr, vr = (t.double().requires_grad_(grads is not None) for t in (q, k, v))
+    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep)
+    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep).nan_to_num(0.0)
+    ours_err = (out.double() - ref_out).abs().max().item()
+    torch_err = (torch_out.double() - ref_out).abs().max().item()
+    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-4, rtol=0)
+    if grads is not None:
+        ref_out.backward(dout.double())
+        for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+            err = (got.double() - want).abs().max().item()
+            assert err <= 3e-2 * want.abs().max().item(), err
+
+
 def _fresh_state(b, sq, h, d):
     out = torch.zeros(b, sq, h, d, dtype=torch.float32, device=DEVICE)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=DEVICE)
@@ -154,13 +174,7 @@ def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
     keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     out, lse = _fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    ref_out, ref_lse = _reference(q, k, v, scale, keep)  # fp64 on the same rounded inputs
-    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep)
-    ours_err = (out.double() - ref_out).abs().max().item()
-    torch_err = (torch_out.double() - ref_out).abs().max().item()
-    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
-    # Scores are exact products accumulated in fp32, so lse is fp32-accurate.
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=0)
+    _assert_low_precision_accuracy(q, k, v, scale, keep, out, lse)
 
 
 # ----------------------------------------------------------------------------
@@ -469,17 +483,7 @@ def _check_bf16_step(mode, sq, sk):
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sk, hk, d), _zeros(b, sk, hk, d)
     launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv, softmax_scale=scale, mask_mode=mode)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep)
-    ref_out.backward(dout.double())
-    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep)
-    ours_err = (out.double() - ref_out).abs().max().item()
-    torch_err = (torch_out.double() - ref_out).abs().max().item()
-    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
-    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-4, rtol=0)
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        err = (got.double() - want).abs().max().item()
-        assert err <= 3e-2 * want.abs().max().item(), err
+    _assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
 
 
 def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
@@ -846,17 +850,7 @@ def test_intervals_low_precision(dtype):
     k, v = _randn(b, 80, hk, d, dtype=dtype), _randn(b, 80, hk, d, dtype=dtype)
     scale = d ** -0.5
     _, (out, lse), dq, [(dk, dv)] = _interval_steps(q, dout, [(k, v, intervals)], scale)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = _reference(qr, kr, vr, scale, keep)
-    ref_out.backward(dout.double())
-    torch_out = _torch_attention_in_dtype(q, k, v, scale, keep).nan_to_num(0.0)  # rows without a key: 0
-    ours_err = (out.double() - ref_out).abs().max().item()
-    torch_err = (torch_out.double() - ref_out).abs().max().item()
-    assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
-    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-4, rtol=0)
-    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        err = (got.double() - want).abs().max().item()
-        assert err <= 3e-2 * want.abs().max().item(), err
+    _assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
 
 
 @runs_triton_on(DEVICE)

@@ -48,6 +48,7 @@ from seqpar_kernels.kernels.ahead_of_time import (  # noqa: E402
     DEFAULT_CAPABILITIES,
     block_copy_report,
     is_serialization_warning,
+    read_record,
 )
 from seqpar_kernels.kernels.attention_step_tiles import (  # noqa: E402
     SHARED_MEMORY_PER_BLOCK,
@@ -69,7 +70,7 @@ REFERENCE_CAPABILITY = 90
 # whole table takes 23 minutes on 2 cores with a cold Triton cache, which a fresh
 # CI machine has; with the record the fixture compiles only the kernels whose
 # key it does not hold (any change to a kernel's source, tiles, specialization,
-# the Triton release or the report's code changes the key), and
+# the Triton release or the module's compile and SASS reading changes the key), and
 # test_the_record_holds_every_kernel says when to write it again.
 RECORD = os.path.join(os.path.dirname(__file__), "data", "attention_step_ahead_of_time.json")
 UPDATE_RECORD = ("python -m seqpar_kernels.kernels.ahead_of_time --record tests/data/attention_step_ahead_of_time.json "
@@ -106,8 +107,7 @@ def test_the_recorded_kernels_compile_as_recorded():
     # kernels (dk/dv, the one nearest its register limit, bf16 d128 causal GQA
     # on every target: TMA and pointer loads, one program per group and split)
     # must give the recorded rows.
-    with open(RECORD, encoding="utf-8") as f:
-        recorded = json.load(f)["kernels"]
+    recorded = read_record(RECORD)
     script = ("import json, sys\n"
               "from seqpar_kernels.kernels.ahead_of_time import recompile\n"
               "json.dump([row for capability in json.loads(sys.argv[1]) for row in recompile(capability, "

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ranges
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges
+from seqpar_kernels.layouts import tensor_split_ranges
 
 from bench.baselines import heads_to_front, repeat_kv_heads
 from bench.cases import run_case, timed_row

@@ -43,7 +43,7 @@ from bench.context import Context
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import accuracy_verdict, chunked_attention, within_error_rule
-from tests.reference import ERROR_FACTOR, max_error
+from tools.reference import ERROR_FACTOR, max_error
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
         return [dq, dk, dv]
 
     # The aten backend's step, with running results of its own.
-    from seqpar_kernels.parallel.ring_steps import STEP_KERNELS
+    from seqpar_kernels.engine.step_backends import STEP_KERNELS
 
     aten = STEP_KERNELS["aten"]
     aten_out, aten_lse = torch.zeros(q.shape, **fp32), torch.full(lse.shape, float("-inf"), **fp32)
@@ -354,7 +354,7 @@ def run(ctx: Context) -> list[Row]:
     rows = run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
     rows += run_on_one_gpu(ctx, "ring-step-tiles", None, measure_tiles, tile_cases)
     if ctx.is_root and ctx.on_gpu and not ctx.quick:
-        from seqpar_kernels.parallel.ring_steps import gpu_family, record_measured_step_backend
+        from seqpar_kernels.engine.step_backends import gpu_family, record_measured_step_backend
 
         major, minor = torch.cuda.get_device_capability(ctx.device)
         family = gpu_family(10 * major + minor)

@@ -64,8 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar_kernels import make_usp_groups, ring_attention, ulysses_attention, usp_attention, varlen_plan
-from seqpar_kernels.parallel.documents import DocumentLayout
-from seqpar_kernels.parallel.varlen import VarlenLayout
+from seqpar_kernels.layouts import VarlenLayout, segments_causal_work
 
 from bench.baselines import leaves, single_device_attention
 from bench.bench_usp import Candidate, Grid, gather_pieces, measure_group_bytes, piece_positions, theory_bytes
@@ -122,7 +121,7 @@ def bounds_of(lengths: list[int]) -> tuple[int, ...]:
 
 
 def causal_work(length: int) -> int:
-    """Query-key pairs of one document under a causal mask (DocumentLayout.work's unit)."""
+    """Query-key pairs of one document under a causal mask."""
     return length * (length + 1) // 2
 
 
@@ -131,10 +130,11 @@ def causal_work(length: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> DocumentLayout:
+def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> tuple[tuple[int, ...], list]:
     """The peers' layout: every document padded to a multiple of 2 x degree, cut into
-    2 x degree equal chunks, rank r holding chunks r and 2 x degree - 1 - r of each. A
-    DocumentLayout of the padded sequence (padding tokens are tokens there)."""
+    2 x degree equal chunks, rank r holding chunks r and 2 x degree - 1 - r of each.
+    (The padded sequence's bounds, every rank's ranges of it: padding tokens are tokens
+    there.)"""
     chunks = 2 * degree
     padded = [-(-(end - start) // chunks) * chunks for start, end in itertools.pairwise(cu_seqlens)]
     padded_bounds = bounds_of(padded)
@@ -145,7 +145,7 @@ def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> DocumentLay
             chunk = length // chunks
             segments += [(start + rank * chunk, chunk), (start + (chunks - 1 - rank) * chunk, chunk)]
         slots.append([segment for segment in segments if segment[1]])
-    return DocumentLayout(padded_bounds, slots)
+    return padded_bounds, slots
 
 
 @dataclass(frozen=True)
@@ -171,12 +171,13 @@ def layout_lines(mix: str, lengths: list[int], degree: int) -> list[LayoutLine]:
         layout = VarlenLayout(cu_seqlens, ring_size=degree, layout=name)
         lines.append(LayoutLine(mix, documents, total, degree, name, layout.work_imbalance,
                                 layout.token_imbalance, 0))  # fmt: skip
-    padded = per_document_zigzag(cu_seqlens, degree)
+    padded_bounds, padded_slots = per_document_zigzag(cu_seqlens, degree)
+    padded_lengths = [sum(length for _, length in slot) for slot in padded_slots]
     padding = VarlenLayout(cu_seqlens, ring_size=degree).padding_of_per_document_zigzag()
-    assert sum(padded.lengths) - total == padding, (sum(padded.lengths), total, padding)
+    assert sum(padded_lengths) - total == padding, (sum(padded_lengths), total, padding)
     even_work = sum(causal_work(length) for length in lengths) / degree
-    work = max(padded.work(rank) for rank in range(degree)) / even_work
-    tokens = max(padded.lengths) / (total / degree)
+    work = max(segments_causal_work(slot, padded_bounds) for slot in padded_slots) / even_work
+    tokens = max(padded_lengths) / (total / degree)
     lines.append(LayoutLine(mix, documents, total, degree, f"per-document zigzag (padded to {2 * degree})",
                             work, tokens, padding))  # fmt: skip
     return lines

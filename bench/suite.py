@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import seqpar_kernels
-from seqpar_kernels._extension import build_info
+from seqpar_kernels.extension import build_info
 
 from bench import (
     bench_kernels,

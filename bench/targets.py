@@ -30,7 +30,7 @@ from bench.rows import (
     Row,
     is_failed,
 )
-from tests.reference import ERROR_FACTOR
+from tools.reference import ERROR_FACTOR
 
 # On a GPU the pack/unpack kernels should reach this fraction of the memory bandwidth
 # and be this many times faster than the unfused copies.
@@ -43,7 +43,7 @@ OVERLAP_TARGET = 0.90
 # ... and the GPU step kernel at this many times the speed of SDPA's best backend.
 STEP_TARGETS = {"ring-step-fwd": 0.9, "ring-step-bwd": 0.8}
 # The flash-attention rule on error_vs_plain: ours errs at most this many times plain
-# torch's error, the factor of the tests' accuracy rule (tests/reference.py).
+# torch's error, the factor of the tests' accuracy rule (tools/reference.py).
 FLASH_RULE_FACTOR = ERROR_FACTOR
 # A case where ours won fewer than this share of the paired rounds is slower beyond noise.
 CLEARLY_SLOWER_SHARE = 0.25

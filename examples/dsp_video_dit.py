@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Config)})
 
     if "RANK" in os.environ:  # under torchrun
-        from seqpar_kernels._extension import build_info
+        from seqpar_kernels.extension import build_info
 
         use_cuda = torch.cuda.is_available() and build_info()["cuda"]
         dist.init_process_group("nccl" if use_cuda else "gloo")

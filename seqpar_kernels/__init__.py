@@ -13,9 +13,9 @@ Public API:
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
-from seqpar_kernels import _extension  # noqa: F401  (loads the compiled ops)
+from seqpar_kernels import extension  # noqa: F401  (loads the compiled ops)
 from seqpar_kernels import ops  # noqa: F401  (registers fake kernels and autograd)
-from seqpar_kernels.comm.stats import comm_stats
+from seqpar_kernels.traffic import comm_stats
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split

@@ -1,7 +1,14 @@
 import os
+import sys
 
 import pytest
 import torch
+
+# The references and the accuracy rule (tools/reference.py) and the developer tools live
+# in the checkout's tools/, importable from its root also when pytest runs from elsewhere.
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPOSITORY not in sys.path:
+    sys.path.insert(0, _REPOSITORY)
 
 # Triton kernels run on CPU tensors through the interpreter when there is no GPU; with
 # one, the kernel tests run the compiled kernels. (The gloo rank pool's workers always

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
 from seqpar_kernels.testing import ring_attention_with_step_kernels

@@ -14,7 +14,7 @@ import seqpar_kernels  # noqa: F401  (loads the ops)
 from seqpar_kernels.ops import attention_merge_
 
 NEG_INF = float("-inf")
-HAS_CUDA = torch.cuda.is_available() and seqpar_kernels._extension.build_info()["cuda"]
+HAS_CUDA = torch.cuda.is_available() and seqpar_kernels.extension.build_info()["cuda"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU and a CUDA build"))]
 
 

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
-from seqpar_kernels.parallel.checks import check_launchable  # noqa: E402
+from seqpar_kernels.parallel.attention_checks import check_launchable  # noqa: E402
 from triton_interpreter import runs_triton_on  # noqa: E402
 MASK_FULL, MASK_CAUSAL, MASK_INTERVALS = launchers.MASK_FULL, launchers.MASK_CAUSAL, launchers.MASK_INTERVALS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -977,7 +977,7 @@ def test_tiles_follow_the_target_family():
 
 
 # ----------------------------------------------------------------------------
-# what the ring checks before it launches (parallel/checks.py check_launchable)
+# what the ring checks before it launches (parallel/attention_checks.py check_launchable)
 # ----------------------------------------------------------------------------
 
 

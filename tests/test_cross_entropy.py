@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group

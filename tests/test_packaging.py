@@ -113,7 +113,7 @@ def test_sdist_builds_and_installs_cpu_only_in_a_fresh_venv(tmp_path):
     assert location.is_relative_to(venv.resolve()), info.stdout
     # The data the package reads at run time came along: step_backend="auto"'s table.
     table = subprocess.run(
-        [str(python), "-c", "from seqpar_kernels.parallel.ring_steps import step_backend_table as t; print(len(t()))"],
+        [str(python), "-c", "from seqpar_kernels.engine.step_backends import step_backend_table as t; print(len(t()))"],
         cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300,
     )  # fmt: skip
     assert table.returncode == 0 and table.stdout.strip() == "5", table.stdout + table.stderr

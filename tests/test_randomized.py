@@ -8,7 +8,7 @@ storage, a last dim that is not contiguous, expanded views), causal or not, the
 softmax scale (zero and negative ones too), and now and then torch.compile. Every rank
 draws the same cases, runs its piece, and compares forward and backward with a
 single-process fp64 answer: data movement bit for bit, attention by the accuracy rule
-(tests/reference.py).
+(tools/reference.py).
 
 Two seeds run: a fixed one, and one that changes every day (SEQPAR_FUZZ_SEED sets it).
 A failure prints one line per failing case that replays it alone:
@@ -27,11 +27,11 @@ import traceback
 import pytest
 import torch
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
+from seqpar_kernels.layouts import zigzag_piece_lengths
 
 FIXED_SEED = 20261123
 WORLD_SIZES = (1, 2, 3, 4, 5)

@@ -5,7 +5,7 @@ Every rank builds the same full q/k/v/dout (B, N, H, D) from a fixed seed, takes
 piece in the layout under test (contiguous: rows [r*S, (r+1)*S); zigzag: chunks r and
 2P-1-r of 2P), runs ring_attention with autograd, and compares its piece of out, lse and
 of the gradients with a reference on the same rank: attention with the score matrix
-materialized, in fp64 (tests/reference.py).
+materialized, in fp64 (tools/reference.py).
 
 fp32 must match to reference.FP32_TOLERANCE; fp16/bf16 follow flash-attention's rule
 (reference.error_bound): at most twice the error of plain PyTorch attention computed in
@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import CPU_FLASH_READS_GQA, AUTO, STEP_KERNELS
+from seqpar_kernels.layouts import zigzag_piece_lengths
+from seqpar_kernels.engine.step_backends import CPU_FLASH_READS_GQA, AUTO, STEP_KERNELS
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 
@@ -67,7 +67,7 @@ def run_case(case, dtype, seed=0, group=None, step_kernels=AUTO):
     reference.error_bound for an fp32 log-sum-exp and for dp - delta. group: the ring's
     group (default the world); the whole sequence is that group's, cut by the rank
     within it. step_kernels: which
-    kernels compute each ring step (seqpar_kernels.parallel.ring_steps)."""
+    kernels compute each ring step (seqpar_kernels.engine.step_backends)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     causal, layout = case["causal"], case["layout"]
     scale = case.get("scale", 1.0 / math.sqrt(case["D"]))
@@ -238,7 +238,7 @@ LOW_PRECISION_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def low_precision_bound(dtype, name, yardsticks):
-    """The accuracy rule against plain attention in dtype (tests/reference.py)."""
+    """The accuracy rule against plain attention in dtype (tools/reference.py)."""
     return reference.error_bound(dtype, yardsticks["plain"][name], yardsticks["magnitude"][name])
 
 

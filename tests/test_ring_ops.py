@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from on_ranks import rank_and_world
 from seqpar_kernels.parallel import checks as checks_module
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import AUTO
+from seqpar_kernels.layouts import zigzag_piece_lengths
+from seqpar_kernels.engine.step_backends import AUTO
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.parallel.ring_steps import AUTO
+from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 

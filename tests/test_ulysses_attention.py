@@ -3,7 +3,7 @@
 Every rank builds the same full q/k/v (B, S, H, D) from a fixed seed, takes its
 sequence piece, runs ulysses_attention, and compares its piece of the output and of
 the gradients with a single-process reference computed on the same rank: fp64
-attention with the score matrix materialized (tests/reference.py). fp32 must match to
+attention with the score matrix materialized (tools/reference.py). fp32 must match to
 reference.FP32_TOLERANCE; fp16/bf16 follow the accuracy rule (reference.error_bound).
 
 Rank functions are module-level (the pool pickles them by reference) and run several
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference
+from tools import reference
 from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
 from seqpar_kernels import ulysses_attention
 from ulysses_cases import UNEVEN, make_case, exact_with_grads, failures_over, full_inputs, lengths_for

@@ -8,7 +8,7 @@ consecutive, strided, and from a DeviceMesh whose dims are named in the other or
 4x1; world 3 as 1x3 and 3x1; world 6 as 2x3 and 3x2. Every rank builds the same full
 q/k/v/dout from a seed, takes its piece as this file defines the layouts (independently
 of the library), and compares its piece of out, lse and the gradients with the
-reference on the same rank (tests/reference.py). Rank functions run many cases per
+reference on the same rank (tools/reference.py). Rank functions run many cases per
 call: every pool.run is a round trip to all ranks.
 """
 
@@ -19,14 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import COLLECTIVE_TIMEOUT, backward_on_every_rank, on_every_rank, timeout_group
-from seqpar_kernels.comm.groups import GroupInfo
-from seqpar_kernels.parallel.ring_driver import RingPieces
-from seqpar_kernels.parallel.usp import _Grid, _piece_ranges
-from test_ring_schedule import _causal_schedule, _global_positions
+from seqpar_kernels.layouts import usp_piece_segments
+from test_ring_schedule import RingPieces, causal_schedule, global_positions
 from test_ulysses_bytes import expected_ulysses_bytes
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -243,7 +241,7 @@ def test_fp32_forward_backward_match_fp64_reference(world_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_within_twice_plain_torch_error(dtype):
-    # The accuracy rule (tests/reference.py) on the 2x2 grid of world 4.
+    # The accuracy rule (tools/reference.py) on the 2x2 grid of world 4.
     cases = [CASES[2], CASES[3]]
     per_rank = pool_for(4).run(run_grid_cases, [("inner", 2)], cases, dtype)
 
@@ -454,11 +452,6 @@ def test_split_and_gather_follow_the_layouts(world_size):
         assert not failed, f"rank {rank}: {failed}"
 
 
-def _grid(i, j, ring_size, ulysses_size):
-    """A grid position without groups (for the layout's arithmetic alone)."""
-    return _Grid(None, None, GroupInfo("", j, ulysses_size), GroupInfo("", i, ring_size))
-
-
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4], ids=lambda size: f"R{size}")
 def test_zigzag_slots_are_the_rings_zigzag_pieces_with_equal_causal_work(ring_size):
     # A ring slot gathered over its Ulysses group holds exactly the rows the ring's
@@ -469,14 +462,14 @@ def test_zigzag_slots_are_the_rings_zigzag_pieces_with_equal_causal_work(ring_si
         for total in (0, 1, 2 * ring_size * ulysses_size, 4 * ring_size * ulysses_size, 4 * ring_size * 3 + 5):
             slots = [
                 [start + row for j in range(ulysses_size)
-                 for start, length in _piece_ranges(total, _grid(i, j, ring_size, ulysses_size), "zigzag")
+                 for start, length in usp_piece_segments(total, ulysses_size, ring_size, i, j, True)
                  for row in range(length)]
                 for i in range(ring_size)
             ]  # fmt: skip
             pieces = RingPieces.of([len(slot) for slot in slots], True)
-            assert slots == [_global_positions(i, pieces) for i in range(ring_size)], (ulysses_size, total)
+            assert slots == [global_positions(i, pieces) for i in range(ring_size)], (ulysses_size, total)
             if total % (2 * ring_size) == 0:
-                work, _ = _causal_schedule(pieces)
+                work, _ = causal_schedule(pieces)
                 assert all(len(set(per_rank)) == 1 for per_rank in work), (ulysses_size, total, work)
 
 

@@ -1,7 +1,7 @@
 """Packed variable-length sequences (seqpar_kernels/parallel/varlen.py): varlen_plan's
 layouts, split/gather, position_ids and balance, and ring_attention, ulysses_attention
 and usp_attention with varlen=plan on gloo ranks (world 1-4 and 2x2 grids) against
-per-document attention in one process by the accuracy rule of tests/reference.py,
+per-document attention in one process by the accuracy rule of tools/reference.py,
 forward and backward.
 
 Every rank builds the same full sequence from a seed, takes its tokens with the plan
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-import reference
+from tools import reference
 import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group
-from seqpar_kernels.parallel.varlen import VarlenLayout
+from seqpar_kernels.engine.masks import AttentionMask, step_masks_of
+from seqpar_kernels.layouts import VarlenLayout
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
 from test_usp import usp_groups
@@ -445,11 +446,15 @@ def test_bad_attention_calls_raise_on_every_rank():
 # ----------------------------------------------------------------------------------
 
 
+def step_mask(layout, q_slot, k_slot, causal):
+    """The ring's StepMask of slot q_slot's queries against slot k_slot's keys."""
+    return step_masks_of(AttentionMask(causal, layout.cu_seqlens), layout.slots).step(q_slot, k_slot)
+
+
 def _mask_by_definition(layout, q_slot, k_slot, causal):
     """(q rows x key rows) bool: same document, and key position <= query position if causal."""
     def positions(slot):
-        return [position for start, length in layout.documents.segments[slot]
-                for position in range(start, start + length)]
+        return [position for start, length in layout.slots[slot] for position in range(start, start + length)]
     bounds = torch.tensor(layout.cu_seqlens)
     q_positions, k_positions = torch.tensor(positions(q_slot)), torch.tensor(positions(k_slot))
     q_documents = torch.searchsorted(bounds, q_positions, right=True)
@@ -468,7 +473,7 @@ def test_step_masks_select_exactly_the_document_pairs(family, layout_name, causa
     for q_slot in range(3):
         for k_slot in range(3):
             expected = _mask_by_definition(layout, q_slot, k_slot, causal)
-            step = layout.documents.step_mask(q_slot, k_slot, causal)
+            step = step_mask(layout, q_slot, k_slot, causal)
             if step is None:
                 assert not expected.any()
                 continue
@@ -495,7 +500,7 @@ def test_a_step_without_a_common_document_has_no_mask():
     layout = VarlenLayout([0, 4, 8, 12], ring_size=3, layout="contiguous")
     for q_slot in range(3):
         for k_slot in range(3):
-            assert (layout.documents.step_mask(q_slot, k_slot, False) is None) == (q_slot != k_slot)
+            assert (step_mask(layout, q_slot, k_slot, False) is None) == (q_slot != k_slot)
     # Causal: keys of a later rank's piece of one document are never seen.
     layout = VarlenLayout([0, 12], ring_size=3, layout="contiguous")
-    assert layout.documents.step_mask(0, 2, True) is None and layout.documents.step_mask(2, 0, True) is not None
+    assert step_mask(layout, 0, 2, True) is None and step_mask(layout, 2, 0, True) is not None

@@ -50,7 +50,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
-from seqpar_kernels.comm.groups import all_gather_ints
+from seqpar_kernels.groups import all_gather_ints
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,

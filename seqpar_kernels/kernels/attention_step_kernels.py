@@ -6,7 +6,7 @@ the local queries against the visiting K/V block, folded into a running result.
 The launchers are in attention_step_launch.py, the tiles and launch options per
 GPU in attention_step_tiles.py.
 
-Forward (``_attention_step_fwd_kernel``)
+Forward (``attention_step_fwd_kernel``)
     computes the block's attention with an online softmax (FlashAttention-2
     style, fp32 accumulators) and merges it into the running fp32 ``(out, lse)``
     pair in the same kernel::
@@ -20,12 +20,12 @@ Forward (``_attention_step_fwd_kernel``)
     after the last step ``out`` is the exact softmax attention over every block
     seen and ``lse`` its log-sum-exp.
 
-Backward (``_attention_step_bwd_dq_kernel``, ``_attention_step_bwd_dkdv_kernel``)
+Backward (``attention_step_bwd_dq_kernel``, ``attention_step_bwd_dkdv_kernel``)
     With the *final* ``lse`` (after all steps) the softmax probabilities of any
     block can be rebuilt locally as ``p = exp(s - lse)``, so each step's
     gradients are independent and simply add up.  The kernels add this block's
     contribution to ``dq`` (owned by the local rank) and to ``dk``/``dv`` (which
-    travel around the ring with K/V).  ``_attention_bwd_preprocess_kernel``
+    travel around the ring with K/V).  ``attention_bwd_preprocess_kernel``
     computes ``delta = rowsum(dout * out)`` once for all steps.
 
 Mask modes (compile-time flags, so each mode compiles to its own kernel and
@@ -219,7 +219,7 @@ def _attention_fwd_sweep(
 
 
 @triton.jit
-def _attention_step_fwd_kernel(
+def attention_step_fwd_kernel(
     Q, K, V, Out, Lse,
     RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -291,8 +291,7 @@ def _attention_step_fwd_kernel(
             hi = seqlen_k
             all_visible = seqlen_k
     # The bounds come before the pointers, as in the full and causal kernels'
-    # instruction order: with the pointers first, sm_100 gives the bf16/fp16
-    # d64 causal GQA kernel 130 registers instead of 126.
+    # instruction order, which takes fewer registers on sm_100 (docs/tuning.md).
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     if TENSOR_DESCRIPTORS:
@@ -368,7 +367,7 @@ def _attention_step_fwd_kernel(
 
 
 @triton.jit
-def _attention_bwd_preprocess_kernel(
+def attention_bwd_preprocess_kernel(
     Out, DOut, Delta,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_gb, stride_gm, stride_gh, stride_gd,
@@ -457,7 +456,7 @@ def _attention_dq_sweep(
 
 
 @triton.jit
-def _attention_step_bwd_dq_kernel(
+def attention_step_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -592,8 +591,7 @@ def _attention_dkdv_sweep(
         mask_m = rows < row_end
         mask_md = mask_m[:, None] & mask_d[None, :]
         # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
-        # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
-        # loop (sm_80/86/90).
+        # row offsets as a vector spill in this loop (docs/tuning.md).
         if TENSOR_DESCRIPTORS:
             # TMA: rows from row_end on load as 0, no offsets in registers.
             q = q_desc.load([start_m, 0])
@@ -624,7 +622,7 @@ def _attention_dkdv_sweep(
 
 
 @triton.jit
-def _attention_step_bwd_dkdv_kernel(
+def attention_step_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     ColStart, ColEnd,  # int32 (seqlen_k,) with INTERVALS, otherwise None
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -684,8 +682,7 @@ def _attention_step_bwd_dkdv_kernel(
         + offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd
     # Loaded once, through pointers also with TENSOR_DESCRIPTORS: their offsets
     # are dead after this, and with k and v through descriptors ptxas
-    # serializes the wgmma of the full-mask MHA kernel (C7515; sm_90 bf16
-    # d128, 32 x 64 tiles: 401 instructions per iteration instead of 329).
+    # serializes the wgmma of the full-mask MHA kernel (C7515, docs/tuning.md).
     k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
     v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
 

@@ -10,7 +10,7 @@ What the kernels compute is described in attention_step_kernels.py; which tiles
 and launch options a GPU gets, in attention_step_tiles.py.
 
 The launchers trust their callers: they run at every ring step, and the ring
-checks its inputs once, before any collective (seqpar_kernels/parallel/checks.py:
+checks its inputs once, before any collective (seqpar_kernels/parallel/attention_checks.py:
 shapes, dtypes, devices, head dim, the softmax scale, and check_launchable for
 the GPU and the grid limits).  Any tensor may be non-contiguous, except the
 interval tensors of MASK_INTERVALS.
@@ -76,7 +76,7 @@ MASK_FULL = 0  # every query attends every key of the block
 MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j <= i
 MASK_INTERVALS = 2  # query i attends keys row_start[i] <= j < row_end[i] (packed documents)
 
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
 
 def _runs_in_interpreter(t):
@@ -158,7 +158,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
     args = (q, k, v, out, lse, row_start, row_end,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             seqlen_q, seqlen_k, nheads // nheads_kv,
-            scale * _LOG2E)
+            scale * LOG2E)
     return launch, grid, args
 
 
@@ -186,7 +186,7 @@ def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, inte
                                                target=target, interpreted=interpreted)
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * _LOG2E)
+    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * LOG2E)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     if kernel == "dq":
         grid = (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch)
@@ -330,7 +330,7 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
         # the unscaled ones times the scale, which holds for a scale >= 0: a
         # negative one goes into q instead (-q, exact in every dtype).  The
         # ring never gets here: it folds the sign into q once
-        # (parallel/checks.py fold_scale_sign).
+        # (parallel/attention_checks.py fold_scale_sign).
         q, softmax_scale = -q, -softmax_scale
     launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals, first_step=first_step,
                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))

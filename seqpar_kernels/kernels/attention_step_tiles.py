@@ -22,10 +22,10 @@ import torch
 import triton
 
 from .attention_step_kernels import (
-    _attention_bwd_preprocess_kernel,
-    _attention_step_bwd_dkdv_kernel,
-    _attention_step_bwd_dq_kernel,
-    _attention_step_fwd_kernel,
+    attention_bwd_preprocess_kernel,
+    attention_step_bwd_dkdv_kernel,
+    attention_step_bwd_dq_kernel,
+    attention_step_fwd_kernel,
 )
 
 # The oldest GPUs the kernels run on: bf16 tensor cores came with sm_80.
@@ -118,7 +118,7 @@ def _device_target(device_index):
     # Asked once per device, not at every ring step's launch.
     properties = torch.cuda.get_device_properties(device_index)
     capability = 10 * properties.major + properties.minor
-    # The ring refuses older GPUs before it starts (parallel/checks.py check_launchable).
+    # The ring refuses older GPUs before it starts (parallel/attention_checks.py check_launchable).
     assert capability >= MIN_CAPABILITY, f"sm_{capability} is older than sm_{MIN_CAPABILITY}"
     # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
     # and to the smallest size on record for a GPU not in it.
@@ -139,35 +139,24 @@ def _device_target(device_index):
 # fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
 # in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
 # warpgroup is what lets Triton use wgmma).  fp32 asks for exact ("ieee")
-# products, which run as FMAs on registers, not on tensor cores: small tiles
-# (the fp16 tiles spill 159 to 15000 accesses per kernel in fp32).
+# products, which run as FMAs on registers, not on tensor cores: small tiles,
+# the wide ones spill.
 #
-# Every entry is compiled ahead of time (python -m
-# seqpar_kernels.kernels.ahead_of_time lists them; the test
-# tests/test_attention_step_ahead_of_time.py holds them to it): on every target
-# of that test (sm_80, sm_86, sm_90, sm_100, sm_120) each fits the shared memory
-# and has no register spill inside its K/V or Q sweep.  That check compiles
-# local lengths that are a multiple of 16; other lengths compile to other
-# variants, a few of which spill 1 to 4 accesses in a loop (docs/tuning.md).
-# No GPU has timed these tiles yet: the ring-step-fwd/bwd rows of
-# `python -m bench` (bench/bench_ring_step.py) time them against SDPA on one.
+# Every entry is compiled ahead of time for sm_80, sm_86, sm_90, sm_100 and
+# sm_120 (tools/ahead_of_time.py; tests/test_attention_step_ahead_of_time.py):
+# each fits the shared memory and has no register spill inside its K/V or Q
+# sweep.  docs/tuning.md gives the spills and instruction counts behind each
+# choice, and bench/bench_ring_step.py times them on a GPU.
 _FP32_TILES = (16, 32, 8, 2)
 _FP32_NARROW_TILES = (16, 16, 8, 2)
 _TILES = {
-    # bf16/fp16 d64: (128, 64, 4, 3) spills 1 access on sm_100 (causal GQA): overridden there.
     "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
                 (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
-    # bf16/fp16 d256 with the split sweeps: (64, 32, 8, 1) spills 17-21 accesses
-    # in the loops on sm_90, (32, 64, 8, 1) 10 on sm_80; (32, 64, 8, 2) none
-    # (135168 B of shared memory: 99 KiB targets take (32, 32, 8, 1)).
+    # bf16/fp16 d256: the widest tile that spills in no loop with the split sweeps.
     "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (32, 64, 8, 2),
            (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
-    # bf16/fp16 d256: (32, 64, 8, 1) spills 9 to 25 accesses.  fp32: (16, 32, 4, 2)
-    # spills at d64 (1, sm_80) and d256 (up to 294); at d128 with GQA (16, 32, 8, 2)
-    # spills 3 and (16, 16, 8, 2) 2 on sm_120.
-    # bf16/fp16 d128 with pointer loads and the split sweeps (SPLIT_BACKWARD_SWEEPS):
-    # (32, 128, 8, 2) spills 15 accesses in the loops on sm_90 (causal GQA),
-    # (32, 64, 8, 2) 10; (16, 128, 8, 2) none.
+    # The widest tiles without a spill in a loop; d128 with pointer loads and the
+    # split sweeps (SPLIT_BACKWARD_SWEEPS) is the narrowest of them.
     "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (16, 128, 8, 2), (2, 256): (32, 32, 8, 1),
              (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
 }
@@ -190,15 +179,8 @@ def _is_hopper(target):
 
 
 # (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
-# The sm_90 tiles they replace, in spill accesses inside the loop:
-# - 99 KiB of shared memory, bf16/fp16 dq d256: (32, 64, 8, 2) takes 135168 B;
-# - mma.sync and sm_100, bf16/fp16 dk/dv d128: (32, 128, 8, 2) spills with GQA,
-#   12-13 on sm_80, 6-24 on sm_120, 37-55 on sm_100;
-# - sm_100, bf16/fp16 forward d64: (128, 64, 4, 3) spills 1 (causal GQA);
-# - sm_100, bf16/fp16 dk/dv d128 with the split sweeps: (32, 64, 8, 2) spills
-#   31-33 (causal GQA), (32, 64, 4, 2) 116; (16, 64, 8, 2) none;
-# - 99 KiB of shared memory, fp32 dq d256: (16, 32, 8, 2) takes 133120 B, and
-#   with one stage it spills 800-860.
+# Each replaces an sm_90 tile that spills in a loop on those targets, or does not
+# fit 99 KiB of shared memory (docs/tuning.md, "The tiles per target").
 _TILE_OVERRIDES = (
     (_uses_mma_sync, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),
     (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (16, 64, 8, 2)}}),
@@ -206,30 +188,16 @@ _TILE_OVERRIDES = (
 )
 
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
-# between bounds loaded from them, which costs registers: with GQA, fp32 d128
-# on sm_80 spills inside the loop with (16, 32, 4, 2) (3 accesses) and
-# (16, 32, 8, 2) (1).  (16, 16, 8, 2) spills in no loop on any target of the
-# ahead-of-time test, and is taken everywhere for the interval mask (applied
-# after _TILE_OVERRIDES).
+# between bounds loaded from them, which costs registers: fp32 d128 takes the
+# narrow tile everywhere (applied after _TILE_OVERRIDES; docs/tuning.md).
 _INTERVAL_TILE_OVERRIDES = (
     (lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),
 )
 
 # sm_90 with tensor descriptors (fp16/bf16; uses_tensor_descriptors), applied
-# last.  Without pointer or offset tensors in registers the wide tiles fit
-# (ahead-of-time, bf16 d128, registers per thread, SASS instructions per loop
-# iteration of the unmasked sweep):
-# - forward (128, 128, 8, 3): 189-208 registers, 494 instructions per 128 keys
-#   (247 per 64; pointer loads at (128, 64, 8, 2): 364), 230400 B of shared
-#   memory (of 232448); no serialized wgmma.
-# - dq (128, 64, 8, 3): 182 registers, 288 instructions per 64 keys
-#   ((128, 32): 213 per 32).
-# - dk/dv (32, 64, 8, 3): 142-254 registers, no spill in a loop; (32, 128, 8, 2)
-#   takes 252-255 and spills 14 accesses in the loops with GQA, (64, 64, 8, 2) 44.
-# At d64: forward (128, 128, 8, 3) 156-160 registers, 449 instructions per 128
-# keys (pointer loads at (128, 64, 4, 3): 514 per 64); dq (128, 64, 8, 3)
-# 112-116 registers, 268 per 64 keys (197 per 32); dk/dv (32, 128, 8, 3)
-# 125-178 registers, 247 per 32 q rows.
+# last: without pointer or offset tensors in registers the wide tiles fit
+# (registers and instructions per iteration in docs/tuning.md, "sm_90: loads
+# through tensor descriptors").
 _TENSOR_DESCRIPTOR_TILES = {
     "forward": {(2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3)},
     "dq": {(2, 64): (128, 64, 8, 3), (2, 128): (128, 64, 8, 3)},
@@ -416,7 +384,7 @@ def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, 
 
 def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target,
                    interpreted):
-    """The KernelLaunch of ``_attention_step_fwd_kernel``.
+    """The KernelLaunch of ``attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
     documents given as index intervals (MASK_INTERVALS; not with ``causal``);
@@ -429,7 +397,7 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False,
     """
     # The interval mask has no k tile that every row of a q tile is known to
     # see, so nothing to split off: its kernel sweeps once, masked.
-    return _step_launch(_attention_step_fwd_kernel,
+    return _step_launch(attention_step_fwd_kernel,
                         _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
                         dtype, headdim, causal, intervals, interpreted,
                         SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step),
@@ -437,11 +405,11 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False,
 
 
 def backward_preprocess_launch(headdim, *, target):
-    """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
+    """The KernelLaunch of ``attention_bwd_preprocess_kernel`` (any input dtype:
     the kernel widens out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
-    return KernelLaunch(_attention_bwd_preprocess_kernel,
+    return KernelLaunch(attention_bwd_preprocess_kernel,
                         dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
                         num_warps=4, num_stages=3)
 
@@ -452,7 +420,7 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descrip
     ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
+        _step_launch(attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
                      dtype, headdim, causal, intervals, interpreted,
                      SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
                      TENSOR_DESCRIPTORS=bool(tensor_descriptors)),
@@ -461,7 +429,7 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descrip
         # a loop on some target at every head dim (causal GQA d64: 2 accesses
         # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
         # with (16, 32, 4, 2): 94 on sm_86).
-        _step_launch(_attention_step_bwd_dkdv_kernel,
+        _step_launch(attention_step_bwd_dkdv_kernel,
                      _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
                      dtype, headdim, causal, intervals, interpreted,
                      SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from seqpar_kernels import _extension  # noqa: F401  (registers torch.ops.seqpar)
+from seqpar_kernels import extension  # noqa: F401  (registers torch.ops.seqpar)
 
 
 def block_numel(shape: Sequence[int], split_dim: int, length: int) -> int:

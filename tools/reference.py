@@ -1,4 +1,4 @@
-"""What the attention tests compare against, and how close is close enough.
+"""What the tests and the benchmarks compare against, and how close is close enough.
 
     attention(q, k, v, causal, scale)        plain attention, scores materialized, in
                                              the inputs' dtype (fp64 inputs: the exact

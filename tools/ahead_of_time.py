@@ -22,7 +22,7 @@ otherwise only show on one:
   sweep of the forward, the sweeps of dq and of dk/dv) executes, and how many of
   them are tensor-core products.  Each is set next to a tutorial-style
   FlashAttention-2 kernel compiled with the same tiles
-  (reference_attention.py), which says what the step kernel's extra work costs
+  (reference_kernels.py), which says what the step kernel's extra work costs
   per iteration.
 
 The same SASS reading applies to the CUDA pack/unpack kernels of the built
@@ -35,9 +35,10 @@ compiled kernel's row under a key of everything its compile and the reading of
 its SASS depend on (compile_key); a run takes the rows whose key it finds there
 and compiles the rest, and ``--update-record`` writes the record of the run.
 
-Used by tests/test_attention_step_ahead_of_time.py; `python -m
-seqpar_kernels.kernels.ahead_of_time` prints the table of every launch
-(``--help`` for the options).
+Used by tests/test_attention_step_ahead_of_time.py; ``python -m
+tools.ahead_of_time`` (from the repository's root) prints the table of every
+launch (``--help`` for the options).  A developer tool of the checkout: it is
+not installed with the package.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch, uses_tensor_descriptors
+from seqpar_kernels.kernels.attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch, uses_tensor_descriptors
 
 # One target per family of tile choices (attention_step_tiles._TILE_OVERRIDES): H100
 # (wgmma), A100 (mma.sync, 163 KiB of shared memory per block), RTX 30xx/40xx
@@ -601,7 +602,7 @@ def write_record(path: str, kernels: dict) -> None:
              + json.dumps({name: value for name, value in kernels[key].items() if name != "recorded"}, sort_keys=True)
              for key in order]
     with open(path, "w", encoding="utf-8") as f:
-        f.write('{"about": "python -m seqpar_kernels.kernels.ahead_of_time --record FILE --update-record: '
+        f.write('{"about": "python -m tools.ahead_of_time --record FILE --update-record: '
                 'the compiled step and reference kernels under their compile keys", "kernels": {\n')
         f.write(",\n".join(lines))
         f.write("\n}}\n")
@@ -651,7 +652,7 @@ def step_kernel_cases(capability: int):
     compile-time flags it sets and another of them does not (e.g. "first_step"
     for the forward of a ring's first step), so that every variant has its own.
     """
-    from .attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
+    from seqpar_kernels.kernels.attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
 
     mask_names = {MASK_FULL: "full", MASK_CAUSAL: "causal", MASK_INTERVALS: "intervals"}
     target = GpuTarget.of_capability(capability)
@@ -688,27 +689,27 @@ def step_kernel_cases(capability: int):
 
 
 def _reference_launch(step: KernelLaunch, dtype) -> tuple[KernelLaunch, tuple] | None:
-    """The reference kernel (reference_attention.py) of the step kernel launch
+    """The reference kernel (reference_kernels.py) of the step kernel launch
     ``step`` on ``dtype`` inputs, with the same tiles, warps, stages, head dim
     and product precision, and the arguments of its launch on the table's
     shapes; None for a kernel without a reference (the backward preprocess).
     Its mask is causal where the step's is (a step with the interval mask is
     set against the full reference: neither has a tile it may skip)."""
-    from .attention_step_kernels import (
-        _attention_step_bwd_dkdv_kernel,
-        _attention_step_bwd_dq_kernel,
-        _attention_step_fwd_kernel,
+    from seqpar_kernels.kernels.attention_step_kernels import (
+        attention_step_bwd_dkdv_kernel,
+        attention_step_bwd_dq_kernel,
+        attention_step_fwd_kernel,
     )
-    from .attention_step_launch import _LOG2E
-    from .reference_attention import (
-        _reference_attention_bwd_dkdv_kernel,
-        _reference_attention_bwd_dq_kernel,
-        _reference_attention_fwd_kernel,
+    from seqpar_kernels.kernels.attention_step_launch import LOG2E
+    from tools.reference_kernels import (
+        reference_attention_bwd_dkdv_kernel,
+        reference_attention_bwd_dq_kernel,
+        reference_attention_fwd_kernel,
     )
 
-    kernels = {_attention_step_fwd_kernel: _reference_attention_fwd_kernel,
-               _attention_step_bwd_dq_kernel: _reference_attention_bwd_dq_kernel,
-               _attention_step_bwd_dkdv_kernel: _reference_attention_bwd_dkdv_kernel}
+    kernels = {attention_step_fwd_kernel: reference_attention_fwd_kernel,
+               attention_step_bwd_dq_kernel: reference_attention_bwd_dq_kernel,
+               attention_step_bwd_dkdv_kernel: reference_attention_bwd_dkdv_kernel}
     if step.kernel not in kernels:
         return None
     block_d = step.constexprs["BLOCK_D"]
@@ -717,17 +718,17 @@ def _reference_launch(step: KernelLaunch, dtype) -> tuple[KernelLaunch, tuple] |
     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, block_d, dtype=dtype, device="meta")
     lse = torch.empty(2, TABLE_HEADS, TABLE_SEQLEN, dtype=torch.float32, device="meta")
     scale = block_d ** -0.5
-    if step.kernel is _attention_step_fwd_kernel:
+    if step.kernel is attention_step_fwd_kernel:
         k, v, out = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
         return launch, (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                        TABLE_SEQLEN, scale * _LOG2E)
+                        TABLE_SEQLEN, scale * LOG2E)
     k, v, dout, delta = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), torch.empty_like(lse)
     grads = (torch.empty(q.shape, dtype=torch.float32, device="meta"),)
-    if step.kernel is _attention_step_bwd_dkdv_kernel:
+    if step.kernel is attention_step_bwd_dkdv_kernel:
         grads += (torch.empty(q.shape, dtype=torch.float32, device="meta"),)
     return launch, (q, k, v, dout, lse, delta, *grads, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
                     *lse.stride(), *delta.stride(), *(stride for grad in grads for stride in grad.stride()),
-                    TABLE_SEQLEN, scale, scale * _LOG2E)
+                    TABLE_SEQLEN, scale, scale * LOG2E)
 
 
 @functools.lru_cache(maxsize=None)
@@ -845,11 +846,11 @@ def recompile(capability: int, prefixes) -> list[dict]:
 
 
 def extension_library() -> str | None:
-    """The built extension (seqpar_kernels/_C*.so) beside this package, or None."""
+    """The built extension (seqpar_kernels/_C*.so) of the checkout, or None."""
     spec = importlib.util.find_spec("seqpar_kernels._C")
     if spec is not None and spec.origin and os.path.exists(spec.origin):
         return spec.origin
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "seqpar_kernels")
     found = sorted(glob.glob(os.path.join(package, "_C*.so")) + glob.glob(os.path.join(package, "_C*.pyd")))
     return found[0] if found else None
 
@@ -982,8 +983,8 @@ def _print_block_copy(report: dict) -> None:
 # The command
 # ----------------------------------------------------------------------------
 
-_SHORT_KERNELS = {"_attention_step_fwd_kernel": "fwd", "_attention_bwd_preprocess_kernel": "bwd_pre",
-                  "_attention_step_bwd_dq_kernel": "dq", "_attention_step_bwd_dkdv_kernel": "dkdv"}
+_SHORT_KERNELS = {"attention_step_fwd_kernel": "fwd", "attention_bwd_preprocess_kernel": "bwd_pre",
+                  "attention_step_bwd_dq_kernel": "dq", "attention_step_bwd_dkdv_kernel": "dkdv"}
 
 
 def _loop_text(resources: dict) -> str:
@@ -995,7 +996,7 @@ def _loop_text(resources: dict) -> str:
 def format_row(row: dict) -> str:
     """One line of the table: the kernel, its tiles, what it takes, its hot loop
     (instructions / tensor-core products per iteration), ptxas's diagnostics, and
-    the reference kernel with the same tiles (reference_attention.py)."""
+    the reference kernel with the same tiles (reference_kernels.py)."""
     kernel, dtype, headdim, mask, heads, *flags = row["description"].split()
     blocks = row["constexprs"]
     tiles = f"{blocks.get('BLOCK_M', '-')}x{blocks.get('BLOCK_N', '-')} w{row['num_warps']} s{row['num_stages']}"
@@ -1016,7 +1017,7 @@ TABLE_HEADER = (f"{'target':<7}{'kernel':<8}{'dtype':<9}{'d':<5}{'mask':<10}{'kv
 
 
 def main(argv=None):
-    """python -m seqpar_kernels.kernels.ahead_of_time [--capability 90 80 ...]
+    """python -m tools.ahead_of_time [--capability 90 80 ...]
     [--json] [--reference-capability 90 ... | --no-reference] [--block-copy]:
     compile every step kernel launch for each capability and list what it takes,
     next to the reference kernel with its tiles, then the block-copy loops of

@@ -1,8 +1,8 @@
 """seqpar::varlen_attention_forward and seqpar::varlen_attention_backward: attention over
 packed documents in one process, with their fake kernels and autograd.
 
-What they run: seqpar_kernels/parallel/varlen_local.py (torch's flash varlen kernels on
-GPUs, the ring's step kernels over the document mask otherwise). Public entry point:
+What they run: engine/varlen_local.py (torch's flash varlen kernels on GPUs, the ring's
+step backends over the document mask otherwise). Public entry point:
 ulysses_attention(varlen=plan) (parallel/ulysses.py). Tests: tests/test_varlen.py.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar_kernels.parallel.varlen_local import varlen_backward, varlen_forward
+from seqpar_kernels.engine.varlen_local import varlen_backward, varlen_forward
 
 
 @torch.library.custom_op("seqpar::varlen_attention_forward", mutates_args=())

@@ -1,6 +1,6 @@
 """A plain FlashAttention-2 in Triton: the yardstick of the ahead-of-time report.
 
-``python -m seqpar_kernels.kernels.ahead_of_time`` compiles these kernels with
+``python -m tools.ahead_of_time`` compiles these kernels with
 the tiles, warps, stages, dtype and head dim of every step launch (forward, dq,
 dk/dv) and prints their registers, spills, shared memory and instructions per
 loop iteration next to those of the step kernels.  The step kernels do more
@@ -67,7 +67,7 @@ def _reference_fwd_sweep(
 
 
 @triton.jit
-def _reference_attention_fwd_kernel(
+def reference_attention_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -157,7 +157,7 @@ def _reference_bwd_dq_sweep(
 
 
 @triton.jit
-def _reference_attention_bwd_dq_kernel(
+def reference_attention_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -241,7 +241,7 @@ def _reference_bwd_dkdv_sweep(
 
 
 @triton.jit
-def _reference_attention_bwd_dkdv_kernel(
+def reference_attention_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,

@@ -24,15 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels.comm.plan import interleave, kv_head_ranges
-from seqpar_kernels.layouts import tensor_split_ranges
-
 from bench.baselines import heads_to_front, repeat_kv_heads
 from bench.cases import run_case, timed_row
 from bench.context import Context
 from bench.rows import Row, gbps, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges
+from seqpar_kernels.layouts import tensor_split_ranges
 
 # (B, S, h, D) logical, (B, h, S, D) in memory: how ulysses_attention unpacks.
 HEADS_MAJOR = [0, 2, 1, 3]

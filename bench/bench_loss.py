@@ -45,14 +45,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar_kernels import sequence_parallel_cross_entropy
-from seqpar_kernels.parallel.cross_entropy import default_chunk_size
-from seqpar_kernels.testing import peak_cpu_memory
-
 from bench.cases import run_case, timed_row
 from bench.context import Context
 from bench.rows import LOSS_BENCH, Row
 from bench.timing import time_side_by_side
+from seqpar_kernels import sequence_parallel_cross_entropy
+from seqpar_kernels.parallel.cross_entropy import default_chunk_size
+from seqpar_kernels.testing import peak_cpu_memory
 
 BASELINE_NOTE = (
     "loss: ours = sequence_parallel_cross_entropy (fused LM head, logits chunk_size tokens at a time) on "

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels import all_to_all_reshard
-
 from bench.baselines import SentBytes, unfused_reshard
 from bench.cases import exchange_row, run_case
 from bench.context import Context
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
+from seqpar_kernels import all_to_all_reshard
 
 T_DIM, S_DIM = 1, 2
 DIRECTIONS = {"S->T": (T_DIM, S_DIM), "T->S": (S_DIM, T_DIM)}  # (scatter_dim, gather_dim)

@@ -47,12 +47,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels import ring_attention
-from seqpar_kernels.groups import resolve_group
-from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
-from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
-from seqpar_kernels.testing import ReplacedExchange
-
 from bench.baselines import leaves, sdpa, single_device_attention
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
@@ -60,6 +54,11 @@ from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_dr
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, checked_heads, judge_attention, measure_volume
+from seqpar_kernels import ring_attention
+from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
+from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
+from seqpar_kernels.groups import resolve_group
+from seqpar_kernels.testing import ReplacedExchange
 
 REFERENCE_NOTE = (
     "reference = torch SDPA over the whole sequence, run by every rank at once (slowest "

@@ -16,15 +16,9 @@ Rank 0 runs the cases on its GPU while the other ranks wait; on CPU nothing runs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-
-from seqpar_kernels.groups import SINGLE_PROCESS
-from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
-from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
-from seqpar_kernels.testing import ReplacedExchange
 
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
@@ -32,6 +26,10 @@ from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_dr
 from bench.rows import PROBE_BENCH, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
+from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
+from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
+from seqpar_kernels.groups import SINGLE_PROCESS
+from seqpar_kernels.testing import ReplacedExchange
 
 
 @dataclass(frozen=True)

@@ -191,9 +191,9 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
 def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, list[str], list[str]]:
     """Every candidate against the exact result on the first head.
 
-    Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend) (accuracy_verdict's rule, SDPA error from the first trusted
-    backend), the SDPA backends trusted as baselines, and a note for each one that is
-    not: a backend outside the accuracy rule with plain torch as the yardstick
+    Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend)
+    (accuracy_verdict's rule, SDPA error from the first trusted backend), the SDPA
+    backends trusted as baselines, and a note for each one that is not: a backend outside the accuracy rule with plain torch as the yardstick
     (within_error_rule) is not timed against, so a broken baseline cannot make ours
     look slow or fast."""
     head = slice(0, 1)
@@ -207,11 +207,15 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, l
         exact, plains = exact[1:], plains[1:]
     trusted, untrusted = [], []
     for backend in (name for name in candidates if name in sdpa_backends()):
-        errors = [(name, max_error(theirs, truth), max_error(plain, truth), truth)
-                  for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
-        wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
-                 for name, error, plain_error, truth in errors
-                 if not within_error_rule(error, plain_error, truth, lse_magnitude, case.dtype)]
+        errors = [
+            (name, max_error(theirs, truth), max_error(plain, truth), truth)
+            for name, theirs, plain, truth in zip(names, results[backend], plains, exact)
+        ]
+        wrong = [
+            f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
+            for name, error, plain_error, truth in errors
+            if not within_error_rule(error, plain_error, truth, lse_magnitude, case.dtype)
+        ]
         if wrong:
             untrusted.append(f"{backend} not used as a baseline: {', '.join(wrong)}")
         else:
@@ -342,8 +346,10 @@ def choose_step_backend(times) -> tuple[str | None, str]:
     failed = [f"{backend} {case.bench} {case.label}" for case, _, _, *checks in times
               for backend, check in zip(("triton", "aten"), checks) if check != "matches"]  # fmt: skip
     triton_total, aten_total = sum(t[1] for t in times), sum(t[2] for t in times)
-    summary = (f"triton {triton_total * 1e3:.3g} ms, aten {aten_total * 1e3:.3g} ms over {len(times)} cases "
-               f"(ring-step-fwd/bwd)")
+    summary = (
+        f"triton {triton_total * 1e3:.3g} ms, aten {aten_total * 1e3:.3g} ms over {len(times)} cases "
+        f"(ring-step-fwd/bwd)"
+    )
     if failed:
         return None, f"{summary}; not recorded, accuracy check failed: {', '.join(failed)}"
     return ("triton" if triton_total < aten_total else "aten"), summary
@@ -364,5 +370,5 @@ def run(ctx: Context) -> list[Row]:
             record_measured_step_backend(
                 family, backend, f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
             )  # fmt: skip
-            ctx.log(f"step_backend=\"auto\" on {family}: {backend} (seqpar_kernels/parallel/step_backends.json)")
+            ctx.log(f'step_backend="auto" on {family}: {backend} (seqpar_kernels/parallel/step_backends.json)')
     return rows

@@ -16,14 +16,13 @@ from unittest import mock
 import torch
 
 import seqpar_kernels.parallel.ulysses as ulysses_module
-from seqpar_kernels import ulysses_attention
-
 from bench.baselines import SentBytes, unfused_ulysses_attention
 from bench.cases import exchange_row, run_case, timed_row
 from bench.context import Context
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
+from seqpar_kernels import ulysses_attention
 
 # Largest |ours - baseline| accepted: both run SDPA on the same values, but on
 # different memory layouts and head groupings, so the last bits may differ.
@@ -178,9 +177,7 @@ def measure_exchange(case: UlyssesCase, ctx: Context) -> Row:
     check = agreement(ctx, round_trip, [q, q])
     with ours_attention_replaced_by(empty_attention):
         volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
-        timings = time_side_by_side(
-            {"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx
-        )
+        timings = time_side_by_side({"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx)
     return exchange_row(
         ctx, timings, volume, counter.bytes_sent,
         bench="ulysses-exchange", case=case.label, shape=case.shape,

@@ -43,14 +43,13 @@ import torch
 import torch.distributed as dist
 
 import seqpar_kernels.comm.ring as ring_module
-from seqpar_kernels import comm_stats, make_usp_groups, usp_attention
-
 from bench.baselines import leaves, single_device_attention
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
 from bench.rows import Row, short_dtype, usp_grid_label
 from bench.timing import time_side_by_side
 from bench.verify import checked_heads, judge_attention
+from seqpar_kernels import comm_stats, make_usp_groups, usp_attention
 
 BASELINE_NOTE = (
     "one row per grid U x R (U=1: pure ring, R=1: pure Ulysses), all grids of a case timed "

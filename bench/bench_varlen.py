@@ -63,9 +63,6 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels import make_usp_groups, ring_attention, ulysses_attention, usp_attention, varlen_plan
-from seqpar_kernels.layouts import VarlenLayout, segments_causal_work
-
 from bench.baselines import leaves, single_device_attention
 from bench.bench_usp import Candidate, Grid, gather_pieces, measure_group_bytes, piece_positions, theory_bytes
 from bench.cases import AttentionCase, run_case, timed_row
@@ -73,6 +70,8 @@ from bench.context import Context
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, accuracy_verdict, checked_heads, chunked_attention
+from seqpar_kernels import make_usp_groups, ring_attention, ulysses_attention, usp_attention, varlen_plan
+from seqpar_kernels.layouts import VarlenLayout, segments_causal_work
 
 BASELINE_NOTE = (
     "varlen-ring/-ulysses/-usp: ours = the varlen call with the balanced plan on a long-tailed "
@@ -194,9 +193,11 @@ def layout_table() -> tuple[LayoutLine, ...]:
 
 def layout_table_text() -> str:
     lines = [
-        (f"varlen layouts of {TABLE_TOKENS} tokens (VarlenLayout alone, no ranks); imbalance = the most "
-         "loaded rank / an even share of the documents' own tokens or causal work (padding counts as "
-         "tokens and work):"),
+        (
+            f"varlen layouts of {TABLE_TOKENS} tokens (VarlenLayout alone, no ranks); imbalance = the most "
+            "loaded rank / an even share of the documents' own tokens or causal work (padding counts as "
+            "tokens and work):"
+        ),
         f"  {'mix':<22} {'P':>2}  {'layout':<34} {'work imb':>8}  {'token imb':>9}  {'padding tokens':>14}",
     ]
     for line in layout_table():

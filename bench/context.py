@@ -96,4 +96,3 @@ class Context:
     def peak_flops(self) -> tuple[float | None, str]:
         """(dense bf16 TFLOP/s, source): the spec sheet for known GPUs, else None."""
         return hardware.peak_bf16_tflops(self.device, self.device_name)
-

@@ -1,10 +1,10 @@
 """Starting the ranks: under torchrun, as spawned local processes, or as one process.
 
-    torchrun (RANK and WORLD_SIZE set)   this process is one rank; env:// rendezvous
-    world size 1                         this process is the only rank
-    otherwise                            P local ranks started by torch.multiprocessing
-                                         (fork on CPU-only machines, else spawn),
-                                         rendezvous through a file in a temporary dir
+torchrun (RANK and WORLD_SIZE set)   this process is one rank; env:// rendezvous
+world size 1                         this process is the only rank
+otherwise                            P local ranks started by torch.multiprocessing
+                                     (fork on CPU-only machines, else spawn),
+                                     rendezvous through a file in a temporary dir
 """
 
 from __future__ import annotations

@@ -305,7 +305,11 @@ def _plot_loss(left, right, rows: list[Row]) -> None:
         left.plot([row.peak_bound_bytes / 2**20] * 2, [position - 0.4, position], color="red", linewidth=1,
                   label="ours' bound" if position == 0 else None)  # fmt: skip
     _legend_on_top(left)
-    _loss_bars(right, rows, lambda row: row.ours_s, lambda row: None if row.baseline_peak_bytes is None else row.baseline_s,
+
+    def baseline_seconds(row):
+        return None if row.baseline_peak_bytes is None else row.baseline_s
+
+    _loss_bars(right, rows, lambda row: row.ours_s, baseline_seconds,
                1.0, "seconds per forward + backward (median; log scale)", "LM loss, one rank: time")  # fmt: skip
 
 

@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 
 import seqpar_kernels
-from seqpar_kernels.extension import build_info
-
 from bench import (
     bench_kernels,
     bench_loss,
@@ -41,6 +39,7 @@ from bench.plot import plot_results
 from bench.results import progress_line, summary_table, write_results
 from bench.rows import Row, is_failed
 from bench.targets import target_checks
+from seqpar_kernels.extension import build_info
 
 # The benchmark families, one module each, under the names --only selects them by: each
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then

@@ -13,9 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels import comm_stats
-
 from bench.context import Context
+from seqpar_kernels import comm_stats
 from tools.reference import ERROR_FACTOR, error_bound, magnitude, max_error
 
 # Query rows per chunk of the exact reference (memory: chunk x S fp64 per head).
@@ -30,7 +29,7 @@ def agreement(
     *,
     collective: bool = True,
 ) -> str:
-    """"identical", "max err <e>" (within atol) or "MISMATCH ...": values compared, not
+    """ "identical", "max err <e>" (within atol) or "MISMATCH ...": values compared, not
     layouts. atol = 0 asks for bit-for-bit equality (pure data movement must be exact).
     collective: every rank calls this and the verdict covers all ranks' tensors;
     otherwise only this rank's."""

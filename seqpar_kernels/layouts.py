@@ -210,7 +210,9 @@ def check_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
         try:
             bounds = list(cu_seqlens)
         except TypeError:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r:.80}")
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r:.80}"
+            ) from None
         if not all(isinstance(bound, int) and not isinstance(bound, bool) for bound in bounds):
             raise ValueError(f"cu_seqlens must hold ints, got {bounds!r:.200}")
     shown = f"{bounds[:8]}{'...' if len(bounds) > 8 else ''} ({len(bounds)} bounds)"

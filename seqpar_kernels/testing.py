@@ -1,18 +1,18 @@
 """What tests and benchmarks swap in: not used by the library itself.
 
-    ring_attention_with_step_kernels(q, k, v, step_kernels, ...)
-        ring_attention with the step backend chosen by name (seqpar_kernels.engine.
-        step_backends.STEP_KERNELS): "triton" runs the GPU path's kernels on CPU tensors
-        in the Triton interpreter (TRITON_INTERPRET=1), so that its schedule is checked
-        on gloo ranks without a GPU.
-    ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
-        a ring factory for the ring driver (seqpar_kernels.engine.ring_driver's
-        `exchange` argument) whose rings move nothing, or copy on one GPU instead of
-        sending: the compute alone, or one GPU running every step of a P-rank ring.
-    peak_cpu_memory(fn, *args, **kwargs)
-        (fn's result, the most bytes the CPU allocator held during the call beyond what
-        it held before), from the allocator's own reports to torch.profiler (torch has
-        no torch.cpu.max_memory_allocated).
+ring_attention_with_step_kernels(q, k, v, step_kernels, ...)
+    ring_attention with the step backend chosen by name (seqpar_kernels.engine.
+    step_backends.STEP_KERNELS): "triton" runs the GPU path's kernels on CPU tensors
+    in the Triton interpreter (TRITON_INTERPRET=1), so that its schedule is checked
+    on gloo ranks without a GPU.
+ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
+    a ring factory for the ring driver (seqpar_kernels.engine.ring_driver's
+    `exchange` argument) whose rings move nothing, or copy on one GPU instead of
+    sending: the compute alone, or one GPU running every step of a P-rank ring.
+peak_cpu_memory(fn, *args, **kwargs)
+    (fn's result, the most bytes the CPU allocator held during the call beyond what
+    it held before), from the allocator's own reports to torch.profiler (torch has
+    no torch.cpu.max_memory_allocated).
 """
 
 from __future__ import annotations

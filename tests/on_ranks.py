@@ -1,11 +1,11 @@
 """Helpers that run inside the gloo ranks of the rank pool (tests/rank_pool.py).
 
-    rank_and_world()             this rank and the world size
-    timeout_group()              the world as a gloo group whose collectives time out
-    on_every_rank                decorator for rank functions that use timeout_group
-    all_ranks_agree(flag)        True iff flag is true on every rank
-    backward_on_every_rank(out, dout)   out.backward(dout), raising on every rank alike
-                                 when some rank's out is cut from the graph
+rank_and_world()             this rank and the world size
+timeout_group()              the world as a gloo group whose collectives time out
+on_every_rank                decorator for rank functions that use timeout_group
+all_ranks_agree(flag)        True iff flag is true on every rank
+backward_on_every_rank(out, dout)   out.backward(dout), raising on every rank alike
+                             when some rank's out is cut from the graph
 """
 
 from __future__ import annotations
@@ -84,4 +84,3 @@ def backward_on_every_rank(out, dout):
             f"(this rank: grad_fn={out.grad_fn}); its backward would hang the others"
         )
     out.backward(dout)
-

@@ -18,12 +18,13 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
+from triton_interpreter import runs_triton_on  # noqa: E402
+
 from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
 from seqpar_kernels.parallel.attention_checks import check_launchable  # noqa: E402
-from triton_interpreter import runs_triton_on  # noqa: E402
+
 MASK_FULL, MASK_CAUSAL, MASK_INTERVALS = launchers.MASK_FULL, launchers.MASK_CAUSAL, launchers.MASK_INTERVALS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -147,7 +148,7 @@ def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
     else:
         q = _randn(b, sq, h, d)
     k, v = _randn(b, sk, hk, d), _randn(b, sk, hk, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = _fresh_state(b, sq, h, d)
     ret = launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     assert ret[0] is out and ret[1] is lse
@@ -170,7 +171,7 @@ def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
     torch.manual_seed(1)
     b = 1
     q, k, v = _randn(b, sq, h, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     out, lse = _fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
@@ -188,7 +189,7 @@ def test_forward_merge_three_steps_matches_full_attention():
     b, sq, h, hk, d = 2, 17, 4, 2, 64
     steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=[9, 23])
     q = _randn(b, sq, h, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     # Non-contiguous running state: out stored head-major, lse stored (b, sq, h).
     out = torch.zeros(b, h, sq, d, device=DEVICE).transpose(1, 2)
     lse = torch.full((b, sq, h), float("-inf"), device=DEVICE).transpose(1, 2)
@@ -232,7 +233,7 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
     torch.manual_seed(14)
     b, sq, h, hk, d = 2, 40, 4, 2, 64
     q = _randn(b, sq, h, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     if mode == MASK_INTERVALS:
         k_positions = [torch.arange(40, 80), torch.arange(80, 120)]
         steps = []
@@ -241,23 +242,35 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
             steps.append((_randn(b, 40, hk, d), _randn(b, 40, hk, d), MASK_INTERVALS, intervals, keep))
         assert not steps[0][4][16:32].any() and steps[0][4].any()
     else:
-        steps = [(_randn(b, n, hk, d), _randn(b, n, hk, d), step_mode, None, keep) for n, step_mode, keep in
-                 ((sq, mode, _causal_keep(sq, sq) if mode == MASK_CAUSAL else None), (23, MASK_FULL, None))]
+        steps = [
+            (_randn(b, n, hk, d), _randn(b, n, hk, d), step_mode, None, keep)
+            for n, step_mode, keep in (
+                (sq, mode, _causal_keep(sq, sq) if mode == MASK_CAUSAL else None),
+                (23, MASK_FULL, None),
+            )
+        ]
     out = torch.full((b, sq, h, d), float("nan"), device=DEVICE)
     lse = torch.full((b, h, sq), float("nan"), device=DEVICE)
     for index, (k, v, step_mode, intervals, keep) in enumerate(steps):
-        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=step_mode,
-                                         intervals=intervals, first_step=index == 0)
+        launchers.attention_step_forward(
+            q, k, v, out, lse, softmax_scale=scale, mask_mode=step_mode, intervals=intervals, first_step=index == 0
+        )
         if index == 0:
             ref_out, ref_lse = _reference(q, k, v, scale, keep)
             torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
             torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
     keep_all = None
     if steps[0][4] is not None or steps[1][4] is not None:
-        keep_all = torch.cat([s[4] if s[4] is not None else torch.ones(sq, s[0].shape[1], dtype=torch.bool,
-                                                                       device=DEVICE) for s in steps], dim=1)
-    ref_out, ref_lse = _reference(q, torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1),
-                                  scale, keep_all)
+        keep_all = torch.cat(
+            [
+                s[4] if s[4] is not None else torch.ones(sq, s[0].shape[1], dtype=torch.bool, device=DEVICE)
+                for s in steps
+            ],
+            dim=1,
+        )
+    ref_out, ref_lse = _reference(
+        q, torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1), scale, keep_all
+    )
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
@@ -291,7 +304,7 @@ def test_forward_large_logits(dtype):
     b, sq, h, hk, d = 1, 17, 2, 1, 64
     steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=[20], dtype=dtype)
     q = (_randn(b, sq, h, d) * 40).to(dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = _fresh_state(b, sq, h, d)
     for k, v, mode in steps:
         launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
@@ -329,18 +342,33 @@ def test_fully_masked_rows_stay_untouched():
     out_before, lse_before = out.clone(), lse.clone()
     fresh_out, fresh_lse = _fresh_state(b, sq, h, d)
     nan_out, nan_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-    for o, l, first_step in ((out, lse, False), (fresh_out, fresh_lse, False), (nan_out, nan_lse, True)):
+    for running_out, running_lse, first_step in (
+        (out, lse, False),
+        (fresh_out, fresh_lse, False),
+        (nan_out, nan_lse, True),
+    ):
         launch, grid, args = launchers._forward_call(
-            q, k[:, :0], v[:, :0], o, l, 0.125, False, None, first_step=first_step,
-            target=step_tiles.cuda_target(q), interpreted=launchers._runs_in_interpreter(q))
+            q,
+            k[:, :0],
+            v[:, :0],
+            running_out,
+            running_lse,
+            0.125,
+            False,
+            None,
+            first_step=first_step,
+            target=step_tiles.cuda_target(q),
+            interpreted=launchers._runs_in_interpreter(q),
+        )
         launch(grid, *args)
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before)
     assert torch.equal(fresh_out, torch.zeros_like(fresh_out)) and torch.isneginf(fresh_lse).all()
     assert torch.equal(nan_out, torch.zeros_like(nan_out)) and torch.isneginf(nan_lse).all()
     # The launcher's short cut does the same for an empty first block.
     nan_out.fill_(float("nan")), nan_lse.fill_(float("nan"))
-    launchers.attention_step_forward(q, empty, empty, nan_out, nan_lse, softmax_scale=0.125, mask_mode=MASK_FULL,
-                                     first_step=True)
+    launchers.attention_step_forward(
+        q, empty, empty, nan_out, nan_lse, softmax_scale=0.125, mask_mode=MASK_FULL, first_step=True
+    )
     assert torch.equal(nan_out, torch.zeros_like(nan_out)) and torch.isneginf(nan_lse).all()
 
 
@@ -349,7 +377,7 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     torch.manual_seed(6)
     b, sq, h, hk, d = 1, 17, 2, 1, 64
     q, k, v = _randn(b, sq, h, d), _randn(b, sq, hk, d), _randn(b, sq, hk, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = _fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
     dout = _randn(b, sq, h, d)
@@ -358,8 +386,9 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     lse_masked[:, :, rows] = float("-inf")  # as if these rows saw no key at all
     delta = launchers.attention_backward_preprocess(out, dout)
     grads = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
-    launchers.attention_step_backward(q, k, v, out, dout, lse_masked, delta, *grads,
-                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(
+        q, k, v, out, dout, lse_masked, delta, *grads, softmax_scale=scale, mask_mode=MASK_CAUSAL
+    )
     for g in grads:
         assert torch.isfinite(g).all()
     assert torch.equal(grads[0][:, rows], torch.zeros_like(grads[0][:, rows]))
@@ -369,8 +398,9 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     dout0[:, rows] = 0
     delta0[:, :, rows] = 0
     want = [_zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)]
-    launchers.attention_step_backward(q, k, v, out, dout0, lse, delta0, *want,
-                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(
+        q, k, v, out, dout0, lse, delta0, *want, softmax_scale=scale, mask_mode=MASK_CAUSAL
+    )
     torch.testing.assert_close(grads[1], want[1], atol=1e-6, rtol=0)
     torch.testing.assert_close(grads[2], want[2], atol=1e-6, rtol=0)
 
@@ -427,13 +457,16 @@ def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
     # tile every row of the last q tile sees, the 70-key block two and a partial one.
     monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
     monkeypatch.setattr(step_tiles, "SPLIT_BACKWARD_SWEEPS", split_sweep)
-    assert step_tiles.forward_launch(torch.float32, 64, True, target=None, interpreted=True) \
-        .constexprs["SPLIT_SWEEP"] is split_sweep
+    assert (
+        step_tiles.forward_launch(torch.float32, 64, True, target=None, interpreted=True).constexprs["SPLIT_SWEEP"]
+        is split_sweep
+    )
     for launch in step_tiles.backward_launches(torch.bfloat16, 64, True, target=None, interpreted=True):
         assert launch.constexprs["SPLIT_SWEEP"] is split_sweep
     # fp32 dk/dv sweeps once whatever the release (attention_step_tiles.backward_launches).
-    assert not step_tiles.backward_launches(torch.float32, 64, True, target=None, interpreted=True)[1] \
-        .constexprs["SPLIT_SWEEP"]
+    assert not step_tiles.backward_launches(torch.float32, 64, True, target=None, interpreted=True)[1].constexprs[
+        "SPLIT_SWEEP"
+    ]
     torch.manual_seed(12)
     _check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
     # bf16, whose dk/dv splits too: a causal diagonal of 45 rows and a full block
@@ -453,12 +486,14 @@ def test_tensor_descriptor_loads(monkeypatch, case):
     monkeypatch.setattr(step_tiles, "_INTERPRETER_TENSOR_DESCRIPTORS", True)
     if DEVICE == "cpu":
         q = torch.zeros(1, 8, 2, 80)
-        assert launchers._forward_call(q, q, q, q, q, 1.0, False, None, target=None, interpreted=True)[0] \
-            .constexprs["TENSOR_DESCRIPTORS"]
+        assert launchers._forward_call(q, q, q, q, q, 1.0, False, None, target=None, interpreted=True)[0].constexprs[
+            "TENSOR_DESCRIPTORS"
+        ]
         # A layout TMA cannot take (a head-dim stride of 2) falls back to pointer loads.
         strided = torch.zeros(1, 8, 2, 160)[..., ::2]
-        assert not launchers._forward_call(strided, q, q, q, q, 1.0, False, None, target=None,
-                                           interpreted=True)[0].constexprs["TENSOR_DESCRIPTORS"]
+        assert not launchers._forward_call(strided, q, q, q, q, 1.0, False, None, target=None, interpreted=True)[
+            0
+        ].constexprs["TENSOR_DESCRIPTORS"]
     if case == "steps":
         torch.manual_seed(16)
         _check_steps_forward_and_backward(h=4, hk=2, d=80, full_lens=[9, 70], b=1, sq=45)
@@ -478,7 +513,7 @@ def _check_bf16_step(mode, sq, sk):
     q, dout = (_randn(b, sq, h, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (_randn(b, sk, hk, d, dtype=torch.bfloat16) for _ in range(2))
     keep = _causal_keep(sq, sk) if mode == MASK_CAUSAL else None
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = _fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sk, hk, d), _zeros(b, sk, hk, d)
@@ -504,8 +539,9 @@ def _run_steps(q, steps, k_all, full_lens, dout, dq, scale):
         bounds.append((start, start + n))
         start += n
     for (k, v, mode), (lo, hi) in zip(steps, bounds):
-        launchers.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi],
-                                          softmax_scale=scale, mask_mode=mode)
+        launchers.attention_step_backward(
+            q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi], softmax_scale=scale, mask_mode=mode
+        )
     return out, lse, dk_all, dv_all
 
 
@@ -514,7 +550,7 @@ def _check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
     every step, against fp64 autograd of the whole attention."""
     steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens=full_lens)
     q = _randn(b, sq, h, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     dout = _randn(b, sq, h, d)
     # dq starts non-zero to check accumulation (+=).
     dq0 = _randn(b, sq, h, d)
@@ -538,13 +574,14 @@ def test_backward_bf16_single_causal_step():
     torch.manual_seed(9)
     b, sq, h, hk, d = 1, 17, 4, 2, 64
     q, k, v = (_randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = _fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
     dout = _randn(b, sq, h, d, dtype=torch.bfloat16)
     dq, dk, dv = _zeros(b, sq, h, d), _zeros(b, sq, hk, d), _zeros(b, sq, hk, d)
-    launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv,
-                                      softmax_scale=scale, mask_mode=MASK_CAUSAL)
+    launchers.attention_step_backward(
+        q, k, v, out, dout, lse, None, dq, dk, dv, softmax_scale=scale, mask_mode=MASK_CAUSAL
+    )
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, _ = _reference(qr, kr, vr, scale, _causal_keep(sq, sq))
     ref_out.backward(dout.double())
@@ -574,14 +611,20 @@ def test_backward_dq_and_dkdv_launch_separately(monkeypatch, mode):
     delta = launchers.attention_backward_preprocess(out, dout)
     grads0 = [_randn(b, sq, h, d), _randn(b, sq, hk, d), _randn(b, sq, hk, d)]
     both = [g.clone() for g in grads0]
-    launchers.attention_step_backward(q, k, v, out, dout, lse, delta, *both, softmax_scale=0.125, mask_mode=mode,
-                                      intervals=intervals)
+    launchers.attention_step_backward(
+        q, k, v, out, dout, lse, delta, *both, softmax_scale=0.125, mask_mode=mode, intervals=intervals
+    )
     dq, dk, dv = (g.clone() for g in grads0)
-    assert launchers.attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=0.125,
-                                                  mask_mode=mode, intervals=intervals) == (dk, dv)
+    assert launchers.attention_step_backward_dkdv(
+        q, k, v, dout, lse, delta, dk, dv, softmax_scale=0.125, mask_mode=mode, intervals=intervals
+    ) == (dk, dv)
     assert torch.equal(dq, grads0[0]) and torch.equal(dk, both[1]) and torch.equal(dv, both[2])
-    assert launchers.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, softmax_scale=0.125,
-                                                mask_mode=mode, intervals=intervals) is dq
+    assert (
+        launchers.attention_step_backward_dq(
+            q, k, v, dout, lse, delta, dq, softmax_scale=0.125, mask_mode=mode, intervals=intervals
+        )
+        is dq
+    )
     assert torch.equal(dq, both[0]) and torch.equal(dk, both[1]) and torch.equal(dv, both[2])
     assert not torch.equal(dq, grads0[0]) and not torch.equal(dk, grads0[1])
 
@@ -619,8 +662,21 @@ def test_dkdv_with_the_group_heads_split(monkeypatch, mode):
         dk, dv = _randn(b, sq, hk, d), _randn(b, sq, hk, d)
         start = (dk.clone(), dv.clone())
         launch, grid, args = launchers._backward_call(
-            "dkdv", q, k, v, dout, lse, delta, (dk, dv), 0.125, mode == MASK_CAUSAL, intervals, split_heads=split,
-            target=target, interpreted=launchers._runs_in_interpreter(q))
+            "dkdv",
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            (dk, dv),
+            0.125,
+            mode == MASK_CAUSAL,
+            intervals,
+            split_heads=split,
+            target=target,
+            interpreted=launchers._runs_in_interpreter(q),
+        )
         assert launch.constexprs["SPLIT_HEADS"] is split and (grid[1] > hk) is split
         launch(grid, *args)
         results[split] = (dk - start[0], dv - start[1])
@@ -633,12 +689,16 @@ def test_dkdv_with_the_group_heads_split(monkeypatch, mode):
         for deterministic in (False, True):
             monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
             launch, grid, _ = launchers._backward_call(
-                "dkdv", q, k, v, dout, lse, delta, (dk, dv), 0.125, False, None, target=None, interpreted=True)
+                "dkdv", q, k, v, dout, lse, delta, (dk, dv), 0.125, False, None, target=None, interpreted=True
+            )
             assert launch.constexprs["SPLIT_HEADS"] is not deterministic
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU tiles; without a GPU the interpreter runs them "
-                    "in test_cuda_tiles_compute_the_same_in_the_interpreter")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="the GPU tiles; without a GPU the interpreter runs them "
+    "in test_cuda_tiles_compute_the_same_in_the_interpreter",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 @pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
@@ -657,7 +717,7 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     steps, k_all, v_all, keep = _ring_blocks(b, sq, hk, d, full_lens, dtype=dtype)
     q = _randn(b, sq, h, d, dtype=dtype)
     dout = _randn(b, sq, h, d, dtype=dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     dq = _zeros(b, sq, h, d)
     out, lse, dk_all, dv_all = _run_steps(q, steps, k_all, full_lens, dout, dq, scale)
 
@@ -669,8 +729,12 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     plain.backward(dout)
     slack = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
     torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3 if dtype != torch.float32 else 2e-5, rtol=0)
-    for name, ours, yardstick, want in (("out", out, plain, exact), ("dq", dq, qp.grad, qr.grad),
-                                        ("dk", dk_all, kp.grad, kr.grad), ("dv", dv_all, vp.grad, vr.grad)):
+    for name, ours, yardstick, want in (
+        ("out", out, plain, exact),
+        ("dq", dq, qp.grad, qr.grad),
+        ("dk", dk_all, kp.grad, kr.grad),
+        ("dv", dv_all, vp.grad, vr.grad),
+    ):
         err = (ours.double() - want).abs().max().item()
         plain_err = (yardstick.double() - want).abs().max().item()
         assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
@@ -735,15 +799,29 @@ def _interval_steps(q, dout, steps, scale):
     out, lse = _fresh_state(b, sq, h, d)
     first = None
     for k, v, intervals in steps:
-        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_INTERVALS,
-                                         intervals=intervals)
+        launchers.attention_step_forward(
+            q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_INTERVALS, intervals=intervals
+        )
         first = first or (out.clone(), lse.clone())
     delta = launchers.attention_backward_preprocess(out, dout)
     dq, dkv = _zeros(*q.shape), []
     for k, v, intervals in steps:
         dk, dv = _zeros(*k.shape), _zeros(*v.shape)
-        launchers.attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, softmax_scale=scale,
-                                          mask_mode=MASK_INTERVALS, intervals=intervals)
+        launchers.attention_step_backward(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            softmax_scale=scale,
+            mask_mode=MASK_INTERVALS,
+            intervals=intervals,
+        )
         dkv.append((dk, dv))
     return first, (out, lse), dq, dkv
 
@@ -789,7 +867,7 @@ def _check_intervals(h, hk, d, causal, layout, b, seed):
         # see no key of the chunk before; causal, no query sees a key of the chunk after.
         assert not keeps[1][16:32].any() and keeps[1].any()
         assert causal == (not keeps[2].any())
-    scale = d ** -0.5
+    scale = d**-0.5
     (out1, lse1), (out, lse), dq, dkv = _interval_steps(q, dout, steps, scale)
 
     ref_out1, ref_lse1 = _reference(q, steps[0][0], steps[0][1], scale, keeps[0])
@@ -825,13 +903,27 @@ def test_an_all_empty_interval_step_leaves_the_state_untouched():
     q, k, v = _randn(b, 40, h, d), _randn(b, 40, hk, d), _randn(b, 40, hk, d)
     out, lse = _randn(b, 40, h, d), _randn(b, h, 40)
     out0, lse0 = out.clone(), lse.clone()
-    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_INTERVALS,
-                                     intervals=intervals)
+    launchers.attention_step_forward(
+        q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_INTERVALS, intervals=intervals
+    )
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
     dq, dk, dv = _randn(b, 40, h, d), _randn(b, 40, hk, d), _randn(b, 40, hk, d)
     grads0 = [g.clone() for g in (dq, dk, dv)]
-    launchers.attention_step_backward(q, k, v, out, _randn(b, 40, h, d), lse, None, dq, dk, dv,
-                                      softmax_scale=0.125, mask_mode=MASK_INTERVALS, intervals=intervals)
+    launchers.attention_step_backward(
+        q,
+        k,
+        v,
+        out,
+        _randn(b, 40, h, d),
+        lse,
+        None,
+        dq,
+        dk,
+        dv,
+        softmax_scale=0.125,
+        mask_mode=MASK_INTERVALS,
+        intervals=intervals,
+    )
     for got, want in zip((dq, dk, dv), grads0):
         assert torch.equal(got, want)
 
@@ -848,7 +940,7 @@ def test_intervals_low_precision(dtype):
     intervals, keep = _document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
     q, dout = _randn(b, 40, h, d, dtype=dtype), _randn(b, 40, h, d, dtype=dtype)
     k, v = _randn(b, 80, hk, d, dtype=dtype), _randn(b, 80, hk, d, dtype=dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     _, (out, lse), dq, [(dk, dv)] = _interval_steps(q, dout, [(k, v, intervals)], scale)
     _assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
 
@@ -875,7 +967,7 @@ def test_intervals_read_no_rows_outside_their_span(causal, garbage):
     assert torch.equal(seen_keys.nonzero().flatten(), torch.arange(40, 60))
     q, dout = _randn(b, 40, h, d), _randn(b, 40, h, d)
     k, v = _randn(b, 128, hk, d), _randn(b, 128, hk, d)
-    scale = d ** -0.5
+    scale = d**-0.5
 
     def run(fill):
         q_, dout_, k_, v_ = (t.clone() for t in (q, dout, k, v))
@@ -910,10 +1002,15 @@ def test_intervals_read_no_rows_outside_their_span(causal, garbage):
 def test_intervals_go_with_mask_intervals_only():
     q, k = torch.zeros(1, 6, 2, 16), torch.zeros(1, 5, 1, 16)
     out, lse = torch.zeros(1, 6, 2, 16), torch.zeros(1, 2, 6)
-    intervals = (torch.zeros(6, dtype=torch.int32), torch.ones(6, dtype=torch.int32),
-                 torch.zeros(5, dtype=torch.int32), torch.ones(5, dtype=torch.int32))
+    intervals = (
+        torch.zeros(6, dtype=torch.int32),
+        torch.ones(6, dtype=torch.int32),
+        torch.zeros(5, dtype=torch.int32),
+        torch.ones(5, dtype=torch.int32),
+    )
     step = lambda mode, iv: launchers.attention_step_forward(  # noqa: E731
-        q, k, k, out, lse, softmax_scale=1.0, mask_mode=mode, intervals=iv)
+        q, k, k, out, lse, softmax_scale=1.0, mask_mode=mode, intervals=iv
+    )
     with pytest.raises(AssertionError, match="intervals="):
         step(MASK_INTERVALS, None)
     with pytest.raises(AssertionError, match="intervals="):
@@ -923,8 +1020,9 @@ def test_intervals_go_with_mask_intervals_only():
     with pytest.raises(AssertionError, match="col_start must be a contiguous int32 \\(5,\\)"):
         step(MASK_INTERVALS, (*intervals[:2], torch.zeros(6, dtype=torch.int32), intervals[3]))
     with pytest.raises(AssertionError, match="intervals="):
-        launchers.attention_step_backward(q, k, k, out, out, lse, None, out, k, k, softmax_scale=1.0,
-                                          mask_mode=MASK_INTERVALS)
+        launchers.attention_step_backward(
+            q, k, k, out, out, lse, None, out, k, k, softmax_scale=1.0, mask_mode=MASK_INTERVALS
+        )
     # The forward of the interval mask sweeps once, masked, whatever Triton release.
     launch = step_tiles.forward_launch(torch.float32, 64, False, intervals=True, target=None, interpreted=True)
     assert launch.constexprs["INTERVALS"] and not launch.constexprs["SPLIT_SWEEP"]
@@ -937,13 +1035,15 @@ def test_intervals_go_with_mask_intervals_only():
 
 def _properties(major, minor, **extra):
     from types import SimpleNamespace
+
     return SimpleNamespace(major=major, minor=minor, name=f"a GPU of sm_{major}{minor}", **extra)
 
 
 def test_device_target_reads_the_shared_memory(monkeypatch):
     target_of = step_tiles._device_target.__wrapped__  # the uncached function: no real device is asked
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: _properties(9, 0, shared_memory_per_block_optin=232448))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: _properties(9, 0, shared_memory_per_block_optin=232448)
+    )
     assert target_of(0) == step_tiles.GpuTarget(90, 232448)
     # A torch without shared_memory_per_block_optin: the table, and the smallest
     # size on record for a capability the table does not know.
@@ -984,6 +1084,7 @@ def test_tiles_follow_the_target_family():
 def _cuda_stand_in(shape):
     # What check_launchable reads of a CUDA tensor, without a GPU.
     from types import SimpleNamespace
+
     return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=torch.Size(shape))
 
 
@@ -1007,11 +1108,15 @@ def test_check_launchable_passes_cpu_tensors_without_asking_for_a_gpu(monkeypatc
     check_launchable(torch.empty(65536, 1, 65536, 0))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the grid limit applies to CUDA tensors; without a GPU "
-                    "test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit covers it")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="the grid limit applies to CUDA tensors; without a GPU "
+    "test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit covers it",
+)
 @pytest.mark.parametrize("shape_q, shape_kv", [((1, 2, 65536, 8), (1, 2, 1, 8)), ((65536, 2, 1, 8), (65536, 2, 1, 8))])
 def test_ring_attention_refuses_a_grid_over_the_cuda_limit(shape_q, shape_kv):
     import seqpar_kernels as sp
+
     q = torch.zeros(shape_q, dtype=torch.bfloat16, device=DEVICE)
     k = torch.zeros(shape_kv, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match=re.escape(f"got q shape {shape_q}")):

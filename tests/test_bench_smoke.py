@@ -25,7 +25,12 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     csv_files = list(tmp_path.glob("*.csv"))
@@ -73,7 +78,6 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
             assert float(row["ours_s"]) > 0 and float(row["baseline_s"]) > 0, row
 
 
-
 def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):
     # Packed documents on 4 ranks: the ring, Ulysses and the 2x2 hybrid with the balanced
     # plan against one dense sequence, and the balanced plan against the contiguous one,
@@ -109,6 +113,7 @@ def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):
         contiguous, balanced, padded = [line for line in table if (line["mix"], line["P"]) == (mix, p)]
         assert balanced["work_imbalance"] <= contiguous["work_imbalance"] and balanced["padding_tokens"] == 0
         assert padded["padding_tokens"] > 0 and padded["token_imbalance"] > 1.0
+
 
 # A run with failures injected (python -c, patches made before the ranks fork): the
 # ulysses bench raises before its first case, one reshard case raises on every rank,
@@ -156,9 +161,7 @@ launch(parse_options(sys.argv[1:]))
 def run_bench_script(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-c", script, "--quick", "--out", str(out), *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False
-    )
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False)
 
 
 def read_rows(out: Path) -> list[dict]:

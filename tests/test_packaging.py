@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # finders (setuptools-scm, where installed) list nothing, and without an old *.egg-info
 # its SOURCES.txt is not read back into the new sdist. The sdist then holds what
 # MANIFEST.in and pyproject.toml select, as it does for anyone who builds one.
-COPY_IGNORE = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"
-)
+COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so")
 
 # Measured on 2 busy cores: the CPU-only compile takes 1-3 minutes.
 INSTALL_TIMEOUT_S = 1800

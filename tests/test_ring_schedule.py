@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from on_ranks import rank_and_world
 
 import seqpar_kernels as sp
-from on_ranks import rank_and_world
 from seqpar_kernels.engine.ring_driver import dense_step_masks
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
@@ -86,7 +86,8 @@ def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
                 assert unequal, f"P={world_size} S={seqlen}: the contiguous layout looks balanced"
             # Both layouts: every causal score exactly once, nothing else.
             assert sorted(computed) == _causal_pairs(world_size * seqlen), (
-                f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores")
+                f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores"
+            )
 
 
 @pytest.mark.parametrize("world_size", range(1, 9), ids=lambda size: f"P{size}")
@@ -94,7 +95,7 @@ def test_uneven_pieces_compute_every_causal_score_once(world_size):
     # Contiguous pieces of any lengths (empty ones too), and the zigzag pieces of any
     # full length (chunks of two lengths; fewer rows than chunks).
     gen = torch.Generator().manual_seed(world_size)
-    for trial in range(6):
+    for _ in range(6):
         lengths = torch.randint(0, 7, (world_size,), generator=gen).tolist()
         pieces = RingPieces.of(lengths, False)
         assert sorted(causal_schedule(pieces)[1]) == _causal_pairs(sum(lengths)), f"contiguous {lengths}"
@@ -157,8 +158,6 @@ def test_comm_stats_count_the_ring(ranks, dtype):
             assert bwd_calls == 2 * (ranks.world_size - 1)
 
 
-
-
 @needs_gpu
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch, layout):
@@ -185,8 +184,9 @@ def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch,
     monkeypatch.setattr(ReplacedExchange, "start", start_into_nan)
 
     gen = torch.Generator().manual_seed(22)
-    q, k, v, dout = (torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16)
-                     for heads in (8, 2, 2, 8))
+    q, k, v, dout = (
+        torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16) for heads in (8, 2, 2, 8)
+    )
     steps = step_kernels_for(AUTO, q)
 
     def ring(mode, rank):

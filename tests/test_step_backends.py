@@ -18,14 +18,14 @@ import json
 
 import pytest
 import torch
-
-from tools import reference
-from seqpar_kernels.engine import step_backends
-from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
 from test_ring_attention import CASE_GROUPS, LOW_PRECISION_CASES, _case, failures_of, run_cases
 from test_varlen import _case as varlen_case
 from test_varlen import run_varlen_cases
 from triton_interpreter import runs_triton_on
+
+from seqpar_kernels.engine import step_backends
+from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
+from tools import reference
 
 # ----------------------------------------------------------------------------------
 # "auto" and its table
@@ -235,8 +235,12 @@ def test_library_blocks_rounded_to_bf16_keep_the_accuracy_rule(ranks, kernel):
     # Each block's output and gradients rounded to bf16 before the fp32 merge and sums,
     # as the library kernels return them.
     per_rank = ranks.run(run_cases_on_emulated_library, kernel, LOW_PRECISION_CASES, torch.bfloat16)
-    failures = failures_of(per_rank, lambda name, yardsticks: reference.error_bound(
-        torch.bfloat16, yardsticks["plain"][name], yardsticks["magnitude"][name]))
+    failures = failures_of(
+        per_rank,
+        lambda name, yardsticks: reference.error_bound(
+            torch.bfloat16, yardsticks["plain"][name], yardsticks["magnitude"][name]
+        ),
+    )
     assert not failures, "\n".join(failures)
 
 

@@ -255,8 +255,9 @@ def _raises(call, match: str) -> str | None:
 
 @on_every_rank
 def run_unsupported_cases():
-    import seqpar_kernels.integrations.transformers as sp_transformers
     from transformers import MistralConfig, MistralForCausalLM
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
 
     group = {"group": timeout_group()}
     config = _config()
@@ -329,8 +330,9 @@ def run_unsupported_cases():
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
     backends, ring_attention = [], sp_transformers.ring_attention
-    sp_transformers.ring_attention = lambda *args, **kwargs: backends.append(kwargs["step_backend"]) or ring_attention(
-        *args, **kwargs)
+    sp_transformers.ring_attention = lambda *args, **kwargs: (
+        backends.append(kwargs["step_backend"]) or ring_attention(*args, **kwargs)
+    )
     try:
         aten_model.model(**local)
     finally:
@@ -350,8 +352,9 @@ def test_what_cannot_be_honoured_raises():
 
 
 def test_register_never_overwrites_another_function():
-    import seqpar_kernels.integrations.transformers as sp_transformers
     from transformers import AttentionInterface
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
 
     sp_transformers.register()
     sp_transformers.register()  # idempotent

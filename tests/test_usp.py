@@ -14,18 +14,17 @@ call: every pool.run is a round trip to all ranks.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
-
-from tools import reference
-import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import COLLECTIVE_TIMEOUT, backward_on_every_rank, on_every_rank, timeout_group
-from seqpar_kernels.layouts import usp_piece_segments
 from test_ring_schedule import RingPieces, causal_schedule, global_positions
 from test_ulysses_bytes import expected_ulysses_bytes
+
+import seqpar_kernels as sp
+from seqpar_kernels.layouts import usp_piece_segments
+from tools import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -137,27 +136,77 @@ def _two_each(pieces):
 
 
 CASES = [
-    _case("mha-causal-tensor-split", H=4, H_kv=4, D=32, causal=True, layout="contiguous", B=2,
-          total=_three_each_and_one, lse=True),
+    _case(
+        "mha-causal-tensor-split",
+        H=4,
+        H_kv=4,
+        D=32,
+        causal=True,
+        layout="contiguous",
+        B=2,
+        total=_three_each_and_one,
+        lse=True,
+    ),
     # Heads that no U > 1 tested divides; lengths that differ, one empty, passed.
-    _case("heads5-full-uneven", H=5, H_kv=5, D=16, causal=False, layout="contiguous",
-          lengths=_with_empty_piece, pass_seq_lens=True),
+    _case(
+        "heads5-full-uneven",
+        H=5,
+        H_kv=5,
+        D=16,
+        causal=False,
+        layout="contiguous",
+        lengths=_with_empty_piece,
+        pass_seq_lens=True,
+    ),
     # GQA, kv heads fewer than U = 3, 4; on U = 3 and 4 a rank's q heads [2, 4) or [2, 3)
     # start inside a kv group: two rings (uniform runs) on that rank's ring group.
-    _case("gqa-6-2-causal-uneven", H=6, H_kv=2, D=32, causal=True, layout="contiguous", B=2,
-          lengths=_with_empty_piece, lse=True),
+    _case(
+        "gqa-6-2-causal-uneven",
+        H=6,
+        H_kv=2,
+        D=32,
+        causal=True,
+        layout="contiguous",
+        B=2,
+        lengths=_with_empty_piece,
+        lse=True,
+    ),
     # MQA, zigzag over a length 2R does not divide, a negative scale; on U = 4 a rank
     # without q heads.
-    _case("mqa-3-1-zigzag-causal", H=3, H_kv=1, D=16, causal=True, layout="zigzag",
-          total=_four_each_and_three, scale=-0.4, lse=True),
+    _case(
+        "mqa-3-1-zigzag-causal",
+        H=3,
+        H_kv=1,
+        D=16,
+        causal=True,
+        layout="zigzag",
+        total=_four_each_and_three,
+        scale=-0.4,
+        lse=True,
+    ),
     # Fewer rows than zigzag chunks: empty chunks and pieces.
-    _case("gqa-4-2-zigzag-short", H=4, H_kv=2, D=16, causal=True, layout="zigzag",
-          total=_one_more_than_pieces, pass_seq_lens=True),
-    _case("D256-zigzag-full", H=2, H_kv=1, D=256, causal=False, layout="zigzag",
-          total=_two_each, lse=True),
+    _case(
+        "gqa-4-2-zigzag-short",
+        H=4,
+        H_kv=2,
+        D=16,
+        causal=True,
+        layout="zigzag",
+        total=_one_more_than_pieces,
+        pass_seq_lens=True,
+    ),
+    _case("D256-zigzag-full", H=2, H_kv=1, D=256, causal=False, layout="zigzag", total=_two_each, lse=True),
     # q, k, v as head slices of one packed tensor: strided views.
-    _case("packed-gqa-6-3-causal", H=6, H_kv=3, D=16, causal=True, layout="contiguous",
-          total=_three_each_and_one, packed=True),
+    _case(
+        "packed-gqa-6-3-causal",
+        H=6,
+        H_kv=3,
+        D=16,
+        causal=True,
+        layout="contiguous",
+        total=_three_each_and_one,
+        packed=True,
+    ),
 ]
 
 
@@ -302,10 +351,28 @@ def test_degree_one_is_ulysses_or_ring_bit_for_bit(world_size):
 
 BYTES_CASES = [
     # On U = 3 the middle Ulysses rank's q heads [2, 4) read both kv heads: two rings.
-    _case("gqa-6-2-uneven-lse", H=6, H_kv=2, D=16, causal=True, layout="contiguous", B=2,
-          lengths=_with_empty_piece, lse=True, dtype=torch.float32),
-    _case("mqa-3-1-zigzag-bf16", H=3, H_kv=1, D=16, causal=True, layout="zigzag",
-          total=_four_each_and_three, dtype=torch.bfloat16),
+    _case(
+        "gqa-6-2-uneven-lse",
+        H=6,
+        H_kv=2,
+        D=16,
+        causal=True,
+        layout="contiguous",
+        B=2,
+        lengths=_with_empty_piece,
+        lse=True,
+        dtype=torch.float32,
+    ),
+    _case(
+        "mqa-3-1-zigzag-bf16",
+        H=3,
+        H_kv=1,
+        D=16,
+        causal=True,
+        layout="zigzag",
+        total=_four_each_and_three,
+        dtype=torch.bfloat16,
+    ),
 ]
 
 
@@ -563,10 +630,10 @@ def run_bad_inputs():
         "seq_lens of 2 ranks": lambda: sp.usp_attention(q, k, v, seq_lens=[3, 3], **groups),
         # Contiguous lengths that are no zigzag layout of their sum (slots of 4 and 10).
         "zigzag lengths": lambda: sp.usp_attention(*_qkv(length=[1, 3, 4, 6][rank]), layout="zigzag", **groups),
-        "usp_gather zigzag lengths": lambda: sp.usp_gather(torch.randn(2, [1, 3, 4, 6][rank]), 1, layout="zigzag",
-                                                           **groups),
-        "usp_split not a grid": lambda: sp.usp_split(torch.randn(2, 8), 1, ulysses_group=row,
-                                                     ring_group=crossed_ring),
+        "usp_gather zigzag lengths": lambda: sp.usp_gather(
+            torch.randn(2, [1, 3, 4, 6][rank]), 1, layout="zigzag", **groups
+        ),
+        "usp_split not a grid": lambda: sp.usp_split(torch.randn(2, 8), 1, ulysses_group=row, ring_group=crossed_ring),
     }
     one_bad_rank = {
         "dtype": (lambda: sp.usp_attention(*_qkv(), **groups),

@@ -74,9 +74,7 @@ def exchange_blocks(
     return unpack_blocks(received, out_shapes, recv_dims, recv_starts, recv_lengths, out_dim_orders)
 
 
-def _ranges_tile_memory(
-    shape: Sequence[int], split_dim: int, starts: Sequence[int], lengths: Sequence[int]
-) -> bool:
+def _ranges_tile_memory(shape: Sequence[int], split_dim: int, starts: Sequence[int], lengths: Sequence[int]) -> bool:
     """Whether one C-order tensor's ranges along split_dim, in rank order, are its
     memory cut in consecutive pieces: every dim before split_dim has size 1 and the
     ranges cover split_dim end to end. Packing (or unpacking) such ranges is a plain

@@ -61,6 +61,7 @@ With equal pieces: (P-1) x (k + v bytes), and (P-1) x fp32 (dk + dv) more backwa
 from __future__ import annotations
 
 import math
+
 import torch
 
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring

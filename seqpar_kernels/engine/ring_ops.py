@@ -13,10 +13,10 @@ from typing import List, Optional
 
 import torch
 
-from seqpar_kernels.ops.all_to_all import register_as_collective
 from seqpar_kernels.engine.masks import AttentionMask, StepMasks, decode_segments, step_masks_of
 from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward
 from seqpar_kernels.engine.step_backends import step_kernels_for
+from seqpar_kernels.ops.all_to_all import register_as_collective
 
 
 @torch.library.custom_op("seqpar::ring_attention_forward", mutates_args=())
@@ -68,8 +68,9 @@ register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 
 
 @ring_attention_forward.register_fake
-def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens,
-                                 cu_seqlens=None, segments=None):
+def _ring_attention_forward_fake(
+    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens=None, segments=None
+):
     batch, seqlen, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
@@ -103,8 +104,22 @@ register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 
 @ring_attention_backward.register_fake
-def _ring_attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels,
-                                  seq_lens, cu_seqlens=None, segments=None):
+def _ring_attention_backward_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal,
+    softmax_scale,
+    zigzag,
+    group_name,
+    step_kernels,
+    seq_lens,
+    cu_seqlens=None,
+    segments=None,
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -216,7 +216,7 @@ def gpu_family(capability: int) -> str:
     return "sm_80"  # A100, A30, Orin
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def step_backend_table() -> dict:
     """{family: {"backend", "measured", "basis", ...}} from STEP_BACKEND_TABLE."""
     with open(STEP_BACKEND_TABLE) as f:
@@ -237,7 +237,7 @@ def record_measured_step_backend(family: str, backend: str, basis: str, path: st
     step_backend_table.cache_clear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_capability(device_index: int) -> int:
     major, minor = torch.cuda.get_device_capability(device_index)
     return 10 * major + minor

@@ -32,8 +32,15 @@ def _varlen_attention_forward_fake(q, k, v, causal, softmax_scale, cu_seqlens):
 
 @torch.library.custom_op("seqpar::varlen_attention_backward", mutates_args=())
 def varlen_attention_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, softmax_scale: float, cu_seqlens: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of varlen_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v."""

@@ -22,9 +22,9 @@ as (B, S_local, H, D) views without a copy; the scaling; is_causal (a causal dec
 bidirectional); the SequenceShard that shard_batch put in the batch (the layout, every
 rank's length, a packed batch's varlen plan), which the model passes down; without
 one, the position ids, which must then be every rank's global positions in the layout
-(checked once per forward, with one small all-gather). Everything else that changes the result raises instead of being ignored: a padding mask or any
-mask pattern other than plain causal/bidirectional (sliding windows, chunked
-attention, model-specific overlays, packed documents not sharded by shard_batch),
+(checked once per forward, with one small all-gather). Everything else that changes
+the result raises instead of being ignored: a padding mask or any mask pattern other
+than plain causal/bidirectional (sliding windows, chunked attention, model-specific overlays, packed documents not sharded by shard_batch),
 dropout while training, softcapping, attention sinks, a KV cache holding more keys than
 queries (generation). Padding belongs in shift_labels (shard_batch folds right padding
 there), packing in the varlen plan.
@@ -41,9 +41,8 @@ import torch
 
 try:
     import transformers
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, masking_utils
     from transformers.masking_utils import AttentionMaskInterface
-    from transformers import masking_utils
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "seqpar_kernels.integrations.transformers needs Hugging Face transformers 4.56 or newer: "
@@ -312,7 +311,13 @@ def apply(
     that cannot switch (its attention does not dispatch through AttentionInterface) or
     that has sub-models (a vision tower's tokens are not sharded)."""
     settings = SequenceParallelism.resolve(
-        "apply", mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+        "apply",
+        mode,
+        layout,
+        group=group,
+        mesh=mesh,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
         step_backend=step_backend,
     )
     if not isinstance(model, transformers.PreTrainedModel):

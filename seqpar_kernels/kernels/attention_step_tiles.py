@@ -80,8 +80,9 @@ class GpuTarget(NamedTuple):
         """The target of a GPU known only by its compute capability (ahead-of-time
         compiles, tests), with the shared memory that capability has."""
         if capability not in SHARED_MEMORY_PER_BLOCK:
-            raise ValueError(f"no shared-memory size on record for sm_{capability}; "
-                             f"known: {sorted(SHARED_MEMORY_PER_BLOCK)}")
+            raise ValueError(
+                f"no shared-memory size on record for sm_{capability}; known: {sorted(SHARED_MEMORY_PER_BLOCK)}"
+            )
         return cls(capability, SHARED_MEMORY_PER_BLOCK[capability])
 
     @property
@@ -95,10 +96,15 @@ class GpuTarget(NamedTuple):
 # Largest dynamic shared memory one block may use, by compute capability (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
 SHARED_MEMORY_PER_BLOCK = {
-    80: 166912, 87: 166912,  # A100, A30; Jetson Orin
-    86: 101376, 89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
-    90: 232448, 100: 232448, 103: 232448,  # H100, H200; B200; B300
-    120: 101376, 121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
+    80: 166912,
+    87: 166912,  # A100, A30; Jetson Orin
+    86: 101376,
+    89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
+    90: 232448,
+    100: 232448,
+    103: 232448,  # H100, H200; B200; B300
+    120: 101376,
+    121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
 }
 # The 99 KiB parts (sm_86/89/12x): a tile must fit there on its own (fp32 dq at
 # d256 with the sm_90 tile takes 133120 B).
@@ -113,7 +119,7 @@ def cuda_target(t):
     return _device_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_target(device_index):
     # Asked once per device, not at every ring step's launch.
     properties = torch.cuda.get_device_properties(device_index)
@@ -122,10 +128,14 @@ def _device_target(device_index):
     assert capability >= MIN_CAPABILITY, f"sm_{capability} is older than sm_{MIN_CAPABILITY}"
     # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
     # and to the smallest size on record for a GPU not in it.
-    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
-        SHARED_MEMORY_PER_BLOCK.get(capability, _SMALLEST_SHARED_MEMORY)
-    return GpuTarget(capability, shared_memory,
-                     getattr(properties, "multi_processor_count", None) or GpuTarget._field_defaults["multiprocessors"])
+    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or SHARED_MEMORY_PER_BLOCK.get(
+        capability, _SMALLEST_SHARED_MEMORY
+    )
+    return GpuTarget(
+        capability,
+        shared_memory,
+        getattr(properties, "multi_processor_count", None) or GpuTarget._field_defaults["multiprocessors"],
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -150,15 +160,33 @@ def _device_target(device_index):
 _FP32_TILES = (16, 32, 8, 2)
 _FP32_NARROW_TILES = (16, 16, 8, 2)
 _TILES = {
-    "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
-                (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    "forward": {
+        (2, 64): (128, 64, 4, 3),
+        (2, 128): (128, 64, 8, 2),
+        (2, 256): (64, 32, 8, 2),
+        (4, 64): _FP32_TILES,
+        (4, 128): _FP32_TILES,
+        (4, 256): _FP32_TILES,
+    },
     # bf16/fp16 d256: the widest tile that spills in no loop with the split sweeps.
-    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (32, 64, 8, 2),
-           (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
+    "dq": {
+        (2, 64): (128, 32, 8, 2),
+        (2, 128): (128, 32, 8, 2),
+        (2, 256): (32, 64, 8, 2),
+        (4, 64): _FP32_TILES,
+        (4, 128): _FP32_TILES,
+        (4, 256): _FP32_TILES,
+    },
     # The widest tiles without a spill in a loop; d128 with pointer loads and the
     # split sweeps (SPLIT_BACKWARD_SWEEPS) is the narrowest of them.
-    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (16, 128, 8, 2), (2, 256): (32, 32, 8, 1),
-             (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
+    "dkdv": {
+        (2, 64): (32, 128, 8, 2),
+        (2, 128): (16, 128, 8, 2),
+        (2, 256): (32, 32, 8, 1),
+        (4, 64): _FP32_NARROW_TILES,
+        (4, 128): (16, 32, 4, 2),
+        (4, 256): _FP32_NARROW_TILES,
+    },
 }
 
 
@@ -190,9 +218,7 @@ _TILE_OVERRIDES = (
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
 # between bounds loaded from them, which costs registers: fp32 d128 takes the
 # narrow tile everywhere (applied after _TILE_OVERRIDES; docs/tuning.md).
-_INTERVAL_TILE_OVERRIDES = (
-    (lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),
-)
+_INTERVAL_TILE_OVERRIDES = ((lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),)
 
 # sm_90 with tensor descriptors (fp16/bf16; uses_tensor_descriptors), applied
 # last: without pointer or offset tensors in registers the wide tiles fit
@@ -241,7 +267,8 @@ def dkdv_head_splits(programs, kv_group, multiprocessors):
 def all_cuda_tiles():
     """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
     tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
-        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()]
+        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()
+    ]
     return sorted({tiles for table in tables for tiles in table.values()})
 
 
@@ -319,8 +346,11 @@ SPLIT_BACKWARD_SWEEPS = _triton_version() >= (3, 8)
 # release whose compiles (ahead of time, every target) and interpreter runs
 # checked that path.  An older release with the feature (3.4 to 3.7) keeps
 # pointer loads rather than run a code path nothing has compiled with it.
-TENSOR_DESCRIPTORS_AVAILABLE = (hasattr(triton.language, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
-                                and _triton_version() >= (3, 8))
+TENSOR_DESCRIPTORS_AVAILABLE = (
+    hasattr(triton.language, "make_tensor_descriptor")
+    and hasattr(triton, "set_allocator")
+    and _triton_version() >= (3, 8)
+)
 # The interpreter runs the descriptor path as well (Triton 3.8: rows and
 # columns past the descriptor's shape load as 0, as TMA does); the tests turn
 # it on, the launchers keep pointer loads on CPU tensors.
@@ -375,15 +405,23 @@ def _dot_upcast(dtype, interpreted):
 def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, **more_constexprs):
     assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
-    constexprs = dict(CAUSAL=bool(causal), INTERVALS=bool(intervals), HEAD_DIM=headdim, BLOCK_M=block_m,
-                      BLOCK_N=block_n, BLOCK_D=_block_d(headdim),
-                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
-                      **more_constexprs)
+    constexprs = dict(
+        CAUSAL=bool(causal),
+        INTERVALS=bool(intervals),
+        HEAD_DIM=headdim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_block_d(headdim),
+        DOT_PRECISION=_dot_precision(dtype),
+        DOT_UPCAST=_dot_upcast(dtype, interpreted),
+        **more_constexprs,
+    )
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target,
-                   interpreted):
+def forward_launch(
+    dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target, interpreted
+):
     """The KernelLaunch of ``attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
@@ -397,11 +435,18 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False,
     """
     # The interval mask has no k tile that every row of a q tile is known to
     # see, so nothing to split off: its kernel sweeps once, masked.
-    return _step_launch(attention_step_fwd_kernel,
-                        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
-                        dtype, headdim, causal, intervals, interpreted,
-                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step),
-                        TENSOR_DESCRIPTORS=bool(tensor_descriptors))
+    return _step_launch(
+        attention_step_fwd_kernel,
+        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
+        dtype,
+        headdim,
+        causal,
+        intervals,
+        interpreted,
+        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals,
+        FIRST_STEP=bool(first_step),
+        TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+    )
 
 
 def backward_preprocess_launch(headdim, *, target):
@@ -409,9 +454,12 @@ def backward_preprocess_launch(headdim, *, target):
     the kernel widens out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
-    return KernelLaunch(attention_bwd_preprocess_kernel,
-                        dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
-                        num_warps=4, num_stages=3)
+    return KernelLaunch(
+        attention_bwd_preprocess_kernel,
+        dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
+        num_warps=4,
+        num_stages=3,
+    )
 
 
 def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descriptors=False, target, interpreted):
@@ -420,18 +468,32 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descrip
     ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
-                     dtype, headdim, causal, intervals, interpreted,
-                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
-                     TENSOR_DESCRIPTORS=bool(tensor_descriptors)),
+        _step_launch(
+            attention_step_bwd_dq_kernel,
+            _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
+            dtype,
+            headdim,
+            causal,
+            intervals,
+            interpreted,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+            TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+        ),
         # fp32 dk/dv sweeps once, masked: its 16-row tiles save little from
         # the split, and with the split's second loop the fp32 tiles spill in
         # a loop on some target at every head dim (causal GQA d64: 2 accesses
         # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
         # with (16, 32, 4, 2): 94 on sm_86).
-        _step_launch(attention_step_bwd_dkdv_kernel,
-                     _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
-                     dtype, headdim, causal, intervals, interpreted,
-                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
-                     TENSOR_DESCRIPTORS=bool(tensor_descriptors), SPLIT_HEADS=False),
+        _step_launch(
+            attention_step_bwd_dkdv_kernel,
+            _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
+            dtype,
+            headdim,
+            causal,
+            intervals,
+            interpreted,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
+            TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+            SPLIT_HEADS=False,
+        ),
     )

@@ -12,9 +12,7 @@ import torch
 from seqpar_kernels import extension  # noqa: F401  (registers torch.ops.seqpar)
 
 
-def attention_merge_(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
+def attention_merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Folds one block's attention into the running result, in place:
 
         new_lse = logaddexp(lse, block_lse)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from seqpar_kernels.comm.grid import Grid
-from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.engine.masks import AttentionMask
 from seqpar_kernels.engine.step_backends import check_step_backend
+from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_piece_lengths
 from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES, check_bool, check_local_sizes
 from seqpar_kernels.parallel.varlen import VarlenPlan
@@ -170,9 +170,7 @@ def check_attention_inputs(q, k, v) -> None:
     if q.shape[3] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {q.shape[3]} exceeds {MAX_HEAD_DIM} ({shapes})")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})"
-        )
+        raise ValueError(f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})")
 
 
 def resolve_softmax_scale(softmax_scale, q: torch.Tensor) -> float:

@@ -70,9 +70,7 @@ class CheckedOnEveryRank:
         self, describe: str, group: GroupInfo, data_device: torch.device | None, exchange: bool, extra_count: int = 0
     ):
         self.describe, self.group, self.data_device = describe, group, data_device
-        self.exchange = (
-            (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
-        )
+        self.exchange = (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
         self.local_size, self.agreed = 0, None
         # The same count on every rank (a rank that raises before share() sends 0s), so
         # every rank's row of the gather has the same length.
@@ -237,6 +235,7 @@ def check_local_sizes(
             f"{tuple(shape)})"
         )
     return list(sizes)
+
 
 # The floating-point dtypes the attention functions and the loss take.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

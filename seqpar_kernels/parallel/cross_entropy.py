@@ -90,8 +90,7 @@ def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, desc
     if bad.any():
         value = labels[bad][0].item()
         raise ValueError(
-            f"shift_labels holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} "
-            f"({describe_shapes})"
+            f"shift_labels holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} ({describe_shapes})"
         )
 
 
@@ -194,7 +193,9 @@ class _ChunkedLocalShare(torch.autograd.Function):
         grad_hidden = (
             torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if grad_hidden_needed else None
         )
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight_needed else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight_needed else None
+        )
         # The fp32 copy of the weight the hidden gradient's product reads where no GEMM
         # writes fp32 from fp16/bf16 operands (see _chunk_grads_).
         weight_fp32 = weight.float() if grad_hidden_needed and low_precision and not _mm_to_fp32(weight) else None

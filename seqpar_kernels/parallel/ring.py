@@ -25,9 +25,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.engine.ring_ops import ring_attention_forward
 from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_chunk_lengths, zigzag_chunks, zigzag_piece_lengths
 from seqpar_kernels.parallel.attention_checks import (
     RING_LAYOUTS,

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.grid import Grid, reduction_groups, resolve_ranks
-from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name, resolve_group
 from seqpar_kernels.engine.step_backends import check_step_backend
+from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name, resolve_group
 from seqpar_kernels.layouts import tensor_split_sizes, usp_piece_lengths, zigzag_piece_lengths
 from seqpar_kernels.parallel.reshard import split_sequence
 from seqpar_kernels.parallel.ring import zigzag_split
@@ -66,8 +66,18 @@ class SequenceParallelism:
     step_backend: str = field(default="auto", compare=False)
 
     @classmethod
-    def resolve(cls, describe: str, mode, layout, *, group=None, mesh=None, ulysses_group=None, ring_group=None,
-                step_backend="auto"):
+    def resolve(
+        cls,
+        describe: str,
+        mode,
+        layout,
+        *,
+        group=None,
+        mesh=None,
+        ulysses_group=None,
+        ring_group=None,
+        step_backend="auto",
+    ):
         if mode not in MODES:
             raise ValueError(f"{describe}: mode must be one of {MODES}, got {mode!r}")
         if layout not in LAYOUTS:
@@ -220,8 +230,7 @@ def shard_batch(
     unknown = sorted(set(batch) - set(_TOKEN_KEYS) - set(_FULL_BATCH_PACKING_KEYS))
     if unknown:
         raise ValueError(
-            f"{describe}: does not know how to shard {unknown} (it shards {_TOKEN_KEYS}); shard other "
-            "inputs yourself"
+            f"{describe}: does not know how to shard {unknown} (it shards {_TOKEN_KEYS}); shard other inputs yourself"
         )
     if "input_ids" not in batch:
         raise ValueError(f"{describe}: batch has no input_ids (keys: {sorted(batch)})")
@@ -253,9 +262,7 @@ def shard_batch(
     # (B, S): the target of token t is labels[t + 1]; the last token has none.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), ignore_index)], dim=1)
 
-    restarts = [
-        row for row in range(batch_size) if seqlen > 1 and bool((torch.diff(position_ids[row]) != 1).any())
-    ]
+    restarts = [row for row in range(batch_size) if seqlen > 1 and bool((torch.diff(position_ids[row]) != 1).any())]
     plan = None
     if restarts:
         if batch_size != 1:

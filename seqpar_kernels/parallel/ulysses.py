@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from seqpar_kernels.comm.exchange import exchange_blocks
-from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges
 from seqpar_kernels.engine.varlen_ops import varlen_attention_forward
+from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import offsets, tensor_split_ranges
 from seqpar_kernels.parallel.attention_checks import check_attention_call, fold_scale_sign
 from seqpar_kernels.parallel.checks import CheckedOnEveryRank, device_of

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.grid import MESH_DIM_NAMES, Grid, resolve_grid
-from seqpar_kernels.groups import resolve_group
 from seqpar_kernels.engine.ring_ops import ring_attention_forward
+from seqpar_kernels.groups import resolve_group
 from seqpar_kernels.layouts import usp_piece_lengths, usp_piece_segments
 from seqpar_kernels.parallel.attention_checks import check_attention_call, check_zigzag_lengths, fold_scale_sign
 from seqpar_kernels.parallel.checks import (

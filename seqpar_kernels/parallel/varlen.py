@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.grid import Grid, resolve_ranks
-from seqpar_kernels.groups import resolve_group
 from seqpar_kernels.engine.masks import encode_segments
 from seqpar_kernels.layouts import VARLEN_LAYOUTS, VarlenLayout
 from seqpar_kernels.parallel.checks import (
@@ -45,14 +44,14 @@ LAYOUTS = VARLEN_LAYOUTS
 
 class VarlenPlan:
     """A VarlenLayout placed on process groups (made by varlen_plan). Attributes:
-        seq_lens          every rank's token count, in piece order (group rank order;
-                          for a mesh, ring index i and Ulysses index j at i * U + j)
-        position_ids      (1, seqlen_local) int64, this rank's tokens' offsets within
-                          their documents (for rotary embeddings), on the plan's device
-        work_imbalance    max over mean of the ring slots' causal work (a Python float;
-                          Ulysses splits its work by heads, so this is the ring's)
-        token_imbalance   max over mean of the ring slots' token counts
-        layout            the VarlenLayout (pieces, cu_seqlens, ...)"""
+    seq_lens          every rank's token count, in piece order (group rank order;
+                      for a mesh, ring index i and Ulysses index j at i * U + j)
+    position_ids      (1, seqlen_local) int64, this rank's tokens' offsets within
+                      their documents (for rotary embeddings), on the plan's device
+    work_imbalance    max over mean of the ring slots' causal work (a Python float;
+                      Ulysses splits its work by heads, so this is the ring's)
+    token_imbalance   max over mean of the ring slots' token counts
+    layout            the VarlenLayout (pieces, cu_seqlens, ...)"""
 
     def __init__(self, layout: VarlenLayout, piece: int, group=None, grid=None, device=None):
         self.layout, self.piece, self.group, self.grid = layout, piece, group, grid
@@ -73,11 +72,16 @@ class VarlenPlan:
         return self.layout.total
 
     def __repr__(self) -> str:
-        where = f"mesh R={self.layout.ring_size} x U={self.layout.ulysses_size}" if self.on_mesh \
+        where = (
+            f"mesh R={self.layout.ring_size} x U={self.layout.ulysses_size}"
+            if self.on_mesh
             else f"group of {self.layout.ring_size}"
-        return (f"VarlenPlan({len(self.layout.cu_seqlens) - 1} documents, {self.total} tokens, {where}, "
-                f"layout={self.layout.layout!r}, seq_lens={self.seq_lens}, "
-                f"work_imbalance={self.work_imbalance:.3f})")
+        )
+        return (
+            f"VarlenPlan({len(self.layout.cu_seqlens) - 1} documents, {self.total} tokens, {where}, "
+            f"layout={self.layout.layout!r}, seq_lens={self.seq_lens}, "
+            f"work_imbalance={self.work_imbalance:.3f})"
+        )
 
     # -- split and gather --------------------------------------------------------------
 

@@ -193,9 +193,9 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, l
 
     Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend)
     (accuracy_verdict's rule, SDPA error from the first trusted backend), the SDPA
-    backends trusted as baselines, and a note for each one that is not: a backend outside the accuracy rule with plain torch as the yardstick
-    (within_error_rule) is not timed against, so a broken baseline cannot make ours
-    look slow or fast."""
+    backends trusted as baselines, and a note for each one that is not: a backend
+    outside the accuracy rule with plain torch as the yardstick (within_error_rule) is
+    not timed against, so a broken baseline cannot make ours look slow or fast."""
     head = slice(0, 1)
     results = {name: [t[:, :, head] for t in fn()] for name, fn in candidates.items()}
     names = ["dq", "dk", "dv"] if case.backward else ["out"]

@@ -24,10 +24,11 @@ rank's length, a packed batch's varlen plan), which the model passes down; witho
 one, the position ids, which must then be every rank's global positions in the layout
 (checked once per forward, with one small all-gather). Everything else that changes
 the result raises instead of being ignored: a padding mask or any mask pattern other
-than plain causal/bidirectional (sliding windows, chunked attention, model-specific overlays, packed documents not sharded by shard_batch),
-dropout while training, softcapping, attention sinks, a KV cache holding more keys than
-queries (generation). Padding belongs in shift_labels (shard_batch folds right padding
-there), packing in the varlen plan.
+than plain causal/bidirectional (sliding windows, chunked attention, model-specific
+overlays, packed documents not sharded by shard_batch), dropout while training,
+softcapping, attention sinks, a KV cache holding more keys than queries (generation).
+Padding belongs in shift_labels (shard_batch folds right padding there), packing in the
+varlen plan.
 
 Supported releases: transformers 4.56 and newer (the models that dispatch attention
 through AttentionInterface and build masks through masking_utils).

@@ -27,7 +27,8 @@ fi
 # Python modules the build, tests and benchmarks import; install only what is missing
 # (the GPU machines reach no package index, and have most of these already).
 missing=()
-for module_and_package in pybind11:pybind11 pytest:pytest matplotlib:matplotlib numpy:numpy; do
+for module_and_package in pybind11:pybind11 pytest:pytest matplotlib:matplotlib numpy:numpy ruff:ruff \
+    importlinter:import-linter; do
   module=${module_and_package%%:*}
   "$PYTHON" -c "import $module" 2>/dev/null || missing+=("${module_and_package##*:}")
 done

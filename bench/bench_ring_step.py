@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,6 +76,13 @@ class StepCase:
         recomputation of the scores included), as flash-attention counts; causal half."""
         forward = 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim
         return forward * (2.5 if self.backward else 1.0) * (0.5 if self.causal else 1.0)
+
+
+# The table step_backend="auto" reads, in this checkout's source tree (never the copy an
+# installed package holds): the run's measured choice goes there, to be committed.
+SOURCE_STEP_BACKEND_TABLE = str(
+    Path(__file__).resolve().parent.parent / "seqpar_kernels" / "engine" / "step_backends.json"
+)
 
 
 def step_cases(ctx: Context) -> list[StepCase]:
@@ -367,8 +375,7 @@ def run(ctx: Context) -> list[Row]:
         backend, summary = choose_step_backend(BACKEND_TIMES)
         ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
         if backend is not None:
-            record_measured_step_backend(
-                family, backend, f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
-            )  # fmt: skip
-            ctx.log(f'step_backend="auto" on {family}: {backend} (seqpar_kernels/parallel/step_backends.json)')
+            basis = f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
+            record_measured_step_backend(family, backend, basis, SOURCE_STEP_BACKEND_TABLE)
+            ctx.log(f'step_backend="auto" on {family}: {backend} ({SOURCE_STEP_BACKEND_TABLE})')
     return rows

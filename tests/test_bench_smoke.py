@@ -325,6 +325,17 @@ def test_step_bench_records_the_faster_backend_only_when_both_are_right():
     assert backend is None and "aten ring-step-bwd" in summary
 
 
+def test_step_bench_writes_the_table_of_the_source_tree():
+    # Never an installed package's copy: the measured entry is to be committed.
+    import os
+
+    from bench.bench_ring_step import SOURCE_STEP_BACKEND_TABLE
+
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert SOURCE_STEP_BACKEND_TABLE == os.path.join(repository, "seqpar_kernels", "engine", "step_backends.json")
+    assert os.path.exists(SOURCE_STEP_BACKEND_TABLE)
+
+
 def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
     # GPU rows cannot be measured here; the plot of a GPU run is drawn from made-up ones.
     from bench.plot import plot_results

@@ -265,12 +265,12 @@ def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
     monkeypatch.setattr(step_backends, "STEP_BACKEND_TABLE", str(table))
     step_backends.step_backend_table.cache_clear()
     try:
-        step_backends.record_measured_step_backend("sm_90", "triton", "measured on a test GPU")
+        step_backends.record_measured_step_backend("sm_90", "triton", "measured on a test GPU", str(table))
         families = step_backends.step_backend_table()
         assert families["sm_90"] == {"backend": "triton", "measured": True, "basis": "measured on a test GPU"}
         assert families["sm_80"]["measured"] is False  # the others untouched
         with pytest.raises(AssertionError):
-            step_backends.record_measured_step_backend("sm_90", "auto", "")
+            step_backends.record_measured_step_backend("sm_90", "auto", "", str(table))
     finally:
         step_backends.step_backend_table.cache_clear()
 

@@ -1,4 +1,5 @@
-"""Dynamic Sequence Parallelism (DSP, arXiv:2403.10266) on a small video-DiT-like model.
+"""Dynamic Sequence Parallelism (DSP, arXiv:2403.10266) on a small video-DiT-like model
+(one file, over 500 lines: an example a reader runs and reads whole).
 
 The model is a spatial-temporal transformer on latent videos x of shape
 (B, T, S, C): batch, frames, patches per frame, channels. Each layer is a pair of

@@ -1,5 +1,6 @@
 """ring_attention's accuracy on 1-4 gloo ranks (seqpar_kernels/parallel/ring.py, the ring
-driver in seqpar_kernels/parallel/ring_driver.py).
+driver in seqpar_kernels/engine/ring_driver.py; one file, over 500 lines: the case table
+the other ring tests reuse lives here).
 
 Every rank builds the same full q/k/v/dout (B, N, H, D) from a fixed seed, takes its
 piece in the layout under test (contiguous: rows [r*S, (r+1)*S); zigzag: chunks r and

@@ -1,4 +1,5 @@
-"""USP (seqpar_kernels/parallel/usp.py) on gloo grids of ranks: usp_attention against
+"""USP (seqpar_kernels/parallel/usp.py) on gloo grids of ranks (one file, over 500 lines:
+every check shares the grids and their rank pools): usp_attention against
 fp64 attention, degree 1 against ulysses_attention and ring_attention bit for bit, the
 bytes against the per-group formulas, torch.compile, the layouts of usp_split and
 usp_gather, make_usp_groups, and bad inputs on every rank (the README's example: tests/test_readme_example.py).

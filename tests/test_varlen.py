@@ -1,4 +1,5 @@
-"""Packed variable-length sequences (seqpar_kernels/parallel/varlen.py): varlen_plan's
+"""Packed variable-length sequences (seqpar_kernels/parallel/varlen.py; one file, over
+500 lines: the plan and every op with varlen= share the document mixes and cases): varlen_plan's
 layouts, split/gather, position_ids and balance, and ring_attention, ulysses_attention
 and usp_attention with varlen=plan on gloo ranks (world 1-4 and 2x2 grids) against
 per-document attention in one process by the accuracy rule of tools/reference.py,

@@ -1,5 +1,9 @@
 """Compile Triton kernels ahead of time for a GPU that is not here, and read the SASS.
 
+One tool in one file (over 500 lines): the compile, the SASS reading, the record and the
+table share the launch descriptions and the compile key (its source up to the record
+section).
+
 Triton normally compiles a kernel at its first launch, on the GPU that runs it.
 Its compiler needs no GPU, though: given a target (``GPUTarget("cuda", 90, 32)``
 for an H100) it produces the cubin a launch would, and the cubin records the

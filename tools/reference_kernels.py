@@ -1,4 +1,5 @@
-"""A plain FlashAttention-2 in Triton: the yardstick of the ahead-of-time report.
+"""A plain FlashAttention-2 in Triton: the yardstick of the ahead-of-time report (over
+500 lines: one reference kernel beside each of the three step kernels).
 
 ``python -m tools.ahead_of_time`` compiles these kernels with
 the tiles, warps, stages, dtype and head dim of every step launch (forward, dq,

@@ -1,5 +1,8 @@
 """Triton kernels of one ring-attention step (the @triton.jit functions only).
 
+One file for all of them (over 500 lines): the three kernels share their sweep and
+load helpers, and Triton keys each compiled kernel on the source of what it calls.
+
 In ring attention every rank keeps its own query block and sees the key/value
 blocks of all ranks one after another.  Each arrival is one *step*: attention of
 the local queries against the visiting K/V block, folded into a running result.

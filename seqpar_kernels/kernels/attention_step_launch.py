@@ -1,4 +1,5 @@
-"""Launchers of the ring-attention step kernels.
+"""Launchers of the ring-attention step kernels (one file, over 500 lines: each launcher
+with the argument list of its kernel, which the ahead-of-time compile reuses).
 
     attention_step_forward         fold one K/V block into the running fp32 (out, lse)
     attention_backward_preprocess  delta = rowsum(dout * out), once per backward

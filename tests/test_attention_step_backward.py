@@ -4,15 +4,10 @@ launched apart, the dk/dv split of a GQA group's q heads, and every CUDA tile, s
 and load path run in the interpreter.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
+# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from step_kernel_cases import (  # noqa: E402
     DEVICE,

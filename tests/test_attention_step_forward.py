@@ -3,15 +3,10 @@ fp64 reference, steps merged in place, the first step over garbage state, any fi
 scale, large logits, rows that see no key.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
+# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from step_kernel_cases import (  # noqa: E402
     DEVICE,

@@ -3,15 +3,10 @@ the dense document mask, forward and backward, every CUDA tile in the interprete
 precision, and no read outside the intervals' span.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
+# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from step_kernel_cases import (  # noqa: E402
     DEVICE,

@@ -2,17 +2,12 @@
 checks before it launches the step kernels (check_launchable).
 """
 
-import os
+import re
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import re  # noqa: E402
-
-import pytest  # noqa: E402
-
+# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from step_kernel_cases import (  # noqa: E402
     DEVICE,

@@ -7,9 +7,12 @@ Without CUDA the Triton kernels run in the interpreter on CPU tensors
 (TRITON_INTERPRET=1 must be set before triton is imported: conftest.py sets it).
 """
 
+import pytest
 import torch
 
-from seqpar_kernels.kernels import attention_step_launch as launchers
+# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
+pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
+from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
 
 MASK_FULL, MASK_CAUSAL, MASK_INTERVALS = launchers.MASK_FULL, launchers.MASK_CAUSAL, launchers.MASK_INTERVALS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

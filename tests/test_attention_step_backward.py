@@ -5,39 +5,19 @@ and load path run in the interpreter.
 """
 
 import pytest
+import step_kernel_cases as cases
 import torch
+from step_kernel_cases import DEVICE, DOC_LENS, MASK_CAUSAL, MASK_FULL, MASK_INTERVALS
+from triton_interpreter import runs_triton_on
 
-# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
-pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from step_kernel_cases import (  # noqa: E402
-    DEVICE,
-    DOC_LENS,
-    MASK_CAUSAL,
-    MASK_FULL,
-    MASK_INTERVALS,
-    causal_keep,
-    check_bf16_step,
-    check_intervals,
-    check_steps_forward_and_backward,
-    document_intervals,
-    fresh_state,
-    randn,
-    reference_attention,
-    ring_blocks,
-    run_steps,
-    torch_attention_in_dtype,
-    zeros,
-)
-from triton_interpreter import runs_triton_on  # noqa: E402
-
-from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
-from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
+from seqpar_kernels.kernels import attention_step_launch as launchers
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles
 
 
 def test_backward_preprocess():
     torch.manual_seed(7)
-    out = randn(2, 3, 17, 80).transpose(1, 2)  # (b, sq, h, d), non-contiguous
-    dout = randn(2, 17, 3, 80, dtype=torch.bfloat16)
+    out = cases.randn(2, 3, 17, 80).transpose(1, 2)  # (b, sq, h, d), non-contiguous
+    dout = cases.randn(2, 17, 3, 80, dtype=torch.bfloat16)
     delta = launchers.attention_backward_preprocess(out, dout)
     assert delta.shape == (2, 3, 17) and delta.dtype == torch.float32
     want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
@@ -57,7 +37,7 @@ def test_backward_preprocess():
 )
 def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
     torch.manual_seed(8)
-    check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
+    cases.check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
 
 
 @runs_triton_on(DEVICE)
@@ -68,7 +48,7 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
     # partial tiles at both ends of the sweep, and (for the small tiles) several.
     monkeypatch.setattr(step_tiles, "_INTERPRETER_TILES", tiles)
     torch.manual_seed(10)
-    check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
+    cases.check_steps_forward_and_backward(h=2, hk=1, d=80, full_lens=[150], b=1, sq=70)
 
 
 @runs_triton_on(DEVICE)
@@ -92,11 +72,11 @@ def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
         "SPLIT_SWEEP"
     ]
     torch.manual_seed(12)
-    check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
+    cases.check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
     # bf16, whose dk/dv splits too: a causal diagonal of 45 rows and a full block
     # of 70 keys, partial tiles at both ends.
-    check_bf16_step(MASK_CAUSAL, sq=45, sk=45)
-    check_bf16_step(MASK_FULL, sq=45, sk=70)
+    cases.check_bf16_step(MASK_CAUSAL, sq=45, sk=45)
+    cases.check_bf16_step(MASK_FULL, sq=45, sk=70)
 
 
 @runs_triton_on(DEVICE)
@@ -120,12 +100,12 @@ def test_tensor_descriptor_loads(monkeypatch, case):
         ].constexprs["TENSOR_DESCRIPTORS"]
     if case == "steps":
         torch.manual_seed(16)
-        check_steps_forward_and_backward(h=4, hk=2, d=80, full_lens=[9, 70], b=1, sq=45)
+        cases.check_steps_forward_and_backward(h=4, hk=2, d=80, full_lens=[9, 70], b=1, sq=45)
     elif case == "intervals":
-        check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=25)
+        cases.check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=25)
     else:
         torch.manual_seed(17)
-        check_bf16_step(MASK_CAUSAL, sq=33, sk=33)
+        cases.check_bf16_step(MASK_CAUSAL, sq=33, sk=33)
 
 
 @runs_triton_on(DEVICE)
@@ -134,17 +114,17 @@ def test_backward_bf16_single_causal_step():
     # as in flash-attention): check against the fp64 reference loosely.
     torch.manual_seed(9)
     b, sq, h, hk, d = 1, 17, 4, 2, 64
-    q, k, v = (randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
+    q, k, v = (cases.randn(b, sq, n, d, dtype=torch.bfloat16) for n in (h, hk, hk))
     scale = d**-0.5
-    out, lse = fresh_state(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
-    dout = randn(b, sq, h, d, dtype=torch.bfloat16)
-    dq, dk, dv = zeros(b, sq, h, d), zeros(b, sq, hk, d), zeros(b, sq, hk, d)
+    dout = cases.randn(b, sq, h, d, dtype=torch.bfloat16)
+    dq, dk, dv = cases.zeros(b, sq, h, d), cases.zeros(b, sq, hk, d), cases.zeros(b, sq, hk, d)
     launchers.attention_step_backward(
         q, k, v, out, dout, lse, None, dq, dk, dv, softmax_scale=scale, mask_mode=MASK_CAUSAL
     )
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, _ = reference_attention(qr, kr, vr, scale, causal_keep(sq, sq))
+    ref_out, _ = cases.reference_attention(qr, kr, vr, scale, cases.causal_keep(sq, sq))
     ref_out.backward(dout.double())
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         err = (got.double() - want).abs().max().item()
@@ -162,15 +142,15 @@ def test_backward_dq_and_dkdv_launch_separately(monkeypatch, mode):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     torch.manual_seed(13)
     b, sq, h, hk, d = 2, 40, 4, 2, 64
-    q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
-    k, v = randn(b, sq, hk, d), randn(b, sq, hk, d)
+    q, dout = cases.randn(b, sq, h, d), cases.randn(b, sq, h, d)
+    k, v = cases.randn(b, sq, hk, d), cases.randn(b, sq, hk, d)
     intervals = None
     if mode == MASK_INTERVALS:
-        intervals, _ = document_intervals(torch.arange(80, 120), torch.arange(40, 80) + 40, DOC_LENS, causal=True)
-    out, lse = fresh_state(b, sq, h, d)
+        intervals, _ = cases.document_intervals(torch.arange(80, 120), torch.arange(40, 80) + 40, DOC_LENS, causal=True)
+    out, lse = cases.fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=mode, intervals=intervals)
     delta = launchers.attention_backward_preprocess(out, dout)
-    grads0 = [randn(b, sq, h, d), randn(b, sq, hk, d), randn(b, sq, hk, d)]
+    grads0 = [cases.randn(b, sq, h, d), cases.randn(b, sq, hk, d), cases.randn(b, sq, hk, d)]
     both = [g.clone() for g in grads0]
     launchers.attention_step_backward(
         q, k, v, out, dout, lse, delta, *both, softmax_scale=0.125, mask_mode=mode, intervals=intervals
@@ -209,18 +189,18 @@ def test_dkdv_with_the_group_heads_split(monkeypatch, mode):
     # keeps one program per k tile.
     torch.manual_seed(18)
     b, sq, h, hk, d = 1, 40, 5, 1, 64
-    q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
-    k, v = randn(b, sq, hk, d), randn(b, sq, hk, d)
+    q, dout = cases.randn(b, sq, h, d), cases.randn(b, sq, h, d)
+    k, v = cases.randn(b, sq, hk, d), cases.randn(b, sq, hk, d)
     intervals = None
     if mode == MASK_INTERVALS:
-        intervals, _ = document_intervals(torch.arange(80, 120), torch.arange(80, 120), DOC_LENS, causal=True)
-    out, lse = fresh_state(b, sq, h, d)
+        intervals, _ = cases.document_intervals(torch.arange(80, 120), torch.arange(80, 120), DOC_LENS, causal=True)
+    out, lse = cases.fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=mode, intervals=intervals)
     delta = launchers.attention_backward_preprocess(out, dout)
     target = step_tiles.cuda_target(q)
     results = {}
     for split in (False, True):
-        dk, dv = randn(b, sq, hk, d), randn(b, sq, hk, d)
+        dk, dv = cases.randn(b, sq, hk, d), cases.randn(b, sq, hk, d)
         start = (dk.clone(), dv.clone())
         launch, grid, args = launchers._backward_call(
             "dkdv",
@@ -275,18 +255,18 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     torch.manual_seed(11)
     b, sq, h, hk = 1, 333, 4, 2
     full_lens = [700, 260]
-    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens, dtype=dtype)
-    q = randn(b, sq, h, d, dtype=dtype)
-    dout = randn(b, sq, h, d, dtype=dtype)
+    steps, k_all, v_all, keep = cases.ring_blocks(b, sq, hk, d, full_lens, dtype=dtype)
+    q = cases.randn(b, sq, h, d, dtype=dtype)
+    dout = cases.randn(b, sq, h, d, dtype=dtype)
     scale = d**-0.5
-    dq = zeros(b, sq, h, d)
-    out, lse, dk_all, dv_all = run_steps(q, steps, k_all, full_lens, dout, dq, scale)
+    dq = cases.zeros(b, sq, h, d)
+    out, lse, dk_all, dv_all = cases.run_steps(q, steps, k_all, full_lens, dout, dq, scale)
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
-    exact, exact_lse = reference_attention(qr, kr, vr, scale, keep)
+    exact, exact_lse = cases.reference_attention(qr, kr, vr, scale, keep)
     exact.backward(dout.double())
     qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k_all, v_all))
-    plain = torch_attention_in_dtype(qp, kp, vp, scale, keep)
+    plain = cases.torch_attention_in_dtype(qp, kp, vp, scale, keep)
     plain.backward(dout)
     slack = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
     torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3 if dtype != torch.float32 else 2e-5, rtol=0)

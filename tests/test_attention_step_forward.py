@@ -4,30 +4,13 @@ scale, large logits, rows that see no key.
 """
 
 import pytest
+import step_kernel_cases as cases
 import torch
+from step_kernel_cases import DEVICE, DOC_LENS, MASK_CAUSAL, MASK_FULL, MASK_INTERVALS
+from triton_interpreter import runs_triton_on
 
-# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
-pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from step_kernel_cases import (  # noqa: E402
-    DEVICE,
-    DOC_LENS,
-    MASK_CAUSAL,
-    MASK_FULL,
-    MASK_INTERVALS,
-    assert_low_precision_accuracy,
-    causal_keep,
-    document_intervals,
-    fresh_state,
-    randn,
-    reference_attention,
-    ring_blocks,
-    run_steps,
-    zeros,
-)
-from triton_interpreter import runs_triton_on  # noqa: E402
-
-from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
-from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
+from seqpar_kernels.kernels import attention_step_launch as launchers
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles
 
 
 @runs_triton_on(DEVICE)
@@ -46,17 +29,17 @@ def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
     b = 2
     if q_transposed:
         # (b, h, sq, d) storage viewed as (b, sq, h, d): non-contiguous q.
-        q = randn(b, h, sq, d).transpose(1, 2)
+        q = cases.randn(b, h, sq, d).transpose(1, 2)
         assert not q.is_contiguous()
     else:
-        q = randn(b, sq, h, d)
-    k, v = randn(b, sk, hk, d), randn(b, sk, hk, d)
+        q = cases.randn(b, sq, h, d)
+    k, v = cases.randn(b, sk, hk, d), cases.randn(b, sk, hk, d)
     scale = d**-0.5
-    out, lse = fresh_state(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, d)
     ret = launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     assert ret[0] is out and ret[1] is lse
-    keep = causal_keep(sq, sk) if mode == MASK_CAUSAL else None
-    ref_out, ref_lse = reference_attention(q, k, v, scale, keep)
+    keep = cases.causal_keep(sq, sk) if mode == MASK_CAUSAL else None
+    ref_out, ref_lse = cases.reference_attention(q, k, v, scale, keep)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
@@ -73,20 +56,24 @@ def test_forward_single_step_fp32(h, hk, d, mode, sq, sk, q_transposed):
 def test_forward_single_step_low_precision(dtype, h, hk, d, mode, sq, sk):
     torch.manual_seed(1)
     b = 1
-    q, k, v = randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype)
+    q, k, v = (
+        cases.randn(b, sq, h, d, dtype=dtype),
+        cases.randn(b, sk, hk, d, dtype=dtype),
+        cases.randn(b, sk, hk, d, dtype=dtype),
+    )
     scale = d**-0.5
-    keep = causal_keep(sq, sk) if mode == MASK_CAUSAL else None
-    out, lse = fresh_state(b, sq, h, d)
+    keep = cases.causal_keep(sq, sk) if mode == MASK_CAUSAL else None
+    out, lse = cases.fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse)
+    cases.assert_low_precision_accuracy(q, k, v, scale, keep, out, lse)
 
 
 @runs_triton_on(DEVICE)
 def test_forward_merge_three_steps_matches_full_attention():
     torch.manual_seed(2)
     b, sq, h, hk, d = 2, 17, 4, 2, 64
-    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=[9, 23])
-    q = randn(b, sq, h, d)
+    steps, k_all, v_all, keep = cases.ring_blocks(b, sq, hk, d, full_lens=[9, 23])
+    q = cases.randn(b, sq, h, d)
     scale = d**-0.5
     # Non-contiguous running state: out stored head-major, lse stored (b, sq, h).
     out = torch.zeros(b, h, sq, d, device=DEVICE).transpose(1, 2)
@@ -94,7 +81,7 @@ def test_forward_merge_three_steps_matches_full_attention():
     assert not out.is_contiguous() and not lse.is_contiguous()
     for k, v, mode in steps:
         launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
-    ref_out, ref_lse = reference_attention(q, k_all, v_all, scale, keep)
+    ref_out, ref_lse = cases.reference_attention(q, k_all, v_all, scale, keep)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
@@ -105,9 +92,9 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
     # out holds NaN garbage (torch.empty-like): lse = -inf must make it ignored.
     torch.manual_seed(3)
     b, sq, h, hk, d = 2, 5, 4, 2, 80
-    q = randn(b, sq, h, d)
-    big_k = randn(b, 11, hk, 2 * d)
-    big_v = randn(hk, b, 11, d).permute(1, 2, 0, 3)
+    q = cases.randn(b, sq, h, d)
+    big_k = cases.randn(b, 11, hk, 2 * d)
+    big_v = cases.randn(hk, b, 11, d).permute(1, 2, 0, 3)
     k1, v1 = big_k[:, :6, :, ::2], big_v[:, :6]
     k2, v2 = big_k[:, 6:, :, ::2], big_v[:, 6:]
     assert k1.stride(-1) == 2 and not v1.is_contiguous()
@@ -116,7 +103,7 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
     lse = torch.full((b, h, sq), float("-inf"), device=DEVICE)
     launchers.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
     launchers.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
-    ref_out, ref_lse = reference_attention(q, big_k[..., ::2], big_v, scale)
+    ref_out, ref_lse = cases.reference_attention(q, big_k[..., ::2], big_v, scale)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
@@ -130,20 +117,20 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
     # following steps merge into the state the first one wrote.
     torch.manual_seed(14)
     b, sq, h, hk, d = 2, 40, 4, 2, 64
-    q = randn(b, sq, h, d)
+    q = cases.randn(b, sq, h, d)
     scale = d**-0.5
     if mode == MASK_INTERVALS:
         k_positions = [torch.arange(40, 80), torch.arange(80, 120)]
         steps = []
         for k_pos in k_positions:
-            intervals, keep = document_intervals(torch.arange(80, 120), k_pos, DOC_LENS, causal=True)
-            steps.append((randn(b, 40, hk, d), randn(b, 40, hk, d), MASK_INTERVALS, intervals, keep))
+            intervals, keep = cases.document_intervals(torch.arange(80, 120), k_pos, DOC_LENS, causal=True)
+            steps.append((cases.randn(b, 40, hk, d), cases.randn(b, 40, hk, d), MASK_INTERVALS, intervals, keep))
         assert not steps[0][4][16:32].any() and steps[0][4].any()
     else:
         steps = [
-            (randn(b, n, hk, d), randn(b, n, hk, d), step_mode, None, keep)
+            (cases.randn(b, n, hk, d), cases.randn(b, n, hk, d), step_mode, None, keep)
             for n, step_mode, keep in (
-                (sq, mode, causal_keep(sq, sq) if mode == MASK_CAUSAL else None),
+                (sq, mode, cases.causal_keep(sq, sq) if mode == MASK_CAUSAL else None),
                 (23, MASK_FULL, None),
             )
         ]
@@ -154,7 +141,7 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
             q, k, v, out, lse, softmax_scale=scale, mask_mode=step_mode, intervals=intervals, first_step=index == 0
         )
         if index == 0:
-            ref_out, ref_lse = reference_attention(q, k, v, scale, keep)
+            ref_out, ref_lse = cases.reference_attention(q, k, v, scale, keep)
             torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
             torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
     keep_all = None
@@ -166,7 +153,7 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
             ],
             dim=1,
         )
-    ref_out, ref_lse = reference_attention(
+    ref_out, ref_lse = cases.reference_attention(
         q, torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1), scale, keep_all
     )
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
@@ -181,12 +168,12 @@ def test_steps_take_any_finite_scale(scale):
     # causal diagonal block and a full block, against fp64 autograd.
     torch.manual_seed(15)
     b, sq, h, hk, d = 1, 40, 2, 1, 64
-    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=[37])
-    q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
-    dq = zeros(b, sq, h, d)
-    out, lse, dk_all, dv_all = run_steps(q, steps, k_all, [37], dout, dq, scale)
+    steps, k_all, v_all, keep = cases.ring_blocks(b, sq, hk, d, full_lens=[37])
+    q, dout = cases.randn(b, sq, h, d), cases.randn(b, sq, h, d)
+    dq = cases.zeros(b, sq, h, d)
+    out, lse, dk_all, dv_all = cases.run_steps(q, steps, k_all, [37], dout, dq, scale)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
-    ref_out, ref_lse = reference_attention(qr, kr, vr, scale, keep)
+    ref_out, ref_lse = cases.reference_attention(qr, kr, vr, scale, keep)
     ref_out.backward(dout.double())
     torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=0)
@@ -200,14 +187,14 @@ def test_forward_large_logits(dtype):
     # q scaled by 40: logits of several hundred; naive exp would overflow.
     torch.manual_seed(4)
     b, sq, h, hk, d = 1, 17, 2, 1, 64
-    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=[20], dtype=dtype)
-    q = (randn(b, sq, h, d) * 40).to(dtype)
+    steps, k_all, v_all, keep = cases.ring_blocks(b, sq, hk, d, full_lens=[20], dtype=dtype)
+    q = (cases.randn(b, sq, h, d) * 40).to(dtype)
     scale = d**-0.5
-    out, lse = fresh_state(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, d)
     for k, v, mode in steps:
         launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    ref_out, ref_lse = reference_attention(q, k_all, v_all, scale, keep)
+    ref_out, ref_lse = cases.reference_attention(q, k_all, v_all, scale, keep)
     assert ref_lse.abs().max() > 100  # the logits really are large
     out_atol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref_out, atol=out_atol, rtol=0)
@@ -218,9 +205,9 @@ def test_forward_large_logits(dtype):
 def test_fully_masked_rows_stay_untouched():
     torch.manual_seed(5)
     b, sq, h, hk, d = 1, 17, 2, 2, 64
-    q = randn(b, sq, h, d)
-    out, lse = fresh_state(b, sq, h, d)
-    empty = randn(b, 0, hk, d)
+    q = cases.randn(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, d)
+    empty = cases.randn(b, 0, hk, d)
 
     # Zero steps / an empty K/V block: initial state, no NaN.
     launchers.attention_step_forward(q, empty, empty, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
@@ -230,10 +217,10 @@ def test_fully_masked_rows_stay_untouched():
     # Inside the kernel: with seqlen_k = 0 no row sees a key, so nothing may be
     # written (launched directly: the launcher short-cuts empty blocks), and the
     # first step's kernel writes the state of no key over any garbage.
-    k, v = randn(b, 8, hk, d), randn(b, 8, hk, d)
+    k, v = cases.randn(b, 8, hk, d), cases.randn(b, 8, hk, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_FULL)
     out_before, lse_before = out.clone(), lse.clone()
-    fresh_out, fresh_lse = fresh_state(b, sq, h, d)
+    fresh_out, fresh_lse = cases.fresh_state(b, sq, h, d)
     nan_out, nan_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
     for running_out, running_lse, first_step in (
         (out, lse, False),
@@ -269,16 +256,16 @@ def test_fully_masked_rows_stay_untouched():
 def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     torch.manual_seed(6)
     b, sq, h, hk, d = 1, 17, 2, 1, 64
-    q, k, v = randn(b, sq, h, d), randn(b, sq, hk, d), randn(b, sq, hk, d)
+    q, k, v = cases.randn(b, sq, h, d), cases.randn(b, sq, hk, d), cases.randn(b, sq, hk, d)
     scale = d**-0.5
-    out, lse = fresh_state(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, d)
     launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL)
-    dout = randn(b, sq, h, d)
+    dout = cases.randn(b, sq, h, d)
     rows = [0, 5, 16]
     lse_masked = lse.clone()
     lse_masked[:, :, rows] = float("-inf")  # as if these rows saw no key at all
     delta = launchers.attention_backward_preprocess(out, dout)
-    grads = [zeros(b, sq, h, d), zeros(b, sq, hk, d), zeros(b, sq, hk, d)]
+    grads = [cases.zeros(b, sq, h, d), cases.zeros(b, sq, hk, d), cases.zeros(b, sq, hk, d)]
     launchers.attention_step_backward(
         q, k, v, out, dout, lse_masked, delta, *grads, softmax_scale=scale, mask_mode=MASK_CAUSAL
     )
@@ -290,7 +277,7 @@ def test_backward_rows_with_neg_inf_lse_get_zero_gradient():
     dout0, delta0 = dout.clone(), delta.clone()
     dout0[:, rows] = 0
     delta0[:, :, rows] = 0
-    want = [zeros(b, sq, h, d), zeros(b, sq, hk, d), zeros(b, sq, hk, d)]
+    want = [cases.zeros(b, sq, h, d), cases.zeros(b, sq, hk, d), cases.zeros(b, sq, hk, d)]
     launchers.attention_step_backward(
         q, k, v, out, dout0, lse, delta0, *want, softmax_scale=scale, mask_mode=MASK_CAUSAL
     )

@@ -4,26 +4,13 @@ precision, and no read outside the intervals' span.
 """
 
 import pytest
+import step_kernel_cases as cases
 import torch
+from step_kernel_cases import DEVICE, DOC_LENS, MASK_FULL, MASK_INTERVALS
+from triton_interpreter import runs_triton_on
 
-# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
-pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from step_kernel_cases import (  # noqa: E402
-    DEVICE,
-    DOC_LENS,
-    MASK_FULL,
-    MASK_INTERVALS,
-    assert_low_precision_accuracy,
-    check_intervals,
-    document_intervals,
-    interval_steps,
-    randn,
-    reference_attention,
-)
-from triton_interpreter import runs_triton_on  # noqa: E402
-
-from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
-from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
+from seqpar_kernels.kernels import attention_step_launch as launchers
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles
 
 
 @runs_triton_on(DEVICE)
@@ -37,7 +24,7 @@ from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E
     ],
 )
 def test_intervals_match_the_dense_document_mask(h, hk, d, causal, layout):
-    check_intervals(h, hk, d, causal, layout, b=2, seed=20)
+    cases.check_intervals(h, hk, d, causal, layout, b=2, seed=20)
 
 
 @runs_triton_on(DEVICE)
@@ -45,7 +32,7 @@ def test_intervals_match_the_dense_document_mask(h, hk, d, causal, layout):
 @pytest.mark.parametrize("tiles", step_tiles.all_cuda_tiles(), ids=lambda tiles: "x".join(map(str, tiles)))
 def test_cuda_tiles_compute_the_intervals_in_the_interpreter(monkeypatch, tiles):
     monkeypatch.setattr(step_tiles, "_INTERPRETER_TILES", tiles)
-    check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=24)
+    cases.check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=24)
 
 
 @runs_triton_on(DEVICE)
@@ -53,23 +40,23 @@ def test_an_all_empty_interval_step_leaves_the_state_untouched():
     torch.manual_seed(21)
     b, h, hk, d = 1, 2, 1, 64
     q_pos, k_pos = torch.arange(80, 120), torch.arange(120, 160)
-    intervals, keep = document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
+    intervals, keep = cases.document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
     assert not keep.any()
-    q, k, v = randn(b, 40, h, d), randn(b, 40, hk, d), randn(b, 40, hk, d)
-    out, lse = randn(b, 40, h, d), randn(b, h, 40)
+    q, k, v = cases.randn(b, 40, h, d), cases.randn(b, 40, hk, d), cases.randn(b, 40, hk, d)
+    out, lse = cases.randn(b, 40, h, d), cases.randn(b, h, 40)
     out0, lse0 = out.clone(), lse.clone()
     launchers.attention_step_forward(
         q, k, v, out, lse, softmax_scale=0.125, mask_mode=MASK_INTERVALS, intervals=intervals
     )
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    dq, dk, dv = randn(b, 40, h, d), randn(b, 40, hk, d), randn(b, 40, hk, d)
+    dq, dk, dv = cases.randn(b, 40, h, d), cases.randn(b, 40, hk, d), cases.randn(b, 40, hk, d)
     grads0 = [g.clone() for g in (dq, dk, dv)]
     launchers.attention_step_backward(
         q,
         k,
         v,
         out,
-        randn(b, 40, h, d),
+        cases.randn(b, 40, h, d),
         lse,
         None,
         dq,
@@ -92,12 +79,12 @@ def test_intervals_low_precision(dtype):
     torch.manual_seed(22)
     b, h, hk, d = 1, 4, 2, 64
     q_pos, k_pos = torch.arange(80, 120), torch.arange(40, 120)
-    intervals, keep = document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
-    q, dout = randn(b, 40, h, d, dtype=dtype), randn(b, 40, h, d, dtype=dtype)
-    k, v = randn(b, 80, hk, d, dtype=dtype), randn(b, 80, hk, d, dtype=dtype)
+    intervals, keep = cases.document_intervals(q_pos, k_pos, DOC_LENS, causal=True)
+    q, dout = cases.randn(b, 40, h, d, dtype=dtype), cases.randn(b, 40, h, d, dtype=dtype)
+    k, v = cases.randn(b, 80, hk, d, dtype=dtype), cases.randn(b, 80, hk, d, dtype=dtype)
     scale = d**-0.5
-    _, (out, lse), dq, [(dk, dv)] = interval_steps(q, dout, [(k, v, intervals)], scale)
-    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
+    _, (out, lse), dq, [(dk, dv)] = cases.interval_steps(q, dout, [(k, v, intervals)], scale)
+    cases.assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
 
 
 @runs_triton_on(DEVICE)
@@ -116,12 +103,12 @@ def test_intervals_read_no_rows_outside_their_span(causal, garbage):
     b, h, hk, d = 1, 2, 1, 64
     doc_lens = [140, 10, 10, 140, 100]
     q_pos, k_pos = torch.arange(140, 180), torch.cat([torch.arange(100, 160), torch.arange(300, 368)])
-    intervals, keep = document_intervals(q_pos, k_pos, doc_lens, causal)
+    intervals, keep = cases.document_intervals(q_pos, k_pos, doc_lens, causal)
     seen_rows, seen_keys = keep.any(dim=1).cpu(), keep.any(dim=0).cpu()
     assert torch.equal(seen_rows.nonzero().flatten(), torch.arange(20))
     assert torch.equal(seen_keys.nonzero().flatten(), torch.arange(40, 60))
-    q, dout = randn(b, 40, h, d), randn(b, 40, h, d)
-    k, v = randn(b, 128, hk, d), randn(b, 128, hk, d)
+    q, dout = cases.randn(b, 40, h, d), cases.randn(b, 40, h, d)
+    k, v = cases.randn(b, 128, hk, d), cases.randn(b, 128, hk, d)
     scale = d**-0.5
 
     def run(fill):
@@ -130,7 +117,7 @@ def test_intervals_read_no_rows_outside_their_span(causal, garbage):
             k_[:, ~seen_keys], v_[:, ~seen_keys] = fill, fill
         else:
             q_[:, ~seen_rows], dout_[:, ~seen_rows] = fill, fill
-        _, (out, lse), dq, [(dk, dv)] = interval_steps(q_, dout_, [(k_, v_, intervals)], scale)
+        _, (out, lse), dq, [(dk, dv)] = cases.interval_steps(q_, dout_, [(k_, v_, intervals)], scale)
         return out, lse, dq, dk, dv
 
     with_nan, with_zero = run(float("nan")), run(0.0)
@@ -149,7 +136,7 @@ def test_intervals_read_no_rows_outside_their_span(causal, garbage):
         if name != "lse":  # whose rows without a key hold -inf
             assert torch.isfinite(got[index]).all(), name
     # And the result is the attention of the documents.
-    ref_out, ref_lse = reference_attention(q, k, v, scale, keep)
+    ref_out, ref_lse = cases.reference_attention(q, k, v, scale, keep)
     torch.testing.assert_close(with_nan[0].double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(with_nan[1].double(), ref_lse, atol=2e-5, rtol=0)
 

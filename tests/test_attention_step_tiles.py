@@ -5,31 +5,25 @@ checks before it launches the step kernels (check_launchable).
 import re
 
 import pytest
+import step_kernel_cases as cases
 import torch
+from step_kernel_cases import DEVICE
 
-# conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
-pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
-from step_kernel_cases import (  # noqa: E402
-    DEVICE,
-    cuda_stand_in,
-    properties,
-)
-
-from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
-from seqpar_kernels.parallel.attention_checks import check_launchable  # noqa: E402
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles
+from seqpar_kernels.parallel.attention_checks import check_launchable
 
 
 def test_device_target_reads_the_shared_memory(monkeypatch):
     target_of = step_tiles._device_target.__wrapped__  # the uncached function: no real device is asked
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda index: properties(9, 0, shared_memory_per_block_optin=232448)
+        torch.cuda, "get_device_properties", lambda index: cases.properties(9, 0, shared_memory_per_block_optin=232448)
     )
     assert target_of(0) == step_tiles.GpuTarget(90, 232448)
     # A torch without shared_memory_per_block_optin: the table, and the smallest
     # size on record for a capability the table does not know.
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties(12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: cases.properties(12, 0))
     assert target_of(0) == step_tiles.GpuTarget(120, 101376)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties(11, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: cases.properties(11, 0))
     assert target_of(0) == step_tiles.GpuTarget(110, 101376)
 
 
@@ -57,15 +51,15 @@ def test_tiles_follow_the_target_family():
 
 
 def test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties(7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: cases.properties(7, 5))
     with pytest.raises(ValueError, match=r"sm_75 \(q \(2, 16, 4, 64\)\)"):
-        check_launchable(cuda_stand_in((2, 16, 4, 64)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties(8, 0))
-    check_launchable(cuda_stand_in((2, 16, 4, 64)))
-    check_launchable(cuda_stand_in((65535, 1, 65535, 8)))
+        check_launchable(cases.cuda_stand_in((2, 16, 4, 64)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: cases.properties(8, 0))
+    check_launchable(cases.cuda_stand_in((2, 16, 4, 64)))
+    check_launchable(cases.cuda_stand_in((65535, 1, 65535, 8)))
     for shape in ((65536, 1, 4, 8), (1, 1, 65536, 8)):
         with pytest.raises(ValueError, match=re.escape(f"got q shape {shape}")):
-            check_launchable(cuda_stand_in(shape))
+            check_launchable(cases.cuda_stand_in(shape))
 
 
 def test_check_launchable_passes_cpu_tensors_without_asking_for_a_gpu(monkeypatch):

@@ -144,6 +144,8 @@ def _short_total(world_size):
 
 # Local lengths (S) are per rank and the full sequence S x P, unless "lengths" (every
 # rank's, contiguous) or "total" (the full length, zigzag) says otherwise.
+# A table: one case a line.
+# fmt: off
 CASE_GROUPS = {
     "mha": [
         _case("contig-full", H=4, H_kv=4, D=64, S=8, causal=False, layout="contiguous", B=2),
@@ -167,51 +169,17 @@ CASE_GROUPS = {
         _case("D256-zigzag", H=1, H_kv=1, D=256, S=4, causal=True, layout="zigzag"),
     ],
     "uneven-lengths": [
-        _case(
-            "uneven-contig-causal",
-            H=4,
-            H_kv=2,
-            D=64,
-            S=None,
-            causal=True,
-            layout="contiguous",
-            lengths=_with_empty_pieces,
-        ),
-        _case(
-            "uneven-contig-full-seq-lens",
-            H=3,
-            H_kv=1,
-            D=64,
-            S=None,
-            causal=False,
-            layout="contiguous",
-            lengths=_with_empty_pieces,
-            pass_seq_lens=True,
-        ),
-        _case(
-            "uneven-zigzag-causal",
-            H=2,
-            H_kv=2,
-            D=64,
-            S=None,
-            causal=True,
-            layout="zigzag",
-            B=2,
-            total=_indivisible_total,
-        ),
-        _case(
-            "short-zigzag-causal-seq-lens",
-            H=2,
-            H_kv=1,
-            D=64,
-            S=None,
-            causal=True,
-            layout="zigzag",
-            total=_short_total,
-            pass_seq_lens=True,
-        ),
+        _case("uneven-contig-causal", H=4, H_kv=2, D=64, S=None, causal=True, layout="contiguous",
+              lengths=_with_empty_pieces),
+        _case("uneven-contig-full-seq-lens", H=3, H_kv=1, D=64, S=None, causal=False, layout="contiguous",
+              lengths=_with_empty_pieces, pass_seq_lens=True),
+        _case("uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag", B=2,
+              total=_indivisible_total),
+        _case("short-zigzag-causal-seq-lens", H=2, H_kv=1, D=64, S=None, causal=True, layout="zigzag",
+              total=_short_total, pass_seq_lens=True),
     ],
 }
+# fmt: on
 
 
 def failures_of(per_rank, limit_for):
@@ -343,24 +311,18 @@ def test_large_logits_stay_finite_and_accurate(ranks):
 # The Triton step kernels (the CUDA path) under the interpreter on CPU tensors: the same
 # schedule and views, so the ring logic of the GPU path is tested without a GPU. Small:
 # the interpreter is slow.
+# A table: one case a line.
+# fmt: off
 TRITON_CASES = [
     _case("triton-zigzag-gqa", H=2, H_kv=1, D=64, S=4, causal=True, layout="zigzag"),
     _case("triton-contig-causal", H=1, H_kv=1, D=80, S=3, causal=True, layout="contiguous"),
     _case("triton-full-gqa", H=4, H_kv=2, D=64, S=3, causal=False, layout="contiguous"),
-    _case(
-        "triton-uneven-contig-causal",
-        H=2,
-        H_kv=1,
-        D=64,
-        S=None,
-        causal=True,
-        layout="contiguous",
-        lengths=_with_empty_pieces,
-    ),
-    _case(
-        "triton-uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag", total=_indivisible_total
-    ),
+    _case("triton-uneven-contig-causal", H=2, H_kv=1, D=64, S=None, causal=True, layout="contiguous",
+          lengths=_with_empty_pieces),
+    _case("triton-uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag",
+          total=_indivisible_total),
 ]
+# fmt: on
 
 
 @runs_triton_on("cpu")

@@ -136,79 +136,32 @@ def _two_each(pieces):
     return 2 * pieces
 
 
+# A table: one case a line.
+# fmt: off
 CASES = [
-    _case(
-        "mha-causal-tensor-split",
-        H=4,
-        H_kv=4,
-        D=32,
-        causal=True,
-        layout="contiguous",
-        B=2,
-        total=_three_each_and_one,
-        lse=True,
-    ),
+    _case("mha-causal-tensor-split", H=4, H_kv=4, D=32, causal=True, layout="contiguous", B=2,
+          total=_three_each_and_one, lse=True),
     # Heads that no U > 1 tested divides; lengths that differ, one empty, passed.
-    _case(
-        "heads5-full-uneven",
-        H=5,
-        H_kv=5,
-        D=16,
-        causal=False,
-        layout="contiguous",
-        lengths=_with_empty_piece,
-        pass_seq_lens=True,
-    ),
+    _case("heads5-full-uneven", H=5, H_kv=5, D=16, causal=False, layout="contiguous",
+          lengths=_with_empty_piece, pass_seq_lens=True),
     # GQA, kv heads fewer than U = 3, 4; on U = 3 and 4 a rank's q heads [2, 4) or [2, 3)
     # start inside a kv group: two rings (uniform runs) on that rank's ring group.
-    _case(
-        "gqa-6-2-causal-uneven",
-        H=6,
-        H_kv=2,
-        D=32,
-        causal=True,
-        layout="contiguous",
-        B=2,
-        lengths=_with_empty_piece,
-        lse=True,
-    ),
+    _case("gqa-6-2-causal-uneven", H=6, H_kv=2, D=32, causal=True, layout="contiguous", B=2,
+          lengths=_with_empty_piece, lse=True),
     # MQA, zigzag over a length 2R does not divide, a negative scale; on U = 4 a rank
     # without q heads.
-    _case(
-        "mqa-3-1-zigzag-causal",
-        H=3,
-        H_kv=1,
-        D=16,
-        causal=True,
-        layout="zigzag",
-        total=_four_each_and_three,
-        scale=-0.4,
-        lse=True,
-    ),
+    _case("mqa-3-1-zigzag-causal", H=3, H_kv=1, D=16, causal=True, layout="zigzag",
+          total=_four_each_and_three, scale=-0.4, lse=True),
     # Fewer rows than zigzag chunks: empty chunks and pieces.
-    _case(
-        "gqa-4-2-zigzag-short",
-        H=4,
-        H_kv=2,
-        D=16,
-        causal=True,
-        layout="zigzag",
-        total=_one_more_than_pieces,
-        pass_seq_lens=True,
-    ),
-    _case("D256-zigzag-full", H=2, H_kv=1, D=256, causal=False, layout="zigzag", total=_two_each, lse=True),
+    _case("gqa-4-2-zigzag-short", H=4, H_kv=2, D=16, causal=True, layout="zigzag",
+          total=_one_more_than_pieces, pass_seq_lens=True),
+    _case("D256-zigzag-full", H=2, H_kv=1, D=256, causal=False, layout="zigzag",
+          total=_two_each, lse=True),
     # q, k, v as head slices of one packed tensor: strided views.
-    _case(
-        "packed-gqa-6-3-causal",
-        H=6,
-        H_kv=3,
-        D=16,
-        causal=True,
-        layout="contiguous",
-        total=_three_each_and_one,
-        packed=True,
-    ),
+    _case("packed-gqa-6-3-causal", H=6, H_kv=3, D=16, causal=True, layout="contiguous",
+          total=_three_each_and_one, packed=True),
 ]
+# fmt: on
 
 
 def full_inputs(case, total, dtype, seed):

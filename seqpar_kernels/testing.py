@@ -56,7 +56,7 @@ class ReplacedExchange:
     def __call__(self, group_name: str, tag: int) -> _ReplacedRing:
         return _ReplacedRing(self, Ring(group_name, tag))
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor) -> RingWork:
+    def start(self, send: torch.Tensor, recv: torch.Tensor, hops: int = 1) -> RingWork:
         if self.mode == "none":
             return RingWork([])
         if send.device.type != "cuda" and self.mode == "copy":
@@ -90,8 +90,8 @@ class _ReplacedRing:
                 raise ValueError(f"virtual_world_size needs a ring of one rank, not {ring.world_size}")
             self.world_size, self.rank = replacement.virtual_world_size, replacement.virtual_rank
 
-    def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor) -> RingWork:
-        return self._replacement.start(send_buffer, recv_buffer)
+    def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor, hops: int = 1) -> RingWork:
+        return self._replacement.start(send_buffer, recv_buffer, hops)
 
     def spare_for(self, buffer: torch.Tensor) -> torch.Tensor:
         # "none" moves nothing: the spare IS the current block.

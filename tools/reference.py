@@ -68,17 +68,50 @@ def _repeat_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
     return k.repeat_interleave(num_heads // k.shape[2], dim=2)
 
 
-def attention(q, k, v, causal=False, scale=None):
+def visible(length, causal=False, window_size=(-1, -1), chunk_size=None, cu_seqlens=None, device=None):
+    """(length, length) bool: which key each query sees, written out from the definitions:
+    the same document (cu_seqlens), key <= query (causal), query - left <= key <= query
+    + right (window_size (left, right), -1 no bound), the same chunk of chunk_size
+    positions counted from the document's start."""
+    positions = torch.arange(length, device=device)
+    bounds = torch.tensor(cu_seqlens if cu_seqlens is not None else [0, length], device=device)
+    document = torch.searchsorted(bounds, positions, right=True) - 1
+    query, key = positions[:, None], positions[None, :]
+    keep = document[:, None] == document[None, :]
+    if causal:
+        keep &= key <= query
+    left, right = window_size
+    if left >= 0:
+        keep &= key >= query - left
+    if right >= 0:
+        keep &= key <= query + right
+    if chunk_size is not None:
+        offset = positions - bounds[document]
+        keep &= (offset[:, None] // chunk_size) == (offset[None, :] // chunk_size)
+    return keep
+
+
+def attention(q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softcap=0.0, sinks=None, chunk_size=None,
+              cu_seqlens=None):  # fmt: skip
     """(out, lse) of attention with the score matrix materialized, in q's dtype (the
-    softmax in q's dtype too, as a plain PyTorch model computes it)."""
+    softmax in q's dtype too, as a plain PyTorch model computes it). The variants, written
+    out: visible()'s mask; softcap > 0: scores softcap * tanh(scores / softcap); sinks
+    (H,): a logit per head in every row's softmax, with no value row. A row that sees no
+    key (and has no sink) gives out 0 and lse -inf."""
     scale = default_scale(q) if scale is None else scale
     k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, S, S)
-    if causal:
-        length = q.shape[1]
-        keep = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    keep = visible(q.shape[1], causal, window_size, chunk_size, cu_seqlens, q.device)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        probabilities = probabilities[..., :-1]
+    out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out, torch.logsumexp(scores.to(lse_dtype), dim=-1)
 

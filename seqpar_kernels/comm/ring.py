@@ -63,15 +63,19 @@ class Ring:
             self.group = group_from_name(group_name)
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
-            self.send_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
-            self.recv_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
 
-    def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor) -> RingWork:
+    def _global_rank(self, offset: int) -> int:
+        """The global rank of the group rank `offset` places after this one."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+
+    def start(self, send_buffer: torch.Tensor, recv_buffer: torch.Tensor, hops: int = 1) -> RingWork:
         """Posts the send of `send_buffer` to the next rank and the receive of the previous
         rank's buffer into `recv_buffer` (both flat, contiguous, one dtype). Their sizes
         may differ (ranks may hold blocks of different lengths): `recv_buffer` must have
         the size of what the previous rank sends. Neither may be written (send) or read
-        (recv) until `wait()` returns.
+        (recv) until `wait()` returns. hops: to the rank that many places on and from the
+        rank that many places back instead (every rank passing the same, as the ring's
+        last exchange of a shortened ring does).
 
         World size 1: no communication; the ring of one rank hands the buffer to itself."""
         assert send_buffer.dtype == recv_buffer.dtype, (send_buffer.dtype, recv_buffer.dtype)
@@ -80,8 +84,8 @@ class Ring:
             recv_buffer.copy_(send_buffer)
             return RingWork([])
         ops = [
-            dist.P2POp(dist.isend, send_buffer, self.send_peer, self.group, self.tag),
-            dist.P2POp(dist.irecv, recv_buffer, self.recv_peer, self.group, self.tag),
+            dist.P2POp(dist.isend, send_buffer, self._global_rank(hops), self.group, self.tag),
+            dist.P2POp(dist.irecv, recv_buffer, self._global_rank(-hops), self.group, self.tag),
         ]
         works = dist.batch_isend_irecv(ops)
         record_sent(send_buffer.numel() * send_buffer.element_size())

@@ -7,6 +7,9 @@ Every kernel here returns a block's log-sum-exp (forward) and takes the FINAL ou
 gradients are its exact share of the whole attention's.
 
     CpuFlashBlocks      aten's CPU flash kernels, computed in fp32.
+    MathBlocks          plain torch in fp32 on any device, the scores materialized a tile
+                        of query rows at a time: what the library kernels cannot do
+                        (softcapped scores).
     CudaLibraryBlocks   CUDA: cuDNN's fused attention on sm_90 and newer where torch has
                         it (the fastest published kernel there), flash-attention 2
                         otherwise; aten's memory-efficient kernel for what neither takes
@@ -217,3 +220,77 @@ class CudaLibraryBlocks:
             )  # fmt: skip
         return (dq.transpose(1, 2), _sum_head_groups(dk.transpose(1, 2), kv_heads),
                 _sum_head_groups(dv.transpose(1, 2), kv_heads))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------
+# Plain torch: softcapped scores
+# ----------------------------------------------------------------------------------
+
+# Query rows per tile of MathBlocks: at most this many fp32 scores materialized at once.
+MATH_TILE_SCORES = 1 << 24
+
+
+class MathBlocks:
+    """Attention written out in fp32 (any device): scores = scale * q.k, capped as
+    softcap * tanh(scores / softcap) when softcap > 0, plus the additive mask; the
+    softmax's lse and output; the backward from the final out and lse. Used for what the
+    library kernels do not take (softcap); GQA kv heads are repeated per tile."""
+
+    @staticmethod
+    def _tiles(q, k):
+        rows = max(1, MATH_TILE_SCORES // max(1, q.shape[0] * q.shape[2] * k.shape[1]))
+        return range(0, q.shape[1], rows), rows
+
+    @staticmethod
+    def _scores(q, k, scale, causal, mask, softcap, row_start):
+        """(capped scores (B, H, rows, S_k) fp32 masked with -inf, tanh of the capped ones
+        or None): q (B, rows, H, D) fp32, k (B, S_k, H, D) fp32."""
+        raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        tanh = None
+        if softcap > 0:
+            tanh = torch.tanh(raw / softcap)
+            raw = softcap * tanh
+        if causal:
+            rows = torch.arange(row_start, row_start + q.shape[1], device=q.device)
+            keep = torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None]
+            raw = raw.masked_fill(~keep, float("-inf"))
+        if mask is not None:
+            raw = raw + mask[row_start : row_start + q.shape[1]].to(raw.device)
+        return raw, tanh
+
+    def forward(self, q, k, v, scale, causal, mask=None, softcap=0.0):
+        heads = q.shape[2]
+        k, v = (x.float() for x in _repeat_kv(k, v, heads))
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty((q.shape[0], heads, q.shape[1]), dtype=torch.float32, device=q.device)
+        starts, rows = self._tiles(q, k)
+        for start in starts:
+            tile = slice(start, start + rows)
+            scores, _ = self._scores(q[:, tile].float(), k, scale, causal, mask, softcap, start)
+            tile_lse = torch.logsumexp(scores, dim=-1)
+            probabilities = torch.exp(scores - tile_lse.unsqueeze(-1)).nan_to_num(0.0)
+            out[:, tile] = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)
+            lse[:, :, tile] = tile_lse
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, mask=None, softcap=0.0):
+        heads, kv_heads = q.shape[2], k.shape[2]
+        k, v = (x.float() for x in _repeat_kv(k, v, heads))
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        starts, rows = self._tiles(q, k)
+        for start in starts:
+            tile = slice(start, start + rows)
+            scores, tanh = self._scores(q[:, tile].float(), k, scale, causal, mask, softcap, start)
+            # exp(s - lse) is exactly 0 where s is -inf: masked keys and empty rows get nothing.
+            probabilities = torch.exp(scores - lse[:, :, tile].unsqueeze(-1))
+            grad_out = dout[:, tile].float()
+            delta = (grad_out * out[:, tile].float()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, H, rows, 1)
+            grad_scores = probabilities * (torch.einsum("bqhd,bkhd->bhqk", grad_out, v) - delta)
+            if tanh is not None:
+                grad_scores = grad_scores * (1 - tanh * tanh)
+            grad_scores = grad_scores * scale
+            dq[:, tile] = torch.einsum("bhqk,bkhd->bqhd", grad_scores, k)
+            dk += torch.einsum("bhqk,bqhd->bkhd", grad_scores, q[:, tile].float())
+            dv += torch.einsum("bhqk,bqhd->bkhd", probabilities, grad_out)
+        return dq, _sum_head_groups(dk, kv_heads), _sum_head_groups(dv, kv_heads)

@@ -40,42 +40,105 @@ from seqpar_kernels.layouts import Run, document_runs
 # The mask
 # ----------------------------------------------------------------------------------
 
+# What a query run sees of a key run (AttentionMask.relation).
+NONE, FULL, DIAGONAL, PARTIAL = "none", "full", "diagonal", "partial"
+
 
 @dataclass(frozen=True)
 class AttentionMask:
     """Which key positions each query position attends, over a sequence of global
-    positions: all of them, or causal (key <= query); with cu_seqlens (document bounds,
-    from 0 to the total, increasing) only those of its own document."""
+    positions (flash-attention's conventions):
+
+        cu_seqlens   None (one sequence), or document bounds from 0 to the total,
+                     increasing: a query sees only the keys of its own document
+        causal       key j <= query i
+        window       (left, right): i - left <= j <= i + right; -1 is no bound on that side
+        chunk_size   None, or a query sees only the keys of its own chunk: positions
+                     counted from its document's start, cut every chunk_size (Llama 4's
+                     chunked attention)
+
+    Every combination keeps the keys a query sees one interval of positions, which
+    contains the query itself (key_bounds), and the queries that see a key one interval
+    (query_bounds); both bounds grow with the position. The step kernels take them."""
 
     causal: bool
     cu_seqlens: tuple[int, ...] | None = None
+    window: tuple[int, int] = (-1, -1)
+    chunk_size: int | None = None
 
     @property
     def has_documents(self) -> bool:
         return self.cu_seqlens is not None
 
+    @property
+    def is_local(self) -> bool:
+        """Whether a window or chunks bound the keys a query sees (beyond documents)."""
+        return self.window != (-1, -1) or self.chunk_size is not None
+
     def document_bounds(self, total: int) -> tuple[int, ...]:
         """cu_seqlens, or one document of `total` positions."""
         return self.cu_seqlens if self.cu_seqlens is not None else (0, total)
 
-    def key_bounds(self, positions: torch.Tensor, documents: torch.Tensor, bounds: torch.Tensor):
-        """[low, high) of the key positions the queries at `positions` (of `documents`,
-        whose bounds are `bounds`) attend; int64 tensors like positions."""
-        low = bounds[documents]
-        high = positions + 1 if self.causal else bounds[documents + 1]
+    def key_bounds(self, positions, starts, ends):
+        """[low, high) of the key positions the queries at `positions` attend, whose
+        documents span [starts, ends); int64 tensors or ints alike."""
+        low, high = starts, ends
+        if self.causal:
+            high = _minimum(high, positions + 1)
+        left, right = self.window
+        if left >= 0:
+            low = _maximum(low, positions - left)
+        if right >= 0:
+            high = _minimum(high, positions + right + 1)
+        if self.chunk_size is not None:
+            chunk_start = starts + (positions - starts) // self.chunk_size * self.chunk_size
+            low, high = _maximum(low, chunk_start), _minimum(high, chunk_start + self.chunk_size)
         return low, high
 
-    def query_bounds(self, positions: torch.Tensor, documents: torch.Tensor, bounds: torch.Tensor):
+    def query_bounds(self, positions, starts, ends):
         """[low, high) of the query positions that attend the keys at `positions`."""
-        low = positions if self.causal else bounds[documents]
-        return low, bounds[documents + 1]
+        low, high = starts, ends
+        if self.causal:
+            low = _maximum(low, positions)
+        left, right = self.window
+        if right >= 0:
+            low = _maximum(low, positions - right)
+        if left >= 0:
+            high = _minimum(high, positions + left + 1)
+        if self.chunk_size is not None:
+            chunk_start = starts + (positions - starts) // self.chunk_size * self.chunk_size
+            low, high = _maximum(low, chunk_start), _minimum(high, chunk_start + self.chunk_size)
+        return low, high
 
-    def block_pairs(self, q_runs: Sequence[Run], k_runs: Sequence[Run], same_slot: bool) -> tuple[BlockPair, ...]:
+    def relation(self, q_run: Run, k_run: Run, bounds: Sequence[int]) -> str:
+        """What the queries of q_run see of the keys of k_run (runs of one document):
+        NONE, FULL (every key), DIAGONAL (the same positions, key <= query) or PARTIAL.
+        From the first and last query alone: both bounds grow with the position, and a
+        query sees itself, so some query sees some key exactly when the last query's
+        interval ends after the keys start and the first one's starts before they end."""
+        start, end = bounds[q_run.document], bounds[q_run.document + 1]
+        q_first, q_last = q_run.start, q_run.start + q_run.length - 1
+        k_first, k_end = k_run.start, k_run.start + k_run.length
+        first_low, first_high = self.key_bounds(q_first, start, end)
+        last_low, last_high = self.key_bounds(q_last, start, end)
+        if last_high <= k_first or first_low >= k_end:
+            return NONE
+        if last_low <= k_first and first_high >= k_end:
+            return FULL
+        if self.causal and q_run.start == k_run.start and q_run.length == k_run.length and last_low <= k_first:
+            return DIAGONAL
+        return PARTIAL
+
+    def block_pairs(
+        self, q_runs: Sequence[Run], k_runs: Sequence[Run], same_slot: bool, bounds
+    ) -> tuple[BlockPair, ...]:
         """The BlockPairs of the queries of `q_runs` against the keys of `k_runs`: one per
         pair of runs of one document whose keys a query may see, then joined where the
         union is one rectangle of the same kind. same_slot: the two are one slot's runs
-        (step 0), where a run meets itself on the causal diagonal."""
-        if same_slot and self.causal and q_runs and len({run.document for run in q_runs}) == 1:
+        (step 0), where a run meets itself on the causal diagonal. A pair that only part
+        of sees is cut into tiles of PARTIAL_TILE query rows, each against the keys its
+        rows reach, so that what remains masked stays small."""
+        if same_slot and self.causal and not self.is_local and q_runs and len({run.document for run in q_runs}) == 1:
             # One document, rows in global order: the whole block is causal by local row.
             rows = sum(run.length for run in q_runs)
             return (BlockPair(0, rows, 0, rows, True),)
@@ -85,28 +148,67 @@ class AttentionMask:
         pairs = []
         for q_run in q_runs:
             for k_run in by_document.get(q_run.document, ()):
-                if not self.causal or k_run.start + k_run.length <= q_run.start:
-                    pairs.append(BlockPair(q_run.local_start, q_run.length, k_run.local_start, k_run.length, False))
-                elif same_slot and k_run.start == q_run.start:
-                    pairs.append(BlockPair(q_run.local_start, q_run.length, k_run.local_start, k_run.length, True))
-                else:
-                    # Runs of different slots (or different runs of one slot) are disjoint
-                    # ranges: this one lies wholly after the query run.
-                    assert k_run.start >= q_run.start + q_run.length, (q_run, k_run)
+                pairs += self._pairs_of(q_run, k_run, bounds)
         return join_full_pairs(pairs)
+
+    def _pairs_of(self, q_run: Run, k_run: Run, bounds) -> list[BlockPair]:
+        relation = self.relation(q_run, k_run, bounds)
+        if relation == NONE:
+            return []
+        if relation != PARTIAL:
+            return [BlockPair(q_run.local_start, q_run.length, k_run.local_start, k_run.length, relation == DIAGONAL)]
+        if q_run.length > PARTIAL_TILE:
+            return [
+                pair
+                for offset in range(0, q_run.length, PARTIAL_TILE)
+                for pair in self._pairs_of(_sub_run(q_run, offset, PARTIAL_TILE), k_run, bounds)
+            ]
+        # Only the keys these rows reach: a sub-run of k_run.
+        start, end = bounds[q_run.document], bounds[q_run.document + 1]
+        low, _ = self.key_bounds(q_run.start, start, end)
+        _, high = self.key_bounds(q_run.start + q_run.length - 1, start, end)
+        low, high = max(low, k_run.start), min(high, k_run.start + k_run.length)
+        if high <= low:
+            return []
+        k_part = _sub_run(k_run, low - k_run.start, high - low)
+        if (k_part.start, k_part.length) != (k_run.start, k_run.length) and self.relation(
+            q_run, k_part, bounds
+        ) != PARTIAL:
+            return self._pairs_of(q_run, k_part, bounds)
+        return [BlockPair(q_run.local_start, q_run.length, k_part.local_start, k_part.length, False, True)]
+
+
+# A pair of runs that its queries only partly see is cut into tiles of this many query
+# rows, each against the keys its rows reach: a sliding window's band then costs masked
+# blocks of about (PARTIAL_TILE, window + PARTIAL_TILE) on the CPU path.
+PARTIAL_TILE = 128
+
+
+def _sub_run(run: Run, offset: int, length: int) -> Run:
+    length = min(length, run.length - offset)
+    return Run(run.local_start + offset, run.start + offset, length, run.document)
+
+
+def _minimum(a, b):
+    return torch.minimum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else min(a, b)
+
+
+def _maximum(a, b):
+    return torch.maximum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else max(a, b)
 
 
 @dataclass(frozen=True)
 class BlockPair:
     """Query rows [q_start, +q_len) against key rows [kv_start, +kv_len) of the block:
-    all of them (causal=False) or the causal diagonal (causal=True: the same global
-    positions on both sides)."""
+    all of them, the causal diagonal (causal: the same global positions on both sides),
+    or, partial, those the mask says (AttentionMask.key_bounds)."""
 
     q_start: int
     q_len: int
     kv_start: int
     kv_len: int
     causal: bool
+    partial: bool = False
 
 
 def join_full_pairs(pairs: Sequence[BlockPair]) -> tuple[BlockPair, ...]:
@@ -116,9 +218,9 @@ def join_full_pairs(pairs: Sequence[BlockPair]) -> tuple[BlockPair, ...]:
 
     def join(pairs, same, start, length):
         joined: list[BlockPair] = []
-        for pair in sorted(pairs, key=lambda pair: (pair.causal, same(pair), start(pair))):
+        for pair in sorted(pairs, key=lambda pair: (pair.causal or pair.partial, same(pair), start(pair))):
             last = joined[-1] if joined else None
-            if last is not None and not pair.causal and not last.causal and same(last) == same(pair) \
+            if last is not None and _is_full(pair) and _is_full(last) and same(last) == same(pair) \
                     and start(last) + length(last) == start(pair):  # fmt: skip
                 joined[-1] = _grown(last, pair)
             else:
@@ -128,6 +230,10 @@ def join_full_pairs(pairs: Sequence[BlockPair]) -> tuple[BlockPair, ...]:
     pairs = join(pairs, lambda p: (p.kv_start, p.kv_len), lambda p: p.q_start, lambda p: p.q_len)
     pairs = join(pairs, lambda p: (p.q_start, p.q_len), lambda p: p.kv_start, lambda p: p.kv_len)
     return tuple(sorted(pairs, key=lambda pair: (pair.q_start, pair.kv_start)))
+
+
+def _is_full(pair: BlockPair) -> bool:
+    return not pair.causal and not pair.partial
 
 
 def _grown(first: BlockPair, second: BlockPair) -> BlockPair:
@@ -165,9 +271,10 @@ class MaskedBlock:
 JOIN_SLACK_ELEMENTS = 4096
 
 
-def coalesce(pairs: Sequence[BlockPair]) -> tuple[MaskedBlock, ...]:
+def coalesce(pairs: Sequence[BlockPair], partial_attends) -> tuple[MaskedBlock, ...]:
     """The BlockPairs of one step as kernel calls: neighbouring pairs (in query order)
-    joined into masked rectangles where that wastes little compute (JOIN_SLACK_ELEMENTS)."""
+    joined into masked rectangles where that wastes little compute (JOIN_SLACK_ELEMENTS).
+    partial_attends(pair): the (q_len, kv_len) bool mask of a partial pair."""
     groups: list[list[BlockPair]] = []
     for pair in sorted(pairs, key=lambda pair: (pair.q_start, pair.kv_start)):
         if groups:
@@ -181,11 +288,11 @@ def coalesce(pairs: Sequence[BlockPair]) -> tuple[MaskedBlock, ...]:
                 groups[-1] = joined
                 continue
         groups.append([pair])
-    return tuple(_masked_block(group) for group in groups)
+    return tuple(_masked_block(group, partial_attends) for group in groups)
 
 
-def _masked_block(group: list[BlockPair]) -> MaskedBlock:
-    if len(group) == 1:
+def _masked_block(group: list[BlockPair], partial_attends) -> MaskedBlock:
+    if len(group) == 1 and not group[0].partial:
         pair = group[0]
         return MaskedBlock(pair.q_start, pair.q_len, pair.kv_start, pair.kv_len, pair.causal)
     q_low = min(pair.q_start for pair in group)
@@ -197,7 +304,7 @@ def _masked_block(group: list[BlockPair]) -> MaskedBlock:
         block = torch.ones(pair.q_len, pair.kv_len, dtype=torch.bool)
         rows = slice(pair.q_start - q_low, pair.q_start - q_low + pair.q_len)
         columns = slice(pair.kv_start - kv_low, pair.kv_start - kv_low + pair.kv_len)
-        attends[rows, columns] = block.tril() if pair.causal else block
+        attends[rows, columns] = partial_attends(pair) if pair.partial else block.tril() if pair.causal else block
     mask = torch.zeros(q_len, kv_len).masked_fill_(~attends, float("-inf"))
     return MaskedBlock(q_low, q_len, kv_low, kv_len, False, mask, ~attends.any(1))
 
@@ -207,23 +314,25 @@ def _masked_block(group: list[BlockPair]) -> MaskedBlock:
 # ----------------------------------------------------------------------------------
 
 
-def _positions(runs: Sequence[Run]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global position, document) of every local row of a slot, int64."""
+def _positions(runs: Sequence[Run], bounds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(global position, its document's start, its document's end) of every local row
+    of a slot, int64."""
     if not runs:
         empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
+        return empty, empty, empty
     positions = torch.cat([torch.arange(run.start, run.start + run.length) for run in runs])
-    documents = torch.repeat_interleave(
-        torch.tensor([run.document for run in runs]), torch.tensor([run.length for run in runs])
-    )
-    return positions, documents
+    lengths = torch.tensor([run.length for run in runs])
+    starts = torch.repeat_interleave(torch.tensor([bounds[run.document] for run in runs]), lengths)
+    ends = torch.repeat_interleave(torch.tensor([bounds[run.document + 1] for run in runs]), lengths)
+    return positions, starts, ends
 
 
 @dataclass
 class StepMask:
     """Which query rows attend which key rows in one step (the module docstring).
     uses_intervals: the step kernels that take per-row intervals run the step in one
-    launch with them (packed documents); otherwise each pair is a FULL or CAUSAL call."""
+    launch with them (packed documents, windows, chunks); otherwise each pair is a
+    FULL or CAUSAL call."""
 
     pairs: tuple[BlockPair, ...]
     q_runs: tuple[Run, ...]
@@ -236,7 +345,19 @@ class StepMask:
     @functools.cached_property
     def blocks(self) -> tuple[MaskedBlock, ...]:
         """The step as CPU kernel calls (coalesce)."""
-        return coalesce(self.pairs)
+        return coalesce(self.pairs, self._partial_attends)
+
+    @functools.cached_property
+    def _rows(self):
+        return _positions(self.q_runs, self.bounds), _positions(self.k_runs, self.bounds)
+
+    def _partial_attends(self, pair: BlockPair) -> torch.Tensor:
+        """(q_len, kv_len) bool: which of a partial pair's keys each of its queries sees."""
+        (q_positions, q_starts, q_ends), (k_positions, _, _) = self._rows
+        rows = slice(pair.q_start, pair.q_start + pair.q_len)
+        low, high = self.mask.key_bounds(q_positions[rows], q_starts[rows], q_ends[rows])
+        keys = k_positions[pair.kv_start : pair.kv_start + pair.kv_len]
+        return (keys[None, :] >= low[:, None]) & (keys[None, :] < high[:, None])
 
     def intervals(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(row_start, row_end, col_start, col_end), int32 on `device` (computed once
@@ -245,11 +366,9 @@ class StepMask:
         global order, so each bound is a search among the other side's positions."""
         key = str(device)
         if key not in self._intervals:
-            bounds = torch.tensor(self.bounds, dtype=torch.int64)
-            q_positions, q_documents = _positions(self.q_runs)
-            k_positions, k_documents = _positions(self.k_runs)
-            key_low, key_high = self.mask.key_bounds(q_positions, q_documents, bounds)
-            query_low, query_high = self.mask.query_bounds(k_positions, k_documents, bounds)
+            (q_positions, q_starts, q_ends), (k_positions, k_starts, k_ends) = self._rows
+            key_low, key_high = self.mask.key_bounds(q_positions, q_starts, q_ends)
+            query_low, query_high = self.mask.query_bounds(k_positions, k_starts, k_ends)
             found = (
                 torch.searchsorted(k_positions, key_low),
                 torch.searchsorted(k_positions, key_high),
@@ -274,17 +393,32 @@ class StepMasks:
         # Per instance, not functools.lru_cache on the method: that cache would keep every
         # instance (and its intervals on the GPU) alive after step_masks_of's cache drops it.
         self._steps: dict = {}
+        self._reach: int | None = None
 
     def step(self, q_slot: int, k_slot: int) -> StepMask | None:
         """The StepMask of slot q_slot's queries against slot k_slot's keys, or None when
         no query attends any of the keys."""
         key = (q_slot, k_slot)
         if key not in self._steps:
-            pairs = self.mask.block_pairs(self.runs[q_slot], self.runs[k_slot], q_slot == k_slot)
+            pairs = self.mask.block_pairs(self.runs[q_slot], self.runs[k_slot], q_slot == k_slot, self.bounds)
+            uses_intervals = self.mask.has_documents or any(pair.partial for pair in pairs)
             self._steps[key] = StepMask(
-                pairs, self.runs[q_slot], self.runs[k_slot], self.mask, self.bounds, self.mask.has_documents
+                pairs, self.runs[q_slot], self.runs[k_slot], self.mask, self.bounds, uses_intervals
             ) if pairs else None  # fmt: skip
         return self._steps[key]
+
+    def reach(self) -> int:
+        """The largest ring offset i (1 <= i < slots) at which some slot's queries see
+        keys of the slot i before it (k_slot = q_slot - i); 0 if none. A ring whose mask
+        is local (windows, chunks) stops after that step: no block travels further."""
+        if self._reach is None:
+            count = len(self.slots)
+
+            def seen(offset):
+                return any(self.step(q_slot, (q_slot - offset) % count) is not None for q_slot in range(count))
+
+            self._reach = next((offset for offset in range(count - 1, 0, -1) if seen(offset)), 0)
+        return self._reach
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()

@@ -74,27 +74,31 @@ from seqpar_kernels.layouts import dense_slot_segments
 # ----------------------------------------------------------------------------------
 
 
-def dense_step_masks(causal: bool, seq_lens, zigzag: bool) -> StepMasks:
+def dense_step_masks(mask: AttentionMask | bool, seq_lens, zigzag: bool) -> StepMasks:
     """The step masks of one dense sequence held by ranks of `seq_lens` rows each, in the
-    contiguous or the zigzag layout."""
-    return step_masks_of(AttentionMask(causal), dense_slot_segments(seq_lens, zigzag))
+    contiguous or the zigzag layout; mask: an AttentionMask without documents, or causal."""
+    mask = mask if isinstance(mask, AttentionMask) else AttentionMask(mask)
+    return step_masks_of(mask, dense_slot_segments(seq_lens, zigzag))
 
 
-def forward_step(steps: StepBackend, mask: StepMask, q, k, v, out, lse, scale, first_step=False) -> None:
+def forward_step(
+    steps: StepBackend, mask: StepMask, q, k, v, out, lse, scale, first_step=False, softcap: float = 0.0
+) -> None:
     """Folds the rows of one step's K/V block that `mask` selects into (out, lse).
     first_step: (out, lse) hold nothing yet and the step kernels write every row
-    (first_step_writes_every_row)."""
+    (first_step_writes_every_row). softcap: scores capped as softcap * tanh(s / softcap)."""
     if mask.uses_intervals and steps.takes_intervals:
-        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device), first_step=first_step)
+        intervals = mask.intervals(q.device)
+        steps.forward_intervals(q, k, v, out, lse, scale, intervals, first_step=first_step, softcap=softcap)
         return
     for block in mask.blocks:
         q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
         kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
         arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), scale)
         if block.mask is None:
-            steps.forward(*arguments, block.causal, first_step=first_step)
+            steps.forward(*arguments, block.causal, first_step=first_step, softcap=softcap)
         else:
-            steps.forward_masked(*arguments, block.mask, block.empty_rows)
+            steps.forward_masked(*arguments, block.mask, block.empty_rows, softcap=softcap)
 
 
 def first_step_writes_every_row(steps: StepBackend, mask: StepMask | None, seqlen: int) -> bool:
@@ -110,13 +114,16 @@ def first_step_writes_every_row(steps: StepBackend, mask: StepMask | None, seqle
     return not others and block.mask is None and block.q_start == 0 and block.q_len == seqlen
 
 
-def backward_step(steps: StepBackend, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale) -> None:
+def backward_step(
+    steps: StepBackend, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, softcap: float = 0.0
+) -> None:
     """Adds one step's share of the gradients (the rows `mask` selects): to dq, and to
     the block's dK|dV accumulator, which grad_kv() returns as (dk, dv) once it is here
     (it may still be arriving from the previous rank: the step kernels compute what they
     can before they ask for it)."""
     if mask.uses_intervals and steps.takes_intervals:
-        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask.intervals(q.device))
+        intervals = mask.intervals(q.device)
+        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=softcap)
         return
     for block in mask.blocks:
         q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
@@ -128,9 +135,9 @@ def backward_step(steps: StepBackend, mask: StepMask, dout, q, k, v, out, lse, d
             q_rows(dq), block_grad_kv, scale,
         )  # fmt: skip
         if block.mask is None:
-            steps.backward(*arguments, block.causal)
+            steps.backward(*arguments, block.causal, softcap=softcap)
         else:
-            steps.backward_masked(*arguments, block.mask)
+            steps.backward_masked(*arguments, block.mask, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------
@@ -176,7 +183,9 @@ def _check_slots(ring, seqlen: int, masks: StepMasks) -> None:
         masks.lengths, ring.rank, seqlen)  # fmt: skip
 
 
-def ring_forward(q, k, v, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring):
+def ring_forward(
+    q, k, v, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring, softcap: float = 0.0, sinks=None
+):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
     q: (B, S, H, D); k, v: (B, S, H_kv, D); scale > 0.
@@ -184,7 +193,8 @@ def ring_forward(q, k, v, scale, group_name, steps: StepBackend, masks: StepMask
     the ranks' rows (slot r = rank r's global ranges; dense_step_masks for one dense
     sequence); exchange: makes the rings, exchange(group_name, tag) -> comm.ring.Ring or
     anything with its interface (seqpar_kernels.testing replaces it to time the compute
-    alone).
+    alone). softcap: scores capped (0: not). sinks: None, or (H,) per-head logits that
+    join each row's softmax denominator (merged into the final (out, lse) in fp32).
     Returns out (B, S, H, D) in q's dtype and lse (B, H, S) fp32."""
     batch, seqlen, heads, _ = q.shape
     ring = exchange(group_name, KV_TAG)
@@ -193,30 +203,64 @@ def ring_forward(q, k, v, scale, group_name, steps: StepBackend, masks: StepMask
     # an empty piece (seqlen 0) still relays the other ranks' blocks below.
     if batch * heads * k.shape[2] * q.shape[3] == 0:
         return q.new_zeros(q.shape), lse
-    world_size, rank = ring.world_size, ring.rank
+    rank = ring.rank
     _check_slots(ring, seqlen, masks)
+    last = last_step(masks, ring.world_size)
     # The first step's kernels may fill the running output themselves: then it starts
     # uninitialised (a zero fill is a pass over it that step 0 would overwrite).
     first_step_writes = first_step_writes_every_row(steps, masks.step(rank, rank), seqlen)
     out = (torch.empty if first_step_writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-    numels = _block_numels(k, rank, masks.lengths)
-    kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if world_size > 1 else None
-    for step in range(world_size):
-        if step + 1 < world_size:
+    numels = _block_numels(k, rank, masks.lengths)[: last + 1]
+    kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if last > 0 else None
+    for step in range(last + 1):
+        if step < last:
             kv.post()  # the next block travels while this one is computed
-        src = (rank - step) % world_size
+        src = (rank - step) % ring.world_size
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, masks.lengths[src]))
         mask = masks.step(rank, src)
         if mask is not None:
-            forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=step == 0 and first_step_writes)
-        if step + 1 < world_size:
+            first = step == 0 and first_step_writes
+            forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=first, softcap=softcap)
+        if step < last:
             kv.advance()
+    if sinks is not None:
+        merge_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring):
+def last_step(masks: StepMasks, world_size: int) -> int:
+    """The ring's last step: P - 1, or, under a local mask (windows, chunks), the
+    farthest ring offset at which some rank still sees keys (StepMasks.reach): no block
+    travels further, and the dK|dV accumulators go home from there."""
+    return masks.reach() if masks.mask.is_local else world_size - 1
+
+
+def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Folds per-head sink logits (H,) into the final fp32 out (B, S, H, D) and lse
+    (B, H, S), in place: each row's softmax denominator gains exp(sinks[h]), with no value
+    row, so lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
+    sink = sinks.to(device=lse.device, dtype=torch.float32)[None, :, None]
+    merged = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def sinks_gradient(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks (H,) of this rank's rows, given the final (sink-merged) out, lse:
+    a sink's probability is exp(sink - lse), and d out / d sink = -p_sink * out, so the
+    gradient is -sum over rows of p_sink * rowsum(dout * out). In sinks' dtype."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def ring_backward(
+    dout, q, k, v, out, lse, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring,
+    softcap: float = 0.0,
+):  # fmt: skip
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
-    are its final results. steps, masks, exchange: as in ring_forward."""
+    are its final results (sinks merged). steps, masks, exchange, softcap: as in
+    ring_forward."""
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     fp32 = dict(dtype=torch.float32, device=q.device)
@@ -226,19 +270,21 @@ def ring_backward(dout, q, k, v, out, lse, scale, group_name, steps: StepBackend
     if batch * heads * k.shape[2] * q.shape[3] == 0:  # as in ring_forward
         return _backward_outputs(dq, own, q, k)
     _check_slots(ring, seqlen, masks)
+    last = last_step(masks, world_size)
     delta = steps.prepare_backward(out, dout)
-    if world_size > 1:
-        numels = _block_numels(k, rank, masks.lengths)
+    if last > 0:
+        numels = _block_numels(k, rank, masks.lengths)[: last + 1]
         capacity = max(numels)
         kv = DoubleBuffer(ring, _pack_pair(k, v, capacity), numels)
         grad_ring = exchange(group_name, GRAD_KV_TAG)
         # The travelling accumulator: sent from one, received into the other. At step
         # i >= 1 it belongs to the block held at step i (numels[i]); the one received
-        # then belongs to the block of step i + 1, the local one after the last step.
+        # then belongs to the block of step i + 1, or after the last step to the local
+        # block, whose accumulator comes home from the rank `last` places on.
         travelling, arriving = torch.zeros(capacity, **fp32), torch.empty(capacity, **fp32)
         grad_work = None
-    for step in range(world_size):
-        if step + 1 < world_size:
+    for step in range(last + 1):
+        if step < last:
             kv.post()
         src = (rank - step) % world_size
         block_shape = _block_shape(k, masks.lengths[src])
@@ -260,14 +306,16 @@ def ring_backward(dout, q, k, v, out, lse, scale, group_name, steps: StepBackend
             return _unpack_pair(own if step == 0 else travelling, block_shape)
 
         if mask is not None:
-            backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale)
+            backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale, softcap)
         grad_kv()  # a step that computed nothing still relays the accumulator
         if step >= 1:
-            receives = numels[(step + 1) % world_size]
-            grad_work = grad_ring.start(travelling[: numels[step]], arriving[:receives])
-        if step + 1 < world_size:
+            if step < last:  # on to the next holder of this block
+                grad_work = grad_ring.start(travelling[: numels[step]], arriving[: numels[step + 1]])
+            else:  # home, `last` places back; the local block's comes from `last` places on
+                grad_work = grad_ring.start(travelling[: numels[step]], arriving[: numels[0]], world_size - last)
+        if step < last:
             kv.advance()
-    if world_size > 1:
+    if last > 0:
         grad_work.wait()  # the local block's accumulator is home
         own.add_(arriving[: own.numel()])
     return _backward_outputs(dq, own, q, k)

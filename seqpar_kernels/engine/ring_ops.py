@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from seqpar_kernels.engine.masks import AttentionMask, StepMasks, decode_segments, step_masks_of
-from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward
+from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward, sinks_gradient
 from seqpar_kernels.engine.step_backends import step_kernels_for
 from seqpar_kernels.ops.all_to_all import register_as_collective
 
@@ -32,14 +32,19 @@ def ring_attention_forward(
     seq_lens: List[int],  # typing.List: torch 2.6's schema inference knows no list[int]
     cu_seqlens: Optional[torch.Tensor] = None,
     segments: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    chunk_size: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's q over the K/V of every rank of the group.
 
     q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; every rank the same B, H,
     H_kv, D; S may differ by rank (checked by seqpar_kernels.parallel.ring.ring_attention,
     not here).
-    zigzag: causal positions follow the zigzag layout (rank r holds chunks r and 2P-1-r
-    of the 2P chunks torch.tensor_split cuts the sequence into). Ignored when not causal.
+    zigzag: the ranks hold the zigzag layout (rank r holds chunks r and 2P-1-r of the 2P
+    chunks torch.tensor_split cuts the sequence into).
     step_kernels: which backend computes each step (engine/step_backends.py: a name of
     STEP_KERNELS, or AUTO).
     seq_lens: every rank's S, in group rank order.
@@ -48,18 +53,24 @@ def ring_attention_forward(
     int64 CPU rows (rank, global start, length), the ranges each rank holds in
     increasing order (engine/masks.py encode_segments). Attention stays inside
     each document; zigzag is then False.
+    window_left, window_right, chunk_size (0: none): engine/masks.py AttentionMask's,
+    in positions of the sequence (of the document under cu_seqlens).
+    softcap: scores capped as softcap * tanh(s / softcap) (0: not).
+    sinks: None, or (H,) per-head logits joining each row's softmax denominator.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
-    log; -inf for a row that saw no key, whose out is 0)."""
-    steps = step_kernels_for(step_kernels, q)
-    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments)
-    return ring_forward(q, k, v, softmax_scale, group_name, steps, masks)
+    log, sinks included; -inf for a row that saw no key and has no sink, whose out is 0)."""
+    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
+    steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
+    return ring_forward(q, k, v, softmax_scale, group_name, steps, masks, softcap=softcap, sinks=sinks)
 
 
-def _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments) -> StepMasks:
+def _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size) -> StepMasks:
     """The attention mask over the ranks' rows that the ops' arguments describe."""
+    documents = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    mask = AttentionMask(causal, documents, (window_left, window_right), chunk_size or None)
     if cu_seqlens is None:
-        return dense_step_masks(causal, seq_lens, zigzag)
-    masks = step_masks_of(AttentionMask(causal, tuple(cu_seqlens.tolist())), decode_segments(segments, len(seq_lens)))
+        return dense_step_masks(mask, seq_lens, zigzag)
+    masks = step_masks_of(mask, decode_segments(segments, len(seq_lens)))
     assert list(masks.lengths) == list(seq_lens), (masks.lengths, seq_lens)
     return masks
 
@@ -68,9 +79,7 @@ register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 
 
 @ring_attention_forward.register_fake
-def _ring_attention_forward_fake(
-    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens=None, segments=None
-):
+def _ring_attention_forward_fake(q, k, v, *args, **kwargs):
     batch, seqlen, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
@@ -91,13 +100,26 @@ def ring_attention_backward(
     seq_lens: List[int],
     cu_seqlens: Optional[torch.Tensor] = None,
     segments: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ring_attention_forward's out: (dq, dk, dv), contiguous, in q's
-    dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
-    of each block accumulate in fp32 while they travel the ring."""
-    steps = step_kernels_for(step_kernels, q)
-    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments)
-    return ring_backward(dout, q, k, v, out, lse, softmax_scale, group_name, steps, masks)
+    window_left: int = -1,
+    window_right: int = -1,
+    chunk_size: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ring_attention_forward's out: (dq, dk, dv, dsinks), contiguous, dq,
+    dk, dv in q's dtype and shaped like q, k, v; dsinks this rank's share of the sinks'
+    gradient, in their dtype ((0,) without sinks). out and lse are the forward's (final)
+    results; dK/dV of each block accumulate in fp32 while they travel the ring."""
+    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
+    steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, softmax_scale, group_name, steps, masks, softcap=softcap)
+    return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks)
+
+
+def _sinks_gradient(out, dout, lse, sinks):
+    if sinks is None:
+        return out.new_empty((0,))
+    return sinks_gradient(out, dout, lse, sinks)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
@@ -105,39 +127,30 @@ register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 @ring_attention_backward.register_fake
 def _ring_attention_backward_fake(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    causal,
-    softmax_scale,
-    zigzag,
-    group_name,
-    step_kernels,
-    seq_lens,
-    cu_seqlens=None,
-    segments=None,
-):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens=None,
+    segments=None, window_left=-1, window_right=-1, chunk_size=0, softcap=0.0, sinks=None,
+):  # fmt: skip
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens, segments = inputs
+    q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens, segments)
+    ctx.args = tuple(args)
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
     # lse is treated as a non-differentiable output (as flash-attn's returned lse):
     # its gradient, if any, is ignored; ring_attention hands it out detached.
     q, k, v, out, lse = ctx.saved_tensors
-    no_grads = (None,) * len(ctx.args)
+    no_grads = [None] * len(ctx.args)
     if grad_out is None:
         return None, None, None, *no_grads
-    dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    dq, dk, dv, dsinks = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    if ctx.args[-1] is not None:  # sinks, the last argument
+        no_grads[-1] = dsinks
     return dq, dk, dv, *no_grads
 
 

@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from seqpar_kernels.engine.block_attention import CPU_FLASH_READS_GQA, CpuFlashBlocks, CudaLibraryBlocks
+from seqpar_kernels.engine.block_attention import CPU_FLASH_READS_GQA, CpuFlashBlocks, CudaLibraryBlocks, MathBlocks
 from seqpar_kernels.ops.attention_merge import attention_merge_
 
 # Layouts of every method: q, out, dout, dq (B, S, H, D); k, v and the block's dk, dv
@@ -57,7 +57,10 @@ class StepBackend(Protocol):
                                       per block of the step.
         first_step_writes_every_row   with first_step=True a launch writes every row of
                                       (out, lse) it covers, reading neither: the driver
-                                      then starts the running state uninitialised."""
+                                      then starts the running state uninitialised.
+
+    softcap (every method): scores capped as softcap * tanh(scale * q.k / softcap) before
+    the softmax; 0 is no cap."""
 
     takes_intervals: bool
     first_step_writes_every_row: bool
@@ -65,24 +68,25 @@ class StepBackend(Protocol):
     def prepare_backward(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor | None:
         """What every backward step reads besides out and dout (delta), once per call."""
 
-    def forward(self, q, k, v, out, lse, scale: float, causal: bool, first_step: bool = False) -> None:
+    def forward(self, q, k, v, out, lse, scale: float, causal: bool, first_step=False, softcap=0.0) -> None:
         """Folds all of q against all of k, v (causal: the diagonal block) into (out, lse)."""
 
-    def forward_masked(self, q, k, v, out, lse, scale: float, mask, empty_rows) -> None:
+    def forward_masked(self, q, k, v, out, lse, scale: float, mask, empty_rows, softcap=0.0) -> None:
         """forward under an fp32 additive (q rows, k rows) mask; empty_rows (q rows,)
         bool marks the rows whose mask is all -inf."""
 
-    def forward_intervals(self, q, k, v, out, lse, scale: float, intervals, first_step: bool = False) -> None:
+    def forward_intervals(self, q, k, v, out, lse, scale: float, intervals, first_step=False, softcap=0.0) -> None:
         """forward where query row i attends key rows [row_start[i], row_end[i])."""
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale: float, causal: bool) -> None:
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, causal, softcap=0.0) -> None:
         """Adds the block's gradients to dq and to grad_kv()'s (dk, dv)."""
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale: float, mask) -> None:
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, mask, softcap=0.0) -> None:
         """backward under forward_masked's mask."""
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale: float,
-                           intervals) -> None:  # fmt: skip
+    def backward_intervals(
+        self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, intervals, softcap=0.0
+    ) -> None:  # fmt: skip
         """backward of forward_intervals."""
 
 
@@ -90,7 +94,8 @@ class AtenSteps:
     """torch's own attention kernel per block (engine/block_attention.py: aten's CPU
     flash kernels on CPUs, cuDNN/flash/memory-efficient on GPUs), each block's (out, lse)
     merged by attention_merge_; the kernels' backward given the final out and lse.
-    cpu_blocks, cuda_blocks: the block kernels by device."""
+    cpu_blocks, cuda_blocks: the block kernels by device. Softcapped scores, which those
+    kernels cannot compute, go through MathBlocks (plain torch in fp32)."""
 
     takes_intervals = False
     first_step_writes_every_row = False
@@ -98,40 +103,47 @@ class AtenSteps:
     def __init__(self, cpu_blocks, cuda_blocks):
         self.blocks_by_device = {"cpu": cpu_blocks, "cuda": cuda_blocks}
 
-    def _blocks(self, q):
-        return self.blocks_by_device[q.device.type]
+    def _blocks(self, q, softcap):
+        return MATH_BLOCKS if softcap > 0 else self.blocks_by_device[q.device.type]
 
     def prepare_backward(self, out, dout):
         return None  # the library backward computes rowsum(dout * out) itself
 
-    def forward(self, q, k, v, out, lse, scale, causal, first_step=False):
-        block_out, block_lse = self._blocks(q).forward(q, k, v, scale, causal)
+    def forward(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
+        block_out, block_lse = self._forward(q, k, v, scale, causal, None, softcap)
         attention_merge_(out, lse, block_out, block_lse)
 
-    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows):
+    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows, softcap=0.0):
         # The kernels return lse 0 (not -inf) or NaN outputs for a row whose mask is all
         # -inf: its lse is set to -inf so that the merge leaves it untouched.
-        block_out, block_lse = self._blocks(q).forward(q, k, v, scale, False, mask)
+        block_out, block_lse = self._forward(q, k, v, scale, False, mask, softcap)
         attention_merge_(out, lse, block_out, block_lse.masked_fill(empty_rows, float("-inf")))
 
-    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False):
+    def _forward(self, q, k, v, scale, causal, mask, softcap):
+        blocks = self._blocks(q, softcap)
+        more = (softcap,) if blocks is MATH_BLOCKS else ()
+        return blocks.forward(q, k, v, scale, causal, mask, *more)
+
+    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False, softcap=0.0):
         raise NotImplementedError("the aten step backend takes masked blocks, not intervals")
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal):
-        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, causal, None)
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal, softcap=0.0):
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, causal, None, softcap)
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask):
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask, softcap=0.0):
         # exp(s + mask - lse) is exactly 0 where the mask is -inf: the masked keys and the
         # empty rows get nothing.
-        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, False, mask)
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, False, mask, softcap)
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals):
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=0.0):
         raise NotImplementedError("the aten step backend takes masked blocks, not intervals")
 
-    def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, scale, causal, mask):
+    def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, scale, causal, mask, softcap):
         # Given the final out and lse, the kernels rebuild this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
-        grad_q, grad_k, grad_v = self._blocks(q).backward(dout, q, k, v, out, lse, scale, causal, mask)
+        blocks = self._blocks(q, softcap)
+        more = (softcap,) if blocks is MATH_BLOCKS else ()
+        grad_q, grad_k, grad_v = blocks.backward(dout, q, k, v, out, lse, scale, causal, mask, *more)
         dq.add_(grad_q)
         dk, dv = grad_kv()
         dk.add_(grad_k)
@@ -140,8 +152,8 @@ class AtenSteps:
 
 class TritonSteps:
     """The fused step kernels (seqpar_kernels/kernels/; on CPU tensors the Triton
-    interpreter, in tests). The kernels are imported at the first call: Triton is needed
-    on GPUs only (CPU-only torch wheels lack it)."""
+    interpreter, in tests); softcap inside the kernels. The kernels are imported at the
+    first call: Triton is needed on GPUs only (CPU-only torch wheels lack it)."""
 
     takes_intervals = True
     first_step_writes_every_row = True
@@ -155,38 +167,47 @@ class TritonSteps:
     def prepare_backward(self, out, dout):
         return self._kernels().attention_backward_preprocess(out, dout)
 
-    def forward(self, q, k, v, out, lse, scale, causal, first_step=False):
+    def forward(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
         kernels = self._kernels()
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode, first_step=first_step)
+        options = dict(softmax_scale=scale, mask_mode=mode, first_step=first_step, **_cap(softcap))
+        kernels.attention_step_forward(q, k, v, out, lse, **options)
 
-    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows):
+    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows, softcap=0.0):
         raise NotImplementedError("the Triton step backend takes intervals, not masked blocks")
 
-    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False):
+    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False, softcap=0.0):
         kernels = self._kernels()
-        kernels.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS,
-                                       intervals=intervals, first_step=first_step)  # fmt: skip
+        options = dict(softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, first_step=first_step, **_cap(softcap))
+        kernels.attention_step_forward(q, k, v, out, lse, intervals=intervals, **options)
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal, softcap=0.0):
         kernels = self._kernels()
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, None)
+        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, None, softcap)
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask):
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask, softcap=0.0):
         raise NotImplementedError("the Triton step backend takes intervals, not masked blocks")
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals):
-        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, self._kernels().MASK_INTERVALS, intervals)
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=0.0):
+        mode = self._kernels().MASK_INTERVALS
+        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals, softcap)
 
-    def _backward(self, dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals):
+    def _backward(self, dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals, softcap):
         # The dq kernel first, then the dk/dv kernel into grad_kv()'s (dk, dv), asked for
         # only once dq is launched.
         kernels = self._kernels()
-        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals)
+        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, **_cap(softcap))
         kernels.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, **options)
         kernels.attention_step_backward_dkdv(q, k, v, dout, lse, delta, *grad_kv(), **options)
 
+
+def _cap(softcap: float) -> dict:
+    # Only when capping: a launch without a cap is the kernels' plain variant.
+    return {"softcap": softcap} if softcap > 0 else {}
+
+
+MATH_BLOCKS = MathBlocks()
 
 STEP_KERNELS = {
     "aten": AtenSteps(CpuFlashBlocks(repeat_kv_heads=not CPU_FLASH_READS_GQA), CudaLibraryBlocks()),
@@ -243,16 +264,18 @@ def _device_capability(device_index: int) -> int:
     return 10 * major + minor
 
 
-def auto_step_backend(device: torch.device, dtype: torch.dtype) -> str:
+def auto_step_backend(device: torch.device, dtype: torch.dtype, in_kernel_features: bool = False) -> str:
     """The backend "auto" runs for tensors of `dtype` on `device`: "aten" on CPUs
     (Triton kernels run there only in the interpreter); on GPUs "triton" for fp32 (exact
-    fp32 products, where the library kernels round to TF32 or refuse fp32) and the
-    table's entry for the GPU's family otherwise."""
+    fp32 products, where the library kernels round to TF32 or refuse fp32) and for what
+    only the Triton kernels do in the kernel (in_kernel_features: softcapped scores,
+    windows and chunks, which the library kernels would take as plain torch or masked
+    blocks), and the table's entry for the GPU's family otherwise."""
     if device.type == "cpu":
         return "aten"
     if device.type != "cuda":
         raise ValueError(f"ring attention runs on CPU or CUDA tensors, got device {device}")
-    if dtype == torch.float32:
+    if dtype == torch.float32 or in_kernel_features:
         return "triton"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return step_backend_table()[gpu_family(_device_capability(index))]["backend"]
@@ -264,11 +287,11 @@ def check_step_backend(step_backend) -> None:
         raise ValueError(f"step_backend must be one of {STEP_BACKENDS}, got {step_backend!r}")
 
 
-def step_kernels_for(name: str, q: torch.Tensor) -> StepBackend:
+def step_kernels_for(name: str, q: torch.Tensor, in_kernel_features: bool = False) -> StepBackend:
     """The step backend called `name` (a key of STEP_KERNELS, or AUTO: auto_step_backend's
-    choice for q's device and dtype)."""
+    choice for q's device and dtype, and in_kernel_features)."""
     if name == AUTO:
-        name = auto_step_backend(q.device, q.dtype)
+        name = auto_step_backend(q.device, q.dtype, in_kernel_features)
     if name not in STEP_KERNELS:
         raise ValueError(f"step kernels must be one of {[AUTO, *STEP_KERNELS]}, got {name!r}")
     return STEP_KERNELS[name]

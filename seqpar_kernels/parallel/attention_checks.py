@@ -38,18 +38,37 @@ class AttentionCall:
     scale     the softmax scale (may be <= 0: fold_scale_sign makes it positive)
     seq_lens  every rank's local length in piece order, where known without a gather
               (passed, or the varlen plan's); None: the checks' gather finds them
-    mask      which keys each query attends (causal; the plan's documents)
+    mask      which keys each query attends (causal, the plan's documents, a window,
+              chunks)
+    softcap   scores capped as softcap * tanh(s / softcap); 0.0: not
+    sinks     None, or the (nheads,) per-head sink logits
     agreed    the metadata every rank of the call must pass alike"""
 
     scale: float
     seq_lens: list[int] | None
     mask: AttentionMask
+    softcap: float
+    sinks: torch.Tensor | None
     agreed: tuple
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether the call asks for nothing beyond causal or full attention and documents."""
+        return not self.mask.is_local and self.softcap == 0.0 and self.sinks is None
+
+    def variant_arguments(self, heads: slice | None = None) -> dict:
+        """The window, chunk, softcap and sinks as the engine's ops take them; heads: the
+        sinks of these q heads only (the heads a Ulysses rank holds)."""
+        sinks = self.sinks if self.sinks is None or heads is None else self.sinks[heads]
+        window_left, window_right = self.mask.window
+        return dict(window_left=window_left, window_right=window_right, chunk_size=self.mask.chunk_size or 0,
+                    softcap=self.softcap, sinks=sinks)  # fmt: skip
 
 
 def check_attention_call(
     describe: str, q, k, v, *, causal, softmax_scale, seq_lens, varlen, ranks: GroupInfo | Grid,
-    layout: str | None = None, step_backend: str | None = None, return_lse=None,
+    layout: str | None = None, step_backend: str | None = None, return_lse=None, window_size=(-1, -1),
+    softcap=0.0, sinks=None, attention_chunk_size=None,
 ) -> AttentionCall:  # fmt: skip
     """Every local check of an attention call (no communication); raises ValueError
     naming what is wrong. ranks: the call's group (GroupInfo) or USP grid. layout and
@@ -78,10 +97,56 @@ def check_attention_call(
         seq_lens = varlen.seq_lens
     elif seq_lens is not None:
         seq_lens = check_local_sizes(seq_lens, pieces, q.shape[1], "seq_lens", q.shape, 1)
-    mask = AttentionMask(causal, None if varlen is None else varlen.layout.cu_seqlens)
+    window = check_window_size(window_size)
+    softcap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    chunk = check_attention_chunk_size(attention_chunk_size)
+    mask = AttentionMask(causal, None if varlen is None else varlen.layout.cu_seqlens, window, chunk)
     batch, _, heads, head_dim = q.shape
-    agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens, step_backend, return_lse)
-    return AttentionCall(scale, seq_lens, mask, agreed)
+    sinks_kind = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
+    agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens, step_backend, return_lse,
+              window, softcap, sinks_kind, chunk)  # fmt: skip
+    return AttentionCall(scale, seq_lens, mask, softcap, sinks, agreed)
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """window_size=(left, right), flash-attention's: two ints >= -1, -1 for no bound."""
+    valid = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(side, int) and not isinstance(side, bool) and side >= -1 for side in window_size
+    )  # fmt: skip
+    if not valid:
+        raise ValueError(
+            f"window_size must be (left, right), two ints >= -1 (-1: no bound on that side), got {window_size!r:.80}"
+        )
+    return tuple(window_size)
+
+
+def check_softcap(softcap) -> float:
+    """softcap: a finite number >= 0 (0: no cap)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap!r:.80}")
+    return softcap * 1.0
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """sinks: None, or a floating (nheads,) tensor on q's device."""
+    if sinks is None:
+        return
+    heads = q.shape[2]
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,) or not sinks.is_floating_point():
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a floating (nheads,) = ({heads},) tensor, got {shape} (q {tuple(q.shape)})")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+
+
+def check_attention_chunk_size(attention_chunk_size) -> int | None:
+    """attention_chunk_size: None, or an int >= 1."""
+    if attention_chunk_size is None:
+        return None
+    if isinstance(attention_chunk_size, bool) or not isinstance(attention_chunk_size, int) or attention_chunk_size < 1:
+        raise ValueError(f"attention_chunk_size must be None or an int >= 1, got {attention_chunk_size!r:.80}")
+    return attention_chunk_size
 
 
 def check_varlen_call(describe: str, plan, q: torch.Tensor, ranks: GroupInfo | Grid) -> None:

@@ -62,6 +62,10 @@ def ring_attention(
     seq_lens: list[int] | None = None,
     varlen=None,
     step_backend: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -96,17 +100,34 @@ def ring_attention(
         plan's layout (plan.split makes them); attention stays inside each document
         (causal or not within it); a step whose K/V block shares no document with this
         rank's queries computes nothing. layout and seq_lens then come from the plan.
+    step_backend: what computes each step: "triton", "aten" or "auto" (the README).
+    window_size: (left, right), flash-attention's sliding window: the query at position i
+        sees the keys at positions i - left ..= i + right (-1: no bound on that side;
+        causal also bounds them by i). Positions in the whole sequence (in the document
+        under varlen), whatever the layout. A step no query of this rank sees computes
+        nothing, and the ring stops after the farthest block some rank sees (with the
+        contiguous layout and a window shorter than a piece: one block).
+    softcap: > 0 caps the scores, softcap * tanh(softmax_scale * q.k / softcap) (Gemma 2).
+    sinks: None, or (nheads,) per-head logits in the scores' units, the same on every
+        rank: head h's softmax denominator gains exp(sinks[h]), with no value (gpt-oss).
+        Differentiable: each rank's sinks.grad is its rows' share; their sum is the gradient.
+    attention_chunk_size: None, or a query sees only the keys of its own chunk of that many
+        positions (counted from its document's start under varlen; Llama 4).
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
-    [, lse (batch, nheads, seqlen_local) fp32, detached: its gradient is not propagated].
+    [, lse (batch, nheads, seqlen_local) fp32 (sinks included), detached: its gradient is
+    not propagated].
 
     Autograd: dq, dk, dv through the ring backward (dK/dV accumulate in fp32 while they
     travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
     (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather (with local
-    lengths that differ: seqpar_kernels/engine/ring_driver.py gives the formula).
+    lengths that differ: seqpar_kernels/engine/ring_driver.py gives the formula). Under a
+    window or chunks the ring stops after step m, the farthest ring offset some rank sees:
+    m in place of P-1.
     """
     return _ring_attention(
         q, k, v, step_backend, True, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-        return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, varlen=varlen,
+        return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, varlen=varlen, window_size=window_size,
+        softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
     )  # fmt: skip
 
 
@@ -120,7 +141,8 @@ def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
 
 def _ring_attention(
     q, k, v, step_kernels: str, public: bool, *, group=None, causal=False, softmax_scale=None,
-    layout="contiguous", return_lse=False, check_ranks=True, seq_lens=None, varlen=None,
+    layout="contiguous", return_lse=False, check_ranks=True, seq_lens=None, varlen=None, window_size=(-1, -1),
+    softcap=0.0, sinks=None, attention_chunk_size=None,
 ):  # fmt: skip
     """ring_attention with the step backend `step_kernels`: one of its public choices
     (public, checked) or a name of STEP_KERNELS."""
@@ -129,7 +151,8 @@ def _ring_attention(
     with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=exchange) as checks:
         call = check_attention_call(
             "ring_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
-            ranks=info, layout=layout, step_backend=step_kernels if public else AUTO,
+            ranks=info, layout=layout, step_backend=step_kernels if public else AUTO, window_size=window_size,
+            softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
         )  # fmt: skip
         check_bool("check_ranks", check_ranks)
         checks.share(q.shape[1], (*call.agreed, step_kernels))
@@ -137,9 +160,10 @@ def _ring_attention(
     if layout == "zigzag":
         check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
     q, scale = fold_scale_sign(q, call.scale)
-    documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
+    documents = (None, None) if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
     out, lse = ring_attention_forward(
-        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents
+        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents,
+        **call.variant_arguments(),
     )  # fmt: skip
     return (out, lse.detach()) if return_lse else out
 

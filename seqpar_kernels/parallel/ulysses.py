@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from seqpar_kernels.comm.exchange import exchange_blocks
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges
-from seqpar_kernels.engine.varlen_ops import varlen_attention_forward
+from seqpar_kernels.engine.local_ops import local_attention_forward
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import offsets, tensor_split_ranges
 from seqpar_kernels.parallel.attention_checks import check_attention_call, fold_scale_sign
@@ -89,21 +89,24 @@ def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
-def _local_varlen_attention(q, k, v, varlen, q_head_start, group_size, causal, softmax_scale):
-    """Attention inside each document of the model's q heads [q_head_start, +n) on the
-    whole packed sequence: q (1, S, n, D), k, v (1, S, n_kv, D), the ranks' pieces one
-    after another. Returns out (1, S, n, D) in the same order."""
+def _local_masked_attention(q, k, v, call, varlen, q_head_start, group_size, softmax_scale):
+    """Attention under the call's mask (documents, a window, chunks), softcap and sinks of
+    the model's q heads [q_head_start, +n) on the whole sequence: q (B, S, n, D), k, v
+    (B, S, n_kv, D), the ranks' pieces one after another. Returns out (B, S, n, D) in
+    the same order."""
     order = None
-    if not varlen.layout.in_global_order:
+    if varlen is not None and not varlen.layout.in_global_order:
         # The pieces concatenated in rank order are not the sequence in order: bring the
         # tokens into global order, where each document is one range, and back after.
         positions = varlen.layout.concatenated_positions().to(q.device)
         order = torch.argsort(positions)
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
+    cu_seqlens = None if varlen is None else varlen.cu_seqlens_tensor
     outputs = [
-        varlen_attention_forward(
+        local_attention_forward(
             q.narrow(2, q_offset, q_count), k.narrow(2, kv_offset, kv_count), v.narrow(2, kv_offset, kv_count),
-            causal, softmax_scale, varlen.cu_seqlens_tensor,
+            call.mask.causal, softmax_scale, cu_seqlens,
+            **call.variant_arguments(slice(q_head_start + q_offset, q_head_start + q_offset + q_count)),
         )[0]
         for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[2], group_size)
     ]  # fmt: skip
@@ -195,6 +198,10 @@ def ulysses_attention(
     softmax_scale: float | None = None,
     seq_lens: list[int] | None = None,
     varlen=None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -216,6 +223,11 @@ def ulysses_attention(
         fp16/bf16; the step kernels over the document mask otherwise). The contiguous
         layout suits Ulysses best: the balanced one costs a reordering of the exchanged
         sequence into global order and back. seq_lens then comes from the plan.
+    window_size, softcap, sinks, attention_chunk_size: as ring_attention's (the sliding
+        window (left, right), capped scores, per-head sink logits, chunked attention).
+        After the exchange a rank holds whole sequences of its heads, so every variant is
+        local: the step backends over the whole sequence's mask (the Triton kernels on
+        GPUs); each rank's sinks.grad holds its heads' gradients, the others 0.
     Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
@@ -225,7 +237,8 @@ def ulysses_attention(
     with CheckedOnEveryRank("ulysses_attention", info, device_of(q), exchange=seq_lens is None) as checks:
         call = check_attention_call(
             "ulysses_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens,
-            varlen=varlen, ranks=info,
+            varlen=varlen, ranks=info, window_size=window_size, softcap=softcap, sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
         )  # fmt: skip
         checks.share(q.shape[1], call.agreed)
     seq_lens = checks.sizes if call.seq_lens is None else call.seq_lens
@@ -233,10 +246,10 @@ def ulysses_attention(
     plan = UlyssesPlan.of(seq_lens, num_heads, k.shape[2])
     q, scale = fold_scale_sign(q, call.scale)
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
-    if varlen is not None:
-        out_heads = _local_varlen_attention(
-            q_heads, k_heads, v_heads, varlen, plan.head_starts[info.rank], num_heads // k.shape[2], causal, scale
-        )  # (1, S, n, D)
+    if varlen is not None or not call.is_plain:
+        out_heads = _local_masked_attention(
+            q_heads, k_heads, v_heads, call, varlen, plan.head_starts[info.rank], num_heads // k.shape[2], scale
+        )  # (B, S, n, D)
         return heads_to_sequence(out_heads, plan, info)
     out_heads = _local_attention(
         q_heads.transpose(1, 2),

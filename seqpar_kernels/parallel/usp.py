@@ -161,6 +161,10 @@ def usp_attention(
     return_lse: bool = False,
     varlen=None,
     step_backend: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ):
     """Exact attention over a sequence sharded across a grid of R x U ranks: Ulysses
     inside each ring slot, the ring across slots.
@@ -193,6 +197,10 @@ def usp_attention(
     Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached].
 
+    window_size, softcap, sinks, attention_chunk_size: as ring_attention's (positions in
+        the whole sequence, in the document under varlen); the ring over the slots skips
+        what a window cannot see, each Ulysses rank passes its heads' sinks.
+
     Degree 1: with U = 1 this is ring_attention over the ring group, and with R = 1
     (U > 1) ulysses_attention over the Ulysses group, bit for bit, except that R = 1
     with return_lse runs the general path (Ulysses, then a ring of one rank, which
@@ -209,14 +217,14 @@ def usp_attention(
     def local_checks():
         call = check_attention_call(
             "usp_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
-            ranks=grid, layout=layout, step_backend=step_backend, return_lse=return_lse,
+            ranks=grid, layout=layout, step_backend=step_backend, return_lse=return_lse, window_size=window_size,
+            softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
         )  # fmt: skip
-        return q.shape[1], call.agreed, (call.scale, call.seq_lens)
+        return q.shape[1], call.agreed, call
 
-    (scale, lengths), row_lens, slot_lens = checked_on_grid(
-        "usp_attention", grid, device_of(q), seq_lens is None, local_checks
-    )
+    call, row_lens, slot_lens = checked_on_grid("usp_attention", grid, device_of(q), seq_lens is None, local_checks)
     ulysses_size, ring_size = grid.ulysses.world_size, grid.ring.world_size
+    lengths = call.seq_lens
     if lengths is not None:
         by_slot = [lengths[i * ulysses_size : (i + 1) * ulysses_size] for i in range(ring_size)]
         row_lens, slot_lens = by_slot[grid.ring.rank], [sum(slot) for slot in by_slot]
@@ -224,38 +232,35 @@ def usp_attention(
         check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
 
     if varlen is not None:  # one path for every degree: the plan describes the grid
-        return _usp_attention(
-            q, k, v, grid, causal, scale, False, row_lens, slot_lens, return_lse, step_backend, varlen
-        )  # fmt: skip
+        return _usp_attention(q, k, v, grid, call, False, row_lens, slot_lens, return_lse, step_backend, varlen)
     # Degree 1: the one-dimensional algorithms themselves, their checks already run here.
+    variants = dict(window_size=window_size, softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size)
     if ulysses_size == 1:
         return ring_attention(
             q, k, v, group=grid.ring_group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-            return_lse=return_lse, seq_lens=slot_lens, step_backend=step_backend,
+            return_lse=return_lse, seq_lens=slot_lens, step_backend=step_backend, **variants,
         )  # fmt: skip
     if ring_size == 1 and not return_lse:
         # One slot: zigzag over one ring rank is the contiguous layout.
         return ulysses_attention(
-            q, k, v, group=grid.ulysses_group, causal=causal, softmax_scale=softmax_scale, seq_lens=row_lens
-        )
-    return _usp_attention(
-        q, k, v, grid, causal, scale, layout == "zigzag", row_lens, slot_lens, return_lse, step_backend
-    )  # fmt: skip
+            q, k, v, group=grid.ulysses_group, causal=causal, softmax_scale=softmax_scale, seq_lens=row_lens,
+            **variants,
+        )  # fmt: skip
+    return _usp_attention(q, k, v, grid, call, layout == "zigzag", row_lens, slot_lens, return_lse, step_backend)
 
 
-def _usp_attention(
-    q, k, v, grid: Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None
-):
-    """usp_attention once checked: Ulysses exchange, the ring per uniform head run,
-    Ulysses exchange back."""
+def _usp_attention(q, k, v, grid: Grid, call, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None):
+    """usp_attention once checked (call: its AttentionCall): Ulysses exchange, the ring
+    per uniform head run, Ulysses exchange back."""
     batch, _, num_heads, _ = q.shape
     plan = UlyssesPlan.of(row_lens, num_heads, k.shape[2])
-    q, scale = fold_scale_sign(q, scale)
+    q, scale = fold_scale_sign(q, call.scale)
     # (B, S_p, H, D) -> (B, S_slot, n, D) stored as (B, n, S_slot, D).
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, grid.ulysses)
     outs, lses = [], []
-    documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
-    runs = uniform_head_runs(plan.head_starts[grid.ulysses.rank], q_heads.shape[2], num_heads // k.shape[2])
+    documents = (None, None) if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
+    head_start = plan.head_starts[grid.ulysses.rank]
+    runs = uniform_head_runs(head_start, q_heads.shape[2], num_heads // k.shape[2])
     for q_offset, q_count, kv_offset, kv_count in runs:
         # The ring's step kernels map q head h to kv head h // (n / n_kv), so each run of
         # q heads whose kv heads serve equally many of them gets a ring of its own (two
@@ -265,7 +270,8 @@ def _usp_attention(
             q_heads.narrow(2, q_offset, q_count),
             k_heads.narrow(2, kv_offset, kv_count),
             v_heads.narrow(2, kv_offset, kv_count),
-            causal, scale, zigzag, grid.ring.name, step_backend, slot_lens, *documents,
+            call.mask.causal, scale, zigzag, grid.ring.name, step_backend, slot_lens, *documents,
+            **call.variant_arguments(slice(head_start + q_offset, head_start + q_offset + q_count)),
         )  # fmt: skip
         outs.append(out)  # (B, S_slot, q_count, D)
         lses.append(lse.detach())  # (B, q_count, S_slot); not differentiable, as ring_attention's

@@ -1,0 +1,108 @@
+"""seqpar::local_attention_forward and seqpar::local_attention_backward: attention in one
+process under any mask of the package (packed documents, windows, chunks, softcap,
+sinks), with their fake kernels and autograd.
+
+What they run: engine/local_attention.py. Public entry point: ulysses_attention, whose
+local attention they are when it is not plain SDPA (parallel/ulysses.py). Tests:
+tests/test_varlen.py, tests/test_attention_variants.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from seqpar_kernels.engine.local_attention import local_backward, local_forward
+from seqpar_kernels.engine.masks import AttentionMask
+
+
+def _mask(causal, cu_seqlens, window_left, window_right, chunk_size) -> AttentionMask:
+    documents = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    return AttentionMask(causal, documents, (window_left, window_right), chunk_size or None)
+
+
+@torch.library.custom_op("seqpar::local_attention_forward", mutates_args=())
+def local_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    chunk_size: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query over the keys its mask gives it, in one process.
+
+    q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; any strides.
+    cu_seqlens: None, or (documents + 1,) int64 CPU document bounds from 0 to S (batch 1).
+    window_left, window_right, chunk_size (0: none), softcap (0: none), sinks ((H,) or
+    None): engine/masks.py AttentionMask's and ring_attention_forward's.
+    Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural log)."""
+    mask = _mask(causal, cu_seqlens, window_left, window_right, chunk_size)
+    return local_forward(q, k, v, mask, softmax_scale, softcap, sinks)
+
+
+@local_attention_forward.register_fake
+def _local_attention_forward_fake(q, k, v, *args, **kwargs):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("seqpar::local_attention_backward", mutates_args=())
+def local_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    chunk_size: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of local_attention_forward's out: (dq, dk, dv, dsinks), contiguous, dq,
+    dk, dv in q's dtype shaped like q, k, v; dsinks in the sinks' dtype ((0,) without)."""
+    mask = _mask(causal, cu_seqlens, window_left, window_right, chunk_size)
+    dq, dk, dv, dsinks = local_backward(dout, q, k, v, out, lse, mask, softmax_scale, softcap, sinks)
+    dsinks = q.new_empty((0,)) if dsinks is None else dsinks
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks
+
+
+@local_attention_backward.register_fake
+def _local_attention_backward_fake(
+    dout, q, k, v, out, lse, causal, softmax_scale, cu_seqlens=None, window_left=-1, window_right=-1, chunk_size=0,
+    softcap=0.0, sinks=None,
+):  # fmt: skip
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = tuple(args)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # lse is not differentiable (as the ring op's); its gradient, if any, is ignored.
+    q, k, v, out, lse = ctx.saved_tensors
+    no_grads = [None] * len(ctx.args)
+    if grad_out is None:
+        return None, None, None, *no_grads
+    dq, dk, dv, dsinks = local_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    if ctx.args[-1] is not None:  # sinks, the last argument
+        no_grads[-1] = dsinks
+    return dq, dk, dv, *no_grads
+
+
+local_attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -251,3 +251,58 @@ def test_bad_variant_arguments_raise_on_every_rank(function_name):
     for what in BAD:
         messages = pool_for(2).run(run_bad, function_name, what)
         assert all(message is not None for message in messages), (what, messages)
+
+
+# ----------------------------------------------------------------------------------
+# The ops: opcheck, torch.compile
+# ----------------------------------------------------------------------------------
+
+
+def test_opcheck_of_the_ops_with_every_variant():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, 4, 16, generator=generator, requires_grad=True)
+    k = torch.randn(2, 9, 2, 16, generator=generator, requires_grad=True)
+    v = torch.randn(2, 9, 2, 16, generator=generator, requires_grad=True)
+    sinks = torch.randn(4, generator=generator, requires_grad=True)
+    variants = dict(window_left=3, window_right=1, chunk_size=5, softcap=1.5, sinks=sinks)
+    # One process (group name ""): the ring of one rank, and the local attention.
+    ring_args = (q, k, v, True, 0.25, False, "", "auto", [9])
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, ring_args, variants)
+    torch.library.opcheck(torch.ops.seqpar.local_attention_forward.default, (q, k, v, True, 0.25), variants)
+    detached = dict(variants, sinks=sinks.detach())
+    out, lse = torch.ops.seqpar.local_attention_forward(q.detach(), k.detach(), v.detach(), True, 0.25, **detached)
+    dout = torch.randn(out.shape, generator=generator)
+    torch.library.opcheck(
+        torch.ops.seqpar.local_attention_backward.default,
+        (dout, q.detach(), k.detach(), v.detach(), out, lse, True, 0.25),
+        detached,
+    )  # fmt: skip
+
+
+@on_every_rank
+def run_compiled(mode):
+    generator = torch.Generator().manual_seed(5)
+    rank, world_size = rank_and_world()
+    q, k, v, dout = (torch.randn(1, 4 * world_size, heads, 16, generator=generator) for heads in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=generator)
+    group = timeout_group()
+    attention = sp.ring_attention if mode == "ring" else sp.ulysses_attention
+
+    def call(q, k, v, sinks):
+        return attention(q, k, v, group=group, causal=True, window_size=(3, -1), softcap=2.0, sinks=sinks,
+                         attention_chunk_size=6, seq_lens=[4] * world_size)  # fmt: skip
+
+    local = [sp.split_sequence(t, 1, group).detach() for t in (q, k, v, dout)]
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    eager = reference.with_grads(call, [*local[:3], sinks], local[3])
+    traced = reference.with_grads(compiled, [*local[:3], sinks], local[3])
+    return [reference.max_error(a, b) for a, b in zip(eager, traced) if a is not None]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_compiled_fullgraph_matches_eager(mode):
+    from conftest import pool_for
+
+    for errors in pool_for(2).run(run_compiled, mode):
+        assert max(errors) == 0.0, errors

@@ -383,18 +383,18 @@ def test_compiled_with_the_plan_built_outside(method):
         assert max(errors) == 0.0, errors
 
 
-def test_opcheck_of_the_varlen_ops():
+def test_opcheck_of_the_local_and_ring_ops_with_documents():
     generator = torch.Generator().manual_seed(0)
     bounds = torch.tensor([0, 3, 4, 11], dtype=torch.int64)
     q = torch.randn(1, 11, 4, 16, generator=generator, requires_grad=True)
     k = torch.randn(1, 11, 2, 16, generator=generator, requires_grad=True)
     v = torch.randn(1, 11, 2, 16, generator=generator, requires_grad=True)
     for causal in (True, False):
-        torch.library.opcheck(torch.ops.seqpar.varlen_attention_forward.default, (q, k, v, causal, 0.25, bounds))
-        out, lse = torch.ops.seqpar.varlen_attention_forward(q.detach(), k.detach(), v.detach(), causal, 0.25, bounds)
+        torch.library.opcheck(torch.ops.seqpar.local_attention_forward.default, (q, k, v, causal, 0.25, bounds))
+        out, lse = torch.ops.seqpar.local_attention_forward(q.detach(), k.detach(), v.detach(), causal, 0.25, bounds)
         dout = torch.randn(out.shape, generator=generator)
         torch.library.opcheck(
-            torch.ops.seqpar.varlen_attention_backward.default,
+            torch.ops.seqpar.local_attention_backward.default,
             (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, bounds),
         )
         # The ring ops with documents, one process (group name ""): one slot holding all.

@@ -148,7 +148,9 @@ def _forward_backward(ctx, grad_out, grad_lse):
     no_grads = [None] * len(ctx.args)
     if grad_out is None:
         return None, None, None, *no_grads
-    dq, dk, dv, dsinks = ring_attention_backward(grad_out, q, k, v, out, lse, *ctx.args)
+    # The sinks as data: the backward op is not differentiated again.
+    args = (*ctx.args[:-1], None if ctx.args[-1] is None else ctx.args[-1].detach())
+    dq, dk, dv, dsinks = ring_attention_backward(grad_out, q, k, v, out, lse, *args)
     if ctx.args[-1] is not None:  # sinks, the last argument
         no_grads[-1] = dsinks
     return dq, dk, dv, *no_grads

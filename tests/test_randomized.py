@@ -5,7 +5,8 @@ all_to_all_reshard, split/gather_sequence, zigzag_split/gather), shapes (uneven 
 empty pieces, GQA/MQA, heads not divisible by the ranks, head dims 1 to 256), a dtype,
 the layouts real models hand over (slices of a fused qkv projection, (B, H, S, D)
 storage, a last dim that is not contiguous, expanded views), causal or not, the
-softmax scale (zero and negative ones too), and now and then torch.compile. Every rank
+softmax scale (zero and negative ones too), the attention variants (a sliding window,
+chunks, softcapped scores, sinks), and now and then torch.compile. Every rank
 draws the same cases, runs its piece, and compares forward and backward with a
 single-process fp64 answer: data movement bit for bit, attention by the accuracy rule
 (tools/reference.py).
@@ -79,6 +80,16 @@ def draw_attention_case(rng: random.Random, world_size: int) -> dict:
     elif case["scale"] == "negative":
         case["scale"] = -round(rng.uniform(0.05, 1.5), 4)
     case["lengths"] = [rng.choice((0, 1, 2, 3, 4, 5, 7)) for _ in range(world_size)]
+    # The variants from a generator of their own: the draws above stay those of every
+    # earlier release of this test.
+    variant_rng = random.Random(case["seed"])
+    if variant_rng.random() < 0.4:
+        case["variants"] = dict(
+            window_size=[variant_rng.choice((-1, 0, 1, 2, 5)), variant_rng.choice((-1, -1, 0, 1, 3))],
+            softcap=variant_rng.choice((0.0, 0.0, round(variant_rng.uniform(0.5, 5.0), 3))),
+            attention_chunk_size=variant_rng.choice((None, None, variant_rng.randint(1, 8))),
+            sinks=variant_rng.random() < 0.3,
+        )
     if function == "ring":
         case["layout"] = rng.choice(("contiguous", "zigzag"))
         if case["layout"] == "zigzag":  # the zigzag pieces of a sequence of any length
@@ -212,28 +223,51 @@ def run_attention_case(case: dict, rank: int) -> dict:
     )
     causal, scale = case["causal"], case["scale"]
     make_inputs = lambda q, k, v: attention_inputs(case, q, k, v)  # noqa: E731
-
-    exact = reference.with_grads(
-        lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, dout_full, make_inputs
+    variants = dict(case.get("variants", {}))
+    if variants.get("sinks"):
+        variants["sinks"] = _draw(generator, (case["heads"],))
+    else:
+        variants.pop("sinks", None)
+    window = tuple(variants.get("window_size", (-1, -1)))
+    reference_variants = dict(
+        window_size=window, softcap=variants.get("softcap", 0.0), chunk_size=variants.get("attention_chunk_size")
     )
+
+    def exact_fn(q, k, v, dtype=torch.float64):
+        sinks = variants.get("sinks")
+        sinks = None if sinks is None else sinks.to(dtype)
+        return reference.attention(q, k, v, causal, scale, sinks=sinks, **reference_variants)
+
+    exact = reference.with_grads(exact_fn, leaves, dout_full, make_inputs)
     low = [t.to(dtype) for t in leaves]
     plain = reference.with_grads(
-        lambda q, k, v: reference.attention(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs
-    )
-    fused = reference.with_grads(
-        lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs
-    )
+        lambda q, k, v: exact_fn(q, k, v, dtype), low, dout_full.to(dtype), make_inputs
+    )  # fmt: skip
+    # SDPA takes windows and chunks as a mask, as models hand them to it; softcap and sinks
+    # not: there plain attention alone is the yardstick.
+    attn_mask = None
+    if variants and not variants.get("softcap") and "sinks" not in variants:
+        attn_mask = reference.visible(total, causal, window, variants.get("attention_chunk_size"))
+    fused = plain if variants and attn_mask is None else reference.with_grads(
+        lambda q, k, v: reference.sdpa(q, k, v, causal, scale, attn_mask), low, dout_full.to(dtype), make_inputs
+    )  # fmt: skip
 
     group = timeout_group()
+    ours_variants = dict(variants, window_size=window)
+    if "sinks" in ours_variants:
+        ours_variants["sinks"] = ours_variants["sinks"].to(dtype)
 
     def ours_fn(q, k, v):
         if case["function"] == "ring":
             # Compiled code cannot gather the lengths: it is given them.
             seq_lens = case["lengths"] if case.get("pass_seq_lens") or case.get("compile") else None
             return sp.ring_attention(
-                q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group, seq_lens=seq_lens
-            )
-        return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=case["lengths"], group=group)
+                q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group, seq_lens=seq_lens,
+                **ours_variants,
+            )  # fmt: skip
+        return sp.ulysses_attention(
+            q, k, v, causal=causal, softmax_scale=scale, seq_lens=case["lengths"], group=group, **ours_variants
+        )  # fmt: skip
 
     local_leaves = [_rows(case, t, rank).to(dtype) for t in leaves]
     dout_local = _rows(case, dout_full, rank).to(dtype)

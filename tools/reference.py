@@ -116,7 +116,7 @@ def attention(q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softca
     return out, torch.logsumexp(scores.to(lse_dtype), dim=-1)
 
 
-def sdpa(q, k, v, causal=False, scale=None):
+def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
     """(out, None) of torch's scaled_dot_product_attention in q's dtype, on (B, H, S, D)
     contiguous copies: the layout models hand it, for which torch runs its fused (flash)
     kernel. Which backend SDPA runs depends on the layout it is given, and its math
@@ -124,7 +124,9 @@ def sdpa(q, k, v, causal=False, scale=None):
     yardstick fixes the layout. GQA/MQA kv heads are repeated, not passed with
     enable_gqa: on the CPU torch 2.6 runs its math backend for enable_gqa (dk exact to
     1e-11 on one-hot rows, where the flash backward errs by 2.2e-3), 2.13 and 2.14 the
-    flash kernel either way. A negative or zero scale is given as the same scores
+    flash kernel either way. attn_mask: a boolean (S, S) mask of the keys each query
+    sees (windows, chunks, documents; causal folded in), as a model hands SDPA a mask
+    (a row that sees no key gives 0). A negative or zero scale is given as the same scores
     with a positive one (-q, or zero q with scale 1): SDPA's CPU kernel masks causal
     scores before scaling them and returns NaN otherwise."""
     scale = default_scale(q) if scale is None else scale
@@ -134,6 +136,11 @@ def sdpa(q, k, v, causal=False, scale=None):
         q, scale = q * 0, 1.0
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    if attn_mask is not None:  # a boolean (S, S) mask of the keys each query sees, causal folded in
+        out = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2).contiguous() for t in (q, k, v)), attn_mask=attn_mask, scale=scale
+        )
+        return out.transpose(1, 2).nan_to_num(0.0), None
     out = F.scaled_dot_product_attention(
         *(t.transpose(1, 2).contiguous() for t in (q, k, v)), is_causal=causal, scale=scale
     )

@@ -30,6 +30,7 @@ from bench import (
     bench_transformers,
     bench_ulysses,
     bench_usp,
+    bench_variants,
     bench_varlen,
     hardware,
 )
@@ -59,6 +60,7 @@ BENCHES = {
     "ring-step": (bench_ring_step,),
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
+    "variants": (bench_variants,),
     "loss": (bench_loss,),
     "transformers": (bench_transformers,),
 }
@@ -111,6 +113,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
     if "usp" in only:
         metadata["usp_baseline"] = bench_usp.BASELINE_NOTE
+    if "variants" in only:
+        metadata["variants_baseline"] = bench_variants.BASELINE_NOTE
     if "varlen" in only:
         metadata["varlen_baseline"] = bench_varlen.BASELINE_NOTE
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()

@@ -164,6 +164,18 @@ def test_every_variant_matches_fp64_attention(ranks):
     assert not failures, "\n".join(failures)
 
 
+def test_usp_grids_of_six_ranks():
+    # 2 x 3 and 3 x 2: grids whose degrees are not powers of two.
+    from conftest import pool_for
+
+    cases = [
+        case("usp-3x2-window-sinks", "usp", grid=3, window=(3, -1), sinks=True, H=6, H_kv=3, per_rank=3),
+        case("usp-2x3-zigzag-chunks-softcap", "usp", grid=2, layout="zigzag", chunk=4, softcap=1.0, per_rank=4),
+    ]
+    failures = [failure for per_rank in pool_for(6).run(run_cases, cases, torch.float32) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_within_twice_plain_torch_error(dtype):
     from conftest import pool_for

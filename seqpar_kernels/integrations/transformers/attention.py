@@ -9,19 +9,39 @@ AttentionInterface, and a mask function for each through AttentionMaskInterface:
 apply() switches a loaded model to one of them (model.set_attn_implementation) and records
 on its modules the mode, layout and process groups the attention uses.
 
+Masks: transformers builds each layer type's mask once per forward through the mask
+interface (masking_utils: create_causal_mask, create_sliding_window_causal_mask,
+create_chunked_causal_mask, ...), and hands the result to every layer of that type as its
+attention_mask. Ours returns a LayerMask instead of a tensor: the pattern read off the
+mask function transformers composed (causal or bidirectional, a sliding window, chunks),
+so that each layer attends exactly as the model's own eager/sdpa path would, over the
+whole sequence of every rank. transformers' conventions, converted:
+    sliding_window_overlay(w)   kv > q - w: a window of w keys, the query's own included
+                                -> window_size=(w - 1, -1) with causal
+    sliding_window_bidirectional_overlay(w)   |q - kv| <= w -> window_size=(w, w)
+    chunked_overlay(c)          q // c == kv // c -> attention_chunk_size=c
+Each of those functions is checked once per process and parameter against the pattern
+it is read as (on a grid of positions), so that a release that changed one raises
+instead of attending otherwise. Any other mask function (model-specific overlays, or_masks,
+image-token blocks) raises.
+
 What the attention functions take from transformers: query (B, H, S_local, D) and
 key/value (B, H_kv, S_local, D), views of (B, S_local, H, D) projections, handed to ours
-as (B, S_local, H, D) views without a copy; the scaling; is_causal (a causal decoder, or
-bidirectional); the SequenceShard that shard_batch put in the batch (the layout, every
-rank's length, a packed batch's varlen plan), which the model passes down; without
-one, the position ids, which must then be every rank's global positions in the layout
-(checked once per forward, with one small all-gather). Everything else that changes
-the result raises instead of being ignored: a padding mask or any mask pattern other
-than plain causal/bidirectional (sliding windows, chunked attention, model-specific
-overlays, packed documents not sharded by shard_batch), dropout while training,
-softcapping, attention sinks, a KV cache holding more keys than queries (generation).
-Padding belongs in shift_labels (shard_batch folds right padding there), packing in the
-varlen plan.
+as (B, S_local, H, D) views without a copy; the scaling; the LayerMask; softcap (Gemma
+2's attn_logit_softcapping); s_aux, the per-head sink logits (gpt-oss), passed to ours as
+sinks so that their gradient reaches the model's parameter; the SequenceShard that
+shard_batch put in the batch (the layout, every rank's length, a packed batch's varlen
+plan), which the model passes down; without one, the position ids, which must then be
+every rank's global positions in the layout (checked once per forward, with one small
+all-gather). Everything else that changes the result raises instead of being ignored: a
+padding mask or a tensor mask, dropout while training, a sliding_window argument its
+mask does not carry, sinks on a module that does not pass them, a KV cache holding more
+keys than queries (generation). Padding belongs in shift_labels (shard_batch folds right
+padding there), packing in the varlen plan.
+
+Llama 4's temperature tuning (its no-RoPE layers scale the queries by a function of each
+token's row in the sequence, computed by the model from 0 on every rank) is put right
+here: the queries are rescaled from the local rows the model used to the global ones.
 
 Supported releases: transformers 4.56 and newer (the models that dispatch attention
 through AttentionInterface and build masks through masking_utils).
@@ -30,6 +50,7 @@ through AttentionInterface and build masks through masking_utils).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -49,22 +70,12 @@ from seqpar_kernels.parallel.training import SequenceParallelism, SequenceShard
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.usp import usp_attention
 
-__all__ = ["register", "apply", "IMPLEMENTATIONS"]
+__all__ = ["register", "apply", "IMPLEMENTATIONS", "LayerMask"]
 
 IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "seqpar_usp"}
 # The attribute apply() sets on every module of the model: the attention function gets
 # the attention module, and reads its groups there.
 SETTINGS_ATTRIBUTE = "seqpar_parallelism"
-# The mask patterns the attention can honour: causal, and bidirectional (transformers
-# 5 has a function for it; 4.56 builds bidirectional masks without a mask function).
-_PLAIN_MASK_FUNCTIONS = tuple(
-    function
-    for function in (
-        getattr(masking_utils, "causal_mask_function", None),
-        getattr(masking_utils, "bidirectional_mask_function", None),
-    )
-    if function is not None
-)
 
 
 def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
@@ -117,19 +128,47 @@ def _check_global_positions(position_ids, local_len: int, settings: SequencePara
     _checked_positions = weakref.ref(position_ids)
 
 
-def _check_call(describe, module, query, key, attention_mask, dropout, kwargs) -> bool:
-    """Raise for what the sequence-parallel attention cannot honour; returns is_causal."""
-    if attention_mask is not None:
+def _layer_mask(describe, module, attention_mask, kwargs) -> LayerMask:
+    """The keys each query of this layer attends: the LayerMask our mask function made
+    for the layer's type, or, where the model built none (attention_mask None), causal
+    or bidirectional as is_causal says."""
+    explicit = kwargs.get("is_causal")
+    if isinstance(attention_mask, LayerMask):
+        mask = attention_mask
+        if explicit is not None and bool(explicit) != mask.causal:
+            raise ValueError(
+                f"{describe}: is_causal={explicit} but the model's mask for this layer is "
+                f"{'causal' if mask.causal else 'bidirectional'}"
+            )
+    elif attention_mask is None:
+        mask = LayerMask(causal=bool(getattr(module, "is_causal", True) if explicit is None else explicit))
+    else:
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(
-            f"{describe}: got an attention mask {shape}; sequence-parallel attention takes no mask (padding "
-            "goes into shift_labels, packed documents into the varlen plan: shard_batch does both)"
+            f"{describe}: got an attention mask {shape}; sequence-parallel attention takes the pattern of the "
+            "mask transformers builds through masking_utils, not a mask tensor (padding goes into shift_labels, "
+            "packed documents into the varlen plan: shard_batch does both)"
         )
+    sliding_window = kwargs.get("sliding_window")
+    if sliding_window is not None:
+        # What the model tells flash-attention (a window of sliding_window keys) must be
+        # what its mask says, or the two paths of the model itself disagree.
+        if mask.window == (-1, -1) or (mask.causal and mask.window[0] != sliding_window - 1):
+            raise ValueError(
+                f"{describe}: the layer passes sliding_window={sliding_window} but its mask is {mask}: a sliding "
+                "window is honoured through the mask transformers builds for the layer (masking_utils)"
+            )
+    return mask
+
+
+def _check_call(describe, module, query, key, dropout, kwargs) -> None:
+    """Raise for what the sequence-parallel attention cannot honour."""
     if dropout and module.training:
         raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
-    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{describe}: {name}={kwargs[name]!r} is not supported by sequence-parallel attention")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{describe}: position_bias is not supported by sequence-parallel attention")
+    if kwargs.get("s_aux") is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise ValueError(f"{describe}: the module has attention sinks but does not pass them to the attention (s_aux)")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
         if kwargs.get(name) is not None:
             raise ValueError(
@@ -141,8 +180,34 @@ def _check_call(describe, module, query, key, attention_mask, dropout, kwargs) -
             f"{describe}: query {tuple(query.shape)} and key {tuple(key.shape)} differ in length (a KV cache?): "
             "sequence-parallel attention is for training and prefill over the sharded sequence; pass use_cache=False"
         )
-    causal = kwargs.get("is_causal")
-    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
+def _global_rows(shard: SequenceShard | None, position_ids, settings: SequenceParallelism, device) -> torch.Tensor:
+    """(S_local,) int64: the row of each of this rank's tokens in the full sequence (the
+    packed row under varlen). Without a shard, the position ids (checked to be those)."""
+    if shard is None:
+        return position_ids[0]
+    rows = torch.arange(sum(shard.seq_lens), device=device)
+    return shard.varlen.split(rows, dim=0) if shard.varlen is not None else settings.split_dense(rows, dim=0)
+
+
+def _rescale_temperature(module, query: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
+    """Llama 4's no-RoPE layers scale the queries by log1p(floor((row + 1) / floor_scale))
+    x attn_scale + 1, row the token's row counted from 0 in what the model was given:
+    this rank's tokens here. query (B, H, S_local, D) is rescaled from those rows to
+    the global ones (exact where the local scale is 1: rows below floor_scale - 1)."""
+
+    def scales(rows: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((rows.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    local_rows = torch.arange(query.shape[2], device=query.device)
+    ratio = scales(global_rows.to(query.device)) / scales(local_rows)
+    return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
+
+
+def _scales_queries_by_row(module) -> bool:
+    """Whether the module is a Llama 4 no-RoPE layer with temperature tuning."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
 def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -152,10 +217,12 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     seqlen_local, headdim). Returns ((batch, seqlen_local, nheads, headdim), None)."""
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
     settings = _settings_of(module, mode)
-    causal = _check_call(describe, module, query, key, attention_mask, dropout, kwargs)
+    mask = _layer_mask(describe, module, attention_mask, kwargs)
+    _check_call(describe, module, query, key, dropout, kwargs)
     shard: SequenceShard | None = kwargs.get("sequence_shard")
+    position_ids = kwargs.get("position_ids")
     if shard is None:
-        _check_global_positions(kwargs.get("position_ids"), query.shape[2], settings, describe)
+        _check_global_positions(position_ids, query.shape[2], settings, describe)
         seq_lens, varlen = None, None
     else:
         if not isinstance(shard, SequenceShard) or shard.parallelism != settings:
@@ -164,17 +231,31 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
                 f"{describe}: the batch was sharded for {made}, the model's attention runs {settings}: pass "
                 "shard_batch the mode, layout and groups given to apply()"
             )
-        if shard.padded and not causal:
+        if shard.padded and not mask.causal:
             raise ValueError(
                 f"{describe}: the batch was right-padded, which only a causal layer can ignore; this layer is "
                 "bidirectional: pack the sequences instead of padding them"
             )
         seq_lens, varlen = list(shard.seq_lens), shard.varlen
+    if mask.chunk_size is not None and varlen is not None and not _CHUNKS_FROM_DOCUMENT_START:
+        raise ValueError(
+            f"{describe}: chunked attention over packed documents: this transformers release counts the chunks "
+            "from the start of the packed row, sequence-parallel attention from each document's start (as newer "
+            "releases do)"
+        )
+    if _scales_queries_by_row(module):
+        if shard is None and position_ids is None:
+            raise ValueError(
+                f"{describe}: the layer scales its queries by row; pass position_ids or shard_batch's batch"
+            )
+        query = _rescale_temperature(module, query, _global_rows(shard, position_ids, settings, query.device))
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    common = dict(causal=causal, softmax_scale=scaling, seq_lens=None if varlen is not None else seq_lens,
-                  varlen=varlen, **settings.group_kwargs())  # fmt: skip
+    common = dict(causal=mask.causal, softmax_scale=scaling, seq_lens=None if varlen is not None else seq_lens,
+                  varlen=varlen, window_size=mask.window, attention_chunk_size=mask.chunk_size,
+                  softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"),
+                  **settings.group_kwargs())  # fmt: skip
     if mode == "ulysses":
         out = ulysses_attention(q, k, v, **common)
     else:
@@ -199,49 +280,177 @@ def _usp(module, query, key, value, attention_mask, **kwargs):
 _ATTENTION_FUNCTIONS = {"ulysses": _ulysses, "ring": _ring, "usp": _usp}
 
 
-# transformers' own wrappers around a mask function when it reads packed documents from
-# the position ids (and_masks of the plain function, remapped positions and a
-# same-document test); nothing else it wraps is honoured.
-_PACKING_WRAPPERS = ("and_masks.", "remap_positions_for_packed_sequence.")
-_PACKING_LEAVES = ("packed_sequence_mask_function.",)
+# ----------------------------------------------------------------------------------
+# The mask: the pattern of transformers' mask function
+# ----------------------------------------------------------------------------------
 
 
-def _only_packing(mask_function) -> bool:
-    """Whether mask_function is a plain mask, at most wrapped by transformers for packed
-    documents. Those are left to the attention, whose check of the position ids runs
-    alike on every rank: a rank whose tokens hold no document border sees no packing
-    here, and raising on some ranks only would leave the others waiting in a collective."""
+@dataclass(frozen=True)
+class LayerMask:
+    """Which keys the queries of a layer attend, by position in the whole sequence (in
+    the document under packing), in the attention functions' terms: what our mask
+    function returns to transformers in place of a mask tensor, and what the model then
+    hands each layer of that type.
+
+    causal       keys at or before the query only
+    window       (left, right): keys at query - left ..= query + right (-1: no bound)
+    chunk_size   None, or keys in the query's chunk of that many positions only"""
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    chunk_size: int | None = None
+
+    def allows(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """Whether query position q_idx attends key position kv_idx (broadcast)."""
+        allowed = torch.ones(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), dtype=torch.bool, device=q_idx.device)
+        left, right = self.window
+        if self.causal:
+            allowed &= kv_idx <= q_idx
+        if left >= 0:
+            allowed &= kv_idx >= q_idx - left
+        if right >= 0:
+            allowed &= kv_idx <= q_idx + right
+        if self.chunk_size is not None:
+            allowed &= torch.div(kv_idx, self.chunk_size, rounding_mode="floor") == torch.div(
+                q_idx, self.chunk_size, rounding_mode="floor"
+            )
+        return allowed
+
+    def __and__(self, other: LayerMask) -> LayerMask:
+        """The keys both allow, where that is a LayerMask again."""
+
+        def tighter(a: int, b: int) -> int:
+            return b if a < 0 else a if b < 0 else min(a, b)
+
+        chunks = [size for size in (self.chunk_size, other.chunk_size) if size is not None]
+        if len(chunks) == 2 and max(chunks) % min(chunks):
+            raise ValueError(f"sequence-parallel attention: chunks of {chunks[0]} and of {chunks[1]} positions at once")
+        return LayerMask(
+            self.causal or other.causal,
+            (tighter(self.window[0], other.window[0]), tighter(self.window[1], other.window[1])),
+            min(chunks) if chunks else None,
+        )
+
+
+def _closure(function) -> dict:
+    """The variables a nested function closes over, by name."""
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
+
+
+def _positive(value, name: str, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"sequence-parallel attention: the model's {name} must be an int >= {least}, got {value!r}")
+    return value
+
+
+def _without_left_padding(variables: dict) -> dict:
+    left_padding = variables.get("left_padding")
+    if isinstance(left_padding, torch.Tensor) and bool((left_padding != 0).any()):
+        raise ValueError("sequence-parallel attention: chunked attention over a left-padded batch")
+    return variables
+
+
+# transformers' mask functions (masking_utils), by qualified name: the pattern each one
+# allows, from the variables it closes over.
+_LEAF_PATTERNS = {
+    "causal_mask_function": lambda variables: LayerMask(causal=True),
+    "bidirectional_mask_function": lambda variables: LayerMask(),
+    "sliding_window_overlay.<locals>.inner_mask": lambda variables: LayerMask(
+        window=(_positive(variables["sliding_window"], "sliding_window") - 1, -1)
+    ),
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask": lambda variables: LayerMask(
+        window=(_positive(variables["sliding_window"], "sliding_window", 0),) * 2
+    ),
+    "chunked_overlay.<locals>.inner_mask": lambda variables: LayerMask(
+        chunk_size=_positive(_without_left_padding(variables)["chunk_size"], "attention_chunk_size")
+    ),
+    "_legacy_chunked_overlay.<locals>.inner_mask": lambda variables: LayerMask(
+        chunk_size=_positive(variables["chunk_size"], "attention_chunk_size")
+    ),
+}
+# Wrappers whose pattern is that of the functions they wrap: the intersection, and the
+# packing transformers reads off the local position ids (a packed batch's documents are
+# the varlen plan's; the attention checks the positions the same way on every rank,
+# whereas a rank whose tokens hold no document border sees no packing here).
+_INTERSECTIONS = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask")
+_PACKING_LEAVES = ("packed_sequence_mask_function.<locals>.inner_mask",)
+# Whether transformers counts chunks from each packed document's start (newer releases
+# remap positions to the documents'), as sequence-parallel attention does.
+_CHUNKS_FROM_DOCUMENT_START = hasattr(masking_utils, "remap_positions_for_packed_sequence")
+
+# (function code, its pattern) pairs already checked on the probe grid.
+_verified: set = set()
+
+
+def _verify(function, pattern: LayerMask, device) -> None:
+    """Evaluate transformers' mask function on a grid of positions and raise unless it
+    allows exactly what `pattern` does: a release that changed a convention raises
+    instead of attending otherwise. Once per process for each function and pattern."""
+    key = (function.__code__, pattern)
+    if key in _verified:
+        return
+    left, right = pattern.window
+    extent = max(left + 1, right + 1, pattern.chunk_size or 0, 1)
+    size = 2 * extent + 3
+    # Every query row for small patterns; rows near the bounds and a sample between for large.
+    rows = torch.arange(size) if size <= 256 else torch.cat([torch.arange(64), torch.linspace(64, size - 65, 64).long(),
+                                                              torch.arange(size - 64, size)])  # fmt: skip
+    rows = rows.to(device)[None, None, :, None]
+    columns = torch.arange(size, device=device)[None, None, None, :]
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    allowed = function(zero, zero, rows, columns)
+    if not bool((allowed == pattern.allows(rows, columns)).all()):
+        raise ValueError(
+            f"sequence-parallel attention: transformers' {function.__qualname__} does not allow what it is read as "
+            f"({pattern}): this transformers release changed its convention"
+        )
+    _verified.add(key)
+
+
+def _pattern_of(mask_function, device) -> LayerMask:
+    """The LayerMask of a mask function transformers composed, or ValueError."""
     qualname = getattr(mask_function, "__qualname__", "")
-    if mask_function in _PLAIN_MASK_FUNCTIONS or qualname.startswith(_PACKING_LEAVES):
-        return True
-    if not qualname.startswith(_PACKING_WRAPPERS):
-        return False
-    inner = []
-    for cell in mask_function.__closure__ or ():
-        value = cell.cell_contents
-        inner.extend(value if isinstance(value, tuple) else [value])
-    inner = [function for function in inner if callable(function)]
-    return bool(inner) and all(_only_packing(function) for function in inner)
+    if qualname in _LEAF_PATTERNS:
+        pattern = _LEAF_PATTERNS[qualname](_closure(mask_function))
+        _verify(mask_function, pattern, device)
+        return pattern
+    if qualname in _PACKING_LEAVES:
+        return LayerMask()
+    if qualname in _INTERSECTIONS:
+        inner = []
+        for value in _closure(mask_function).values():
+            inner.extend(value if isinstance(value, tuple) else [value])
+        inner = [function for function in inner if callable(function)]
+        if inner:
+            pattern = LayerMask()
+            for function in inner:
+                pattern = pattern & _pattern_of(function, device)
+            return pattern
+    raise ValueError(
+        f"sequence-parallel attention: the model asks for a mask it cannot honour "
+        f"({qualname or mask_function}): it honours causal and bidirectional masks, sliding windows and chunks "
+        "(masking_utils' own), and packed documents through shard_batch's varlen plan; not model-specific "
+        "overlays"
+    )
 
 
-def _mask(mask_function=None, attention_mask=None, **kwargs):
+def _mask(mask_function=masking_utils.causal_mask_function, attention_mask=None, **kwargs):
     """The mask function registered for our implementations: transformers calls it once
-    per forward, before the layers. The attention takes no mask, so this returns None
-    when there is nothing to mask, and raises for anything it would have to drop."""
+    per forward and layer type, before the layers. Returns the LayerMask the model then
+    hands to the layers of that type; raises for what it would have to drop."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError(
             f"sequence-parallel attention: the attention mask {tuple(attention_mask.shape)} pads some tokens; "
             "padding cannot be expressed across ranks: shard the batch with shard_batch, which folds right "
             "padding into shift_labels (exact for causal models)"
         )
-    if mask_function is not None and not _only_packing(mask_function):
-        raise ValueError(
-            f"sequence-parallel attention: the model asks for a mask other than plain causal or bidirectional "
-            f"({getattr(mask_function, '__qualname__', mask_function)}): a sliding window, chunked attention, a "
-            "model-specific overlay: sequence-parallel attention honours causal and bidirectional masks, and "
-            "packed documents through shard_batch's varlen plan"
-        )
-    return None
+    # The device of the call (transformers 5 passes it; 4.56 the cache positions'), where
+    # the mask function's own tensors (chunks' left padding) live.
+    device = kwargs.get("device")
+    if device is None:
+        anchor = kwargs.get("cache_position", attention_mask)
+        device = anchor.device if isinstance(anchor, torch.Tensor) else "cpu"
+    return _pattern_of(mask_function, device)
 
 
 def register() -> None:

@@ -579,6 +579,52 @@ def test_masks_are_read_as_transformers_builds_them():
         make_mask(mask_function=mu.sliding_window_causal_mask_function(0))
 
 
+# Models whose heads transform their logits, beside FAMILIES: (config class, model class, settings).
+HEAD_MODELS = {
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_hidden_layers=1, logits_scaling=4.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_hidden_layers=1, logit_scale=0.25)),
+}
+
+
+def test_causal_lm_loss_reads_each_head_as_its_forward_computes_it():
+    """head_of(model) gives the logits of the model's own forward (tied heads, final
+    softcaps, logit scales), for every family and two more heads; heads it cannot
+    express raise."""
+    from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, head_of
+
+    tables = {**FAMILIES, **HEAD_MODELS}
+    ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    checked = []
+    for name, (config_class, model_class, settings) in tables.items():
+        if not hasattr(transformers, config_class):
+            continue
+        if name in FAMILIES:
+            model = _family_model(name)
+        else:
+            torch.manual_seed(0)
+            config = getattr(transformers, config_class)(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         use_cache=False, **settings)  # fmt: skip
+            model = getattr(transformers, model_class)(config)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            hidden = model.model(input_ids=ids).last_hidden_state
+            weight, softcap, scale = head_of(model)
+            mine = scale * hidden @ weight.t()
+            mine = softcap * torch.tanh(mine / softcap) if softcap else mine
+        assert _relative_error(mine, logits) <= 1e-5, name
+        checked.append(name)
+    assert {"gemma2", "cohere2", "granite"} <= set(checked)
+    llama = _model(_config(layers=1))
+    llama.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+    with pytest.raises(ValueError, match="bias"):
+        causal_lm_loss(llama, torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
+    scaled = _model(_config(layers=1))
+    scaled.config.logits_scaling = 2.0  # a scale this model type's forward is not known to apply
+    with pytest.raises(ValueError, match="logits_scaling"):
+        causal_lm_loss(scaled, torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
+
+
 def test_core_package_never_imports_transformers():
     code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -596,7 +642,7 @@ def test_oldest_supported_transformers():
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
-    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw or family or masks_are_read"
+    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw or family or masks_are_read or head"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True,

@@ -625,6 +625,15 @@ def test_causal_lm_loss_reads_each_head_as_its_forward_computes_it():
         causal_lm_loss(scaled, torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
 
 
+def test_apply_refuses_layers_that_mix_the_sequence_outside_the_attention():
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    model = _model(_config())
+    model.config.layer_types = ["full_attention", "linear_attention"]  # as hybrid models declare them
+    with pytest.raises(ValueError, match="linear_attention"):
+        sp_transformers.apply(model, "ring")
+
+
 def test_core_package_never_imports_transformers():
     code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -643,7 +652,8 @@ def test_oldest_supported_transformers():
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
     selection = (
-        "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head"
+        "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head "
+        "or refuses"
     )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],

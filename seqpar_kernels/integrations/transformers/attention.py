@@ -76,6 +76,9 @@ IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "s
 # The attribute apply() sets on every module of the model: the attention function gets
 # the attention module, and reads its groups there.
 SETTINGS_ATTRIBUTE = "seqpar_parallelism"
+# The per-layer types (config.layer_types) whose layers mix the sequence only through the
+# attention function and the mask interface.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
@@ -481,8 +484,10 @@ def apply(
 ) -> SequenceParallelism:
     """Switch a loaded transformers model's attention to sequence-parallel attention.
 
-    model: a PreTrainedModel whose attention goes through AttentionInterface (Llama,
-        Mistral, Qwen2/3, Gemma, Phi3, ... in transformers >= 4.56), text only.
+    model: a PreTrainedModel whose attention goes through AttentionInterface and whose
+        masks through masking_utils (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss,
+        Llama 4's text model, Cohere 2, Phi3, ... in transformers >= 4.56): full,
+        sliding-window and chunked attention layers; text only.
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups).
@@ -492,8 +497,10 @@ def apply(
         usp; ring_attention's argument).
     Returns the SequenceParallelism it recorded on the model's modules (and as
     model.seqpar_parallelism). Calls register() first. Raises ValueError for a model
-    that cannot switch (its attention does not dispatch through AttentionInterface) or
-    that has sub-models (a vision tower's tokens are not sharded)."""
+    that cannot switch (its attention does not dispatch through AttentionInterface),
+    that has sub-models (a vision tower's tokens are not sharded), or whose
+    config.layer_types name layers other than ATTENTION_LAYER_TYPES (linear attention,
+    convolutions, compressed attention: they would mix this rank's tokens only)."""
     settings = SequenceParallelism.resolve(
         "apply",
         mode,
@@ -510,6 +517,13 @@ def apply(
         raise ValueError(
             f"apply: {type(model).__name__} has sub-models ({sorted(model.config.sub_configs)}); apply sequence "
             "parallelism to its language model alone"
+        )
+    other_layers = sorted(set(getattr(model.config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if other_layers:
+        raise ValueError(
+            f"apply: {type(model).__name__} has layers of type {other_layers}, which mix the sequence outside the "
+            f"attention interface (recurrent, compressed or indexed attention) and would see this rank's tokens "
+            f"only; sequence-parallel attention runs models whose layers are {list(ATTENTION_LAYER_TYPES)}"
         )
     register()
     name = IMPLEMENTATIONS[mode]

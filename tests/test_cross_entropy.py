@@ -1,6 +1,7 @@
 """sequence_parallel_cross_entropy and its _from_logits variant
 (seqpar_kernels/parallel/cross_entropy.py) against the loss of one process holding
-every token: F.cross_entropy(all logits upcast to fp32, all labels, reduction="mean").
+every token: F.cross_entropy(all logits upcast to fp32, all labels, reduction="mean");
+with logit_scale / logit_softcap, of the logits so transformed in fp64.
 
 On gloo ranks (world 1-4) every rank builds the same full batch from a seed and takes
 its piece of the sequence: torch.tensor_split's, or uneven pieces with an empty rank,
@@ -55,6 +56,12 @@ class Case:
     memory: str = "contiguous"  # or "hidden-major": hidden (hidden, batch, seq) in memory
     from_logits: bool = False
     seed: int = 0
+    logit_softcap: float = 0.0  # what a model's forward does to its logits
+    logit_scale: float = 1.0
+
+    @property
+    def transforms_logits(self) -> bool:
+        return self.logit_softcap != 0.0 or self.logit_scale != 1.0
 
 
 CASES = [
@@ -70,6 +77,24 @@ CASES = [
     Case("no real token anywhere", split="none real"),
     Case("bf16", dtype=torch.bfloat16, vocab=64, hidden=32),
     Case("bf16, chunk_size 1, empty rank", dtype=torch.bfloat16, chunk_size=1, split="empty rank"),
+    Case("logit_softcap 3", logit_softcap=3.0),
+    Case("logit_scale 0.37", logit_scale=0.37),
+    Case(
+        "logit_scale -1.7 and softcap 2, chunk_size 1, empty rank",
+        logit_softcap=2.0,
+        logit_scale=-1.7,
+        chunk_size=1,
+        split="empty rank",
+    ),
+    Case("logit_softcap 3, default chunk_size", logit_softcap=3.0, chunk_size=None),
+    Case(
+        "bf16, logit_softcap 3 and scale 0.8",
+        dtype=torch.bfloat16,
+        vocab=64,
+        hidden=32,
+        logit_softcap=3.0,
+        logit_scale=0.8,
+    ),
 ]
 CASES += [replace(case, name=f"from logits: {case.name}", from_logits=True) for case in CASES
           if case.name in ("fp32", "ignore_index 7", "uneven pieces, an empty rank", "no real token anywhere",
@@ -111,6 +136,9 @@ def single_process(case: Case, hidden, weight, labels, dtype):
     weight = weight.detach().to(dtype).requires_grad_()
     logits = hidden @ weight.t()
     logits = logits if dtype == torch.float64 else logits.float()
+    logits = logits * case.logit_scale
+    if case.logit_softcap:
+        logits = case.logit_softcap * torch.tanh(logits / case.logit_softcap)
     loss = F.cross_entropy(logits.reshape(-1, case.vocab), labels.reshape(-1), ignore_index=case.ignore_index)
     if not (labels != case.ignore_index).any():
         loss = torch.nan_to_num(loss)  # the mean of nothing: nan; ours is 0 (documented)
@@ -128,7 +156,8 @@ def ours(case: Case, hidden, weight, labels, **options):
                                                               ignore_index=case.ignore_index, **options)  # fmt: skip
     else:
         loss = sp.sequence_parallel_cross_entropy(hidden, weight, labels, ignore_index=case.ignore_index,
-                                                  chunk_size=case.chunk_size, **options)  # fmt: skip
+                                                  chunk_size=case.chunk_size, logit_softcap=case.logit_softcap,
+                                                  logit_scale=case.logit_scale, **options)  # fmt: skip
     loss.backward()
     weight_grad = weight.grad.float()
     group = options.get("group")
@@ -171,8 +200,9 @@ def check_cases_on_ranks(cases: list[Case]) -> list[str]:
         if any(not torch.equal(other, loss) for other in losses):
             failures.append(f"{case.name}: ranks returned different losses {losses}")
         exact = single_process(
-            case, hidden, weight, labels, torch.float64 if case.dtype != torch.float32 else case.dtype
-        )
+            case, hidden, weight, labels,
+            torch.float64 if case.dtype != torch.float32 or case.transforms_logits else case.dtype,
+        )  # fmt: skip
         plain = single_process(case, hidden, weight, labels, case.dtype) if case.dtype != torch.float32 else None
         for index, (name, mine) in enumerate(
             (("loss", loss), ("hidden grad", hidden_grad), ("weight grad", weight_grad))
@@ -330,6 +360,10 @@ def _bad_calls():
         "logits: leading shapes differ": (lambda: from_logits(hidden @ weight.t(), labels[0]), "must have shape"),
         "group and mesh": (lambda: ce(hidden, weight, labels, group=object(), mesh=object()), "not both"),
         "mesh not a DeviceMesh": (lambda: ce(hidden, weight, labels, mesh=[0, 1]), "DeviceMesh"),
+        "logit_softcap < 0": (lambda: ce(hidden, weight, labels, logit_softcap=-1.0), "logit_softcap must be"),
+        "logit_softcap inf": (lambda: ce(hidden, weight, labels, logit_softcap=float("inf")), "logit_softcap must be"),
+        "logit_softcap True": (lambda: ce(hidden, weight, labels, logit_softcap=True), "logit_softcap must be"),
+        "logit_scale nan": (lambda: ce(hidden, weight, labels, logit_scale=float("nan")), "logit_scale must be"),
     }
 
 
@@ -369,6 +403,7 @@ def test_a_bad_label_on_one_rank_raises_on_every_rank(ranks):
 def test_default_chunk_size_keeps_a_chunk_of_fp32_logits_at_the_budget():
     assert default_chunk_size(131072) == 512 and default_chunk_size(32000) == DEFAULT_CHUNK_ELEMENTS // 32000
     assert default_chunk_size(2**27) == 1
+    assert default_chunk_size(131072, buffers=2) == 256  # a softcap's tanh takes a second buffer
 
 
 def test_peak_cpu_memory_measures_a_known_allocation():
@@ -383,21 +418,26 @@ def test_peak_cpu_memory_measures_a_known_allocation():
     assert result == 2**21 + 2**19 and peak == 12 * 2**20
 
 
-def test_forward_and_backward_hold_one_chunk_of_logits_not_all():
-    tokens, vocab, hidden_size, chunk = 4096, 32000, 64, 256
+@pytest.mark.parametrize("logit_softcap", [0.0, 30.0])
+def test_forward_and_backward_hold_one_chunk_of_logits_not_all(logit_softcap):
+    # With a softcap, half the tokens per chunk, as the default chunk_size takes them.
+    buffers = 2 if logit_softcap else 1
+    tokens, vocab, hidden_size, chunk = 4096, 32000, 64, 256 // buffers
     generator = torch.Generator().manual_seed(2)
     hidden = torch.randn(tokens, hidden_size, generator=generator, requires_grad=True)
     weight = (torch.randn(vocab, hidden_size, generator=generator) / 8).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
 
     def step():
-        sp.sequence_parallel_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
+        sp.sequence_parallel_cross_entropy(hidden, weight, labels, chunk_size=chunk,
+                                           logit_softcap=logit_softcap).backward()  # fmt: skip
 
     _, peak = peak_cpu_memory(step)
     chunk_logits = chunk * vocab * 4
-    # One chunk's fp32 logits (worked on in place) with room for a second, the fp32
-    # weight gradient, the hidden gradient, and 1 MiB for per-token vectors.
-    bound = 2 * chunk_logits + vocab * hidden_size * 4 + tokens * hidden_size * 4 + 2**20
+    # One chunk's fp32 logits (worked on in place; with a softcap, its tanh too) with room
+    # for one more, the fp32 weight gradient, the hidden gradient, and 1 MiB for per-token
+    # vectors.
+    bound = (buffers + 1) * chunk_logits + vocab * hidden_size * 4 + tokens * hidden_size * 4 + 2**20
     materialised = tokens * vocab * 4
     assert peak < bound, (peak, bound)
     assert peak < materialised / 10, (peak, materialised)

@@ -1,14 +1,18 @@
 """Hugging Face transformers models under sequence parallelism
-(seqpar_kernels.integrations.transformers): a small Llama from a config (random weights,
-nothing downloaded) run through apply + shard_batch + sequence_parallel_cross_entropy +
+(seqpar_kernels.integrations.transformers): small models from configs (random weights,
+nothing downloaded) run through apply + shard_batch + causal_lm_loss +
 all_reduce_gradients on gloo ranks must give the single-process model's loss and every
-parameter's gradient: each mode and layout, GQA, heads not divisible by the ranks, a
-packed batch, batch size 2 with right padding, three AdamW steps, bf16; and what the
-attention cannot honour raises.
+parameter's gradient: a Llama in each mode and layout, GQA, heads not divisible by the
+ranks, a packed batch, batch size 2 with right padding, three AdamW steps, bf16; every
+family of FAMILIES (sliding windows, per-layer types, softcapping, sinks, chunked
+attention, logit transforms of the head) in each mode; and what the attention cannot
+honour raises.
 
-The single-process reference is transformers' own: the same model with its default
-attention on the full batch, labels shifted by its loss (labels set to -100 where
-shard_batch ignores a target: padding and the first token of each packed document).
+The single-process reference is transformers' own: the same model on the full batch
+(the families with eager attention, which honours everything they ask for: Gemma 2's
+softcapping only runs there; the Llama with its default), labels shifted by its loss
+(labels set to -100 where shard_batch ignores a target: padding and the first token of
+each packed document).
 
 Run against the installed transformers; test_oldest_supported_transformers reruns this
 file under the oldest release the README promises, where the test set-up installed it.
@@ -54,6 +58,58 @@ def _model(config, dtype=torch.float32, seed=0):
     return LlamaForCausalLM(config).to(dtype)
 
 
+# The families checked: (config class, model class, what the tiny config sets). Windows
+# and chunks smaller than a rank's piece (37 tokens: pieces of 9-10 at 4 ranks, zigzag
+# chunks of 4-5) and spanning several pieces.
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=5)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",  # full, then sliding layers
+              dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=13, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=4,
+                                                      layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # scaling by query_pre_attn_scalar, both softcaps, tied head
+               dict(num_hidden_layers=2, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=2, sliding_window=20,
+               query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",  # learned sinks, sliding and full layers, MoE
+                dict(num_hidden_layers=2, sliding_window=4, num_local_experts=4, num_experts_per_tok=2)),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",  # a chunked RoPE layer, a full no-RoPE layer whose
+               dict(num_hidden_layers=2, attention_chunk_size=6, num_local_experts=2,  # temperature tuning
+                    intermediate_size_mlp=64, no_rope_layers=[1, 0], floor_scale=4)),  # starts at row 3
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(num_hidden_layers=2, sliding_window=11, logit_scale=0.5,
+                layer_types=["sliding_attention", "full_attention"])),
+}  # fmt: skip
+
+
+def _family_model(family: str, dtype=torch.float32, seed=0):
+    """A tiny random model of the family on eager attention; sinks drawn at a scale that
+    matters (the models initialise them near 0)."""
+    config_class, model_class, settings = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, use_cache=False, **settings,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0.0, 1.0)
+    return model.to(dtype)
+
+
+def _families_here() -> list[str]:
+    return [family for family, (config_class, _, _) in FAMILIES.items() if hasattr(transformers, config_class)]
+
+
+def _chunks_from_document_start() -> bool:
+    """Whether this release counts chunks from each packed document's start (it remaps
+    positions to the documents'), as sequence-parallel attention does."""
+    return hasattr(transformers.masking_utils, "remap_positions_for_packed_sequence")
+
+
 def _batch(kind: str, seqlen: int, seed: int = 1):
     """The full batch (the same on every rank) and the reference's labels.
 
@@ -91,9 +147,22 @@ def _parallelism(mode: str, ulysses_degree: int):
                                      mesh_dim_names=("ring", "ulysses"))}  # fmt: skip
 
 
-def _reference_step(model, batch, labels, positions):
-    kwargs = {"attention_mask": batch.get("attention_mask"), "position_ids": positions}
-    return model(input_ids=batch["input_ids"], labels=labels, **kwargs).loss
+def _reference_step(model, batch, labels, positions, per_document=False):
+    """The single-process model's loss on the full batch; per_document: on each packed
+    document alone, the mean over all their targets (for models whose own attention
+    does not keep packed documents apart)."""
+    if not per_document:
+        kwargs = {"attention_mask": batch.get("attention_mask"), "position_ids": positions}
+        return model(input_ids=batch["input_ids"], labels=labels, **kwargs).loss
+    starts = [*torch.nonzero(positions[0] == 0).flatten().tolist(), positions.shape[1]]
+    total = (labels[0, 1:] != -100).sum()
+    loss = 0.0
+    for start, end in zip(starts[:-1], starts[1:]):
+        targets = (labels[0, start + 1 : end] != -100).sum()
+        if targets:
+            document = model(input_ids=batch["input_ids"][:, start:end], labels=labels[:, start:end]).loss
+            loss = loss + document * targets / total
+    return loss
 
 
 def _sp_step(model, batch, mode, layout, groups, with_shard=True):
@@ -103,11 +172,16 @@ def _sp_step(model, batch, mode, layout, groups, with_shard=True):
     if not with_shard:  # the tokens and their global positions alone, as a user's own sharding gives them
         local = {key: local[key] for key in ("input_ids", "position_ids", "shift_labels")}
     hidden = model.model(**local).last_hidden_state  # (B, S_local, hidden)
-    return sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, local["shift_labels"],
-                                                           **groups)  # fmt: skip
+    return sp_transformers.causal_lm_loss(model, hidden, local["shift_labels"], **groups)
 
 
-def _relative_error(mine: torch.Tensor, expected: torch.Tensor) -> float:
+def _relative_error(mine: torch.Tensor | None, expected: torch.Tensor | None) -> float:
+    """Max error relative to the largest expected value; a missing gradient counts as
+    zeros (an expert no token reached), both missing as no error, one missing against a
+    non-zero one as infinite."""
+    if mine is None or expected is None:
+        present = expected if mine is None else mine
+        return 0.0 if present is None or not present.any() else float("inf")
     return ((mine.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30)).item()
 
 
@@ -121,9 +195,11 @@ def run_parity_cases(cases):
     for case in cases:
         mode, layout, dtype = case["mode"], case["layout"], case.get("dtype", torch.float32)
         groups = _parallelism(mode, case.get("ulysses", 2))
-        config = _config(**case.get("config", {}))
         batch, labels, positions = _batch(case["batch"], case.get("seqlen", 37))
-        reference = _model(config, torch.float32)
+        if "family" in case:
+            reference = _family_model(case["family"])
+        else:
+            reference = _model(_config(**case.get("config", {})), torch.float32)
         model = copy.deepcopy(reference).to(dtype)
         sp_transformers.apply(model, mode, layout=layout, **groups)
         if case.get("checkpointing"):  # the layers run again in the backward, collectives included
@@ -135,7 +211,7 @@ def run_parity_cases(cases):
         steps = case.get("steps", 1)
         optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)] if steps > 1 else None
         for step in range(steps):
-            expected = _reference_step(reference, batch, labels, positions)
+            expected = _reference_step(reference, batch, labels, positions, case.get("per_document", False))
             expected.backward()
             loss = _sp_step(model, batch, mode, layout, groups, case.get("with_shard", True))
             loss.backward()
@@ -154,7 +230,7 @@ def run_parity_cases(cases):
                     if not error <= FP32_GRAD_RTOL:
                         failures.append(f"{name}: grad of {param_name} relative error {error:.2e}")
             else:
-                low = _reference_step(single_low, batch, labels, positions)
+                low = _reference_step(single_low, batch, labels, positions, case.get("per_document", False))
                 low.backward()
                 for what, ours, single, exact in [("loss", loss.detach(), low.detach(), expected.detach())] + [
                     (param_name, ours.grad, single.grad, exact.grad)
@@ -216,13 +292,77 @@ def test_usp_matches_the_single_process_model(ulysses):
     assert not failures, "\n".join(failures)
 
 
+# ----------------------------------------------------------------------------------
+# The families: windows, per-layer types, softcaps, sinks, chunks, logit transforms
+# ----------------------------------------------------------------------------------
+
+# Families whose cases include packed documents (windows, chunks, caps and sinks within
+# documents); the others run whole sequences. gpt-oss builds its masks without the
+# position ids, so its own eager attention lets packed documents see each other (its
+# flash-attention path does not): its packed reference is each document run alone.
+PACKED_FAMILIES = ("mistral", "gemma2", "gpt_oss", "llama4", "cohere2")
+PER_DOCUMENT_REFERENCE = ("gpt_oss",)
+
+
+def _family_cases(mode: str) -> list[dict]:
+    """Every family here in `mode`, layouts and batches alternating over the families."""
+    cases = []
+    for index, family in enumerate(_families_here()):
+        packed = family in PACKED_FAMILIES and (family != "llama4" or _chunks_from_document_start())
+        if mode == "ulysses":
+            layout = "contiguous"
+        elif mode == "ring":
+            layout = "balanced" if index % 2 == 0 else "contiguous"
+        else:
+            layout, packed = ("balanced" if index % 2 else "contiguous"), packed and index % 2 == 0
+        per_document = {"per_document": True} if packed and family in PER_DOCUMENT_REFERENCE else {}
+        cases.append(_case(mode, layout, "packed" if packed else "dense", family=family, **per_document))
+    return cases
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_one_process(family):
+    """The family in this process alone (no torch.distributed): the loss of apply +
+    shard_batch + causal_lm_loss is the model's own. Skipped for a family this release
+    does not have."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    config_class = FAMILIES[family][0]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    reference = _family_model(family)
+    model = copy.deepcopy(reference)
+    sp_transformers.apply(model, "ring", layout="balanced")
+    batch, labels, positions = _batch("dense", 23)
+    with torch.no_grad():
+        expected = _reference_step(reference, batch, labels, positions)
+        loss = _sp_step(model, batch, "ring", "balanced", {})
+    assert _relative_error(loss, expected) <= FP32_LOSS_RTOL, (loss.item(), expected.item())
+
+
+def test_every_family_matches_under_ulysses():
+    failures = [failure for per_rank in pool_for(2).run(run_parity_cases, _family_cases("ulysses"))
+                for failure in per_rank]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+def test_every_family_matches_under_ring_and_usp():
+    cases = _family_cases("ring") + _family_cases("usp")
+    failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 def test_three_adamw_steps_match():
     cases = [
         _case("ring", "balanced", "packed", steps=3),
         _case("usp", "balanced", "packed", steps=2, ulysses=2, checkpointing=True),
         _case("ulysses", "contiguous", "dense", steps=3),
         _case("usp", "balanced", "dense", steps=3, ulysses=2),
+        # Softcaps, a window and a tied head; sinks learned across the Ulysses heads and the ring.
+        _case("ring", "balanced", "packed", steps=3, family="gemma2"),
+        _case("usp", "balanced", "dense", steps=3, ulysses=2, family="gpt_oss"),
     ]
+    cases = [case for case in cases if "family" not in case or case["family"] in _families_here()]
     failures = [failure for per_rank in pool_for(4).run(run_parity_cases, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
@@ -255,8 +395,6 @@ def _raises(call, match: str) -> str | None:
 
 @on_every_rank
 def run_unsupported_cases():
-    from transformers import MistralConfig, MistralForCausalLM
-
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     group = {"group": timeout_group()}
@@ -293,22 +431,36 @@ def run_unsupported_cases():
     # Dropout while training.
     dropout_model = model_with(attention_dropout=0.1).train()
     problems["dropout"] = _raises(lambda: dropout_model.model(**local), "dropout")
-    # A sliding window.
-    torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                               sliding_window=8, use_cache=False))  # fmt: skip
-    sp_transformers.apply(mistral, "ring", **group)
-    problems["sliding window"] = _raises(lambda: mistral.model(**local), "sliding")
-    # Softcapping (called as a model passes it).
+    # A mask transformers composes with a model-specific overlay (as Gemma 3's image
+    # blocks, an or_masks): the registered mask function raises.
+    from transformers import masking_utils
+
+    implementation = sp_transformers.IMPLEMENTATIONS["ring"]
+    make_mask = masking_utils.AttentionMaskInterface._global_mapping[implementation]
+    overlay = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv == 0)
+    problems["overlay"] = _raises(lambda: make_mask(mask_function=overlay), "cannot honour")
+    # Called as a model calls the attention: a window its mask does not carry, a mask
+    # tensor, sinks the module has but does not pass, a KV cache.
     attention = model.model.layers[0].self_attn
     q = torch.randn(1, 4, 5, 16)
     kv = torch.randn(1, 2, 5, 16)
-    implementation = sp_transformers.IMPLEMENTATIONS["ring"]
     attend = transformers.AttentionInterface._global_mapping[implementation]
-    problems["softcap"] = _raises(lambda: attend(attention, q, kv, kv, None, softcap=30.0), "softcap")
+    causal = make_mask(mask_function=masking_utils.causal_mask_function)
+    problems["window without its mask"] = _raises(lambda: attend(attention, q, kv, kv, causal, sliding_window=8),
+                                                  "sliding_window=8")  # fmt: skip
+    problems["mask tensor"] = _raises(lambda: attend(attention, q, kv, kv, torch.zeros(1, 1, 5, 5)), "mask tensor")
+    attention.sinks = torch.nn.Parameter(torch.zeros(4))
+    problems["sinks not passed"] = _raises(lambda: attend(attention, q, kv, kv, causal), "sinks")
+    del attention.sinks
     problems["kv cache"] = _raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
-                                                  None), "KV cache")  # fmt: skip
+                                                  causal), "KV cache")  # fmt: skip
+    # Chunked attention over packed documents, where this release counts the chunks from
+    # the packed row's start.
+    if "llama4" in _families_here() and not _chunks_from_document_start():
+        llama4 = _family_model("llama4")
+        sp_transformers.apply(llama4, "ring", **group)
+        packed_local = sp_transformers.shard_batch(_batch("packed", 37)[0], mode="ring", **group)
+        problems["chunks of a packed row"] = _raises(lambda: llama4.model(**packed_local), "chunk")
     # A batch sharded for another layout than the model's.
     balanced = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", **group)
     problems["layout mismatch"] = _raises(lambda: model.model(**balanced), "sharded for")
@@ -329,14 +481,15 @@ def run_unsupported_cases():
     # A step backend is the model's choice alone: a batch sharded without it runs.
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
-    backends, ring_attention = [], sp_transformers.ring_attention
-    sp_transformers.ring_attention = lambda *args, **kwargs: (
+    attention_module = sp_transformers.attention
+    backends, ring_attention = [], attention_module.ring_attention
+    attention_module.ring_attention = lambda *args, **kwargs: (
         backends.append(kwargs["step_backend"]) or ring_attention(*args, **kwargs)
     )
     try:
         aten_model.model(**local)
     finally:
-        sp_transformers.ring_attention = ring_attention
+        attention_module.ring_attention = ring_attention
     if settings.step_backend != "aten" or backends != ["aten"] * config.num_hidden_layers:
         problems["step backend passed on"] = f"apply recorded {settings}, the attention got {backends}"
     # An implementation set by hand, without apply's groups.
@@ -370,6 +523,117 @@ def test_register_never_overwrites_another_function():
     assert "sdpa" in AttentionInterface._global_mapping  # nothing of transformers' own replaced
 
 
+def sliding_window_overlay(sliding_window):
+    """A mask function under the name of transformers' sliding window overlay, with
+    another convention (a window of sliding_window + 1 keys)."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx >= q_idx - sliding_window
+
+    return inner_mask
+
+
+def test_masks_are_read_as_transformers_builds_them():
+    """The registered mask function reads each of masking_utils' patterns as the
+    LayerMask that allows exactly what transformers' function allows; the packing
+    transformers reads off a rank's position ids is left to the varlen plan; a function
+    whose convention changed under the same name raises."""
+    from transformers import masking_utils as mu
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+    from seqpar_kernels.integrations.transformers import LayerMask
+
+    sp_transformers.register()
+    make_mask = mu.AttentionMaskInterface._global_mapping[sp_transformers.IMPLEMENTATIONS["ulysses"]]
+    no_padding = torch.zeros(1, dtype=torch.long)
+    packing = mu.packed_sequence_mask_function(torch.zeros(1, 40, dtype=torch.long))
+    cases = {
+        "causal": (mu.causal_mask_function, LayerMask(causal=True)),
+        "window of 1": (mu.sliding_window_causal_mask_function(1), LayerMask(True, (0, -1))),
+        "window of 5": (mu.sliding_window_causal_mask_function(5), LayerMask(True, (4, -1))),
+        "chunks of 3": (mu.chunked_causal_mask_function(3, no_padding), LayerMask(True, chunk_size=3)),
+        "packed window": (mu.and_masks(mu.sliding_window_causal_mask_function(7), packing), LayerMask(True, (6, -1))),
+    }
+    if hasattr(mu, "sliding_window_bidirectional_mask_function"):
+        cases["bidirectional window of 2"] = (
+            mu.sliding_window_bidirectional_mask_function(2),
+            LayerMask(False, (2, 2)),
+        )
+    if hasattr(mu, "remap_positions_for_packed_sequence"):
+        remapped = mu.remap_positions_for_packed_sequence(mu.chunked_causal_mask_function(4, no_padding),
+                                                          torch.zeros(1, 40, dtype=torch.long))  # fmt: skip
+        cases["packed chunks"] = (mu.and_masks(remapped, packing), LayerMask(True, chunk_size=4))
+    positions = torch.arange(40)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    for name, (function, expected) in cases.items():
+        pattern = make_mask(mask_function=function)
+        assert pattern == expected, (name, pattern)
+        if "packed" not in name:  # the same keys as transformers' function allows
+            allowed = function(zero, zero, positions[None, None, :, None], positions[None, None, None, :])
+            assert torch.equal(
+                allowed.expand(1, 1, 40, 40), pattern.allows(positions[:, None], positions[None, :])[None, None]
+            )
+    with pytest.raises(ValueError, match="changed its convention"):
+        make_mask(mask_function=mu.and_masks(sliding_window_overlay(5), mu.causal_mask_function))
+    with pytest.raises(ValueError, match="sliding_window must be an int >= 1"):
+        make_mask(mask_function=mu.sliding_window_causal_mask_function(0))
+
+
+# Models whose heads transform their logits, beside FAMILIES: (config class, model class, settings).
+HEAD_MODELS = {
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_hidden_layers=1, logits_scaling=4.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_hidden_layers=1, logit_scale=0.25)),
+}
+
+
+def test_causal_lm_loss_reads_each_head_as_its_forward_computes_it():
+    """head_of(model) gives the logits of the model's own forward (tied heads, final
+    softcaps, logit scales), for every family and two more heads; heads it cannot
+    express raise."""
+    from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, head_of
+
+    tables = {**FAMILIES, **HEAD_MODELS}
+    ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    checked = []
+    for name, (config_class, model_class, settings) in tables.items():
+        if not hasattr(transformers, config_class):
+            continue
+        if name in FAMILIES:
+            model = _family_model(name)
+        else:
+            torch.manual_seed(0)
+            config = getattr(transformers, config_class)(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         use_cache=False, **settings)  # fmt: skip
+            model = getattr(transformers, model_class)(config)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            hidden = model.model(input_ids=ids).last_hidden_state
+            weight, softcap, scale = head_of(model)
+            mine = scale * hidden @ weight.t()
+            mine = softcap * torch.tanh(mine / softcap) if softcap else mine
+        assert _relative_error(mine, logits) <= 1e-5, name
+        checked.append(name)
+    assert {"gemma2", "cohere2", "granite"} <= set(checked)
+    llama = _model(_config(layers=1))
+    llama.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+    with pytest.raises(ValueError, match="bias"):
+        causal_lm_loss(llama, torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
+    scaled = _model(_config(layers=1))
+    scaled.config.logits_scaling = 2.0  # a scale this model type's forward is not known to apply
+    with pytest.raises(ValueError, match="logits_scaling"):
+        causal_lm_loss(scaled, torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_apply_refuses_layers_that_mix_the_sequence_outside_the_attention():
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    model = _model(_config())
+    model.config.layer_types = ["full_attention", "linear_attention"]  # as hybrid models declare them
+    with pytest.raises(ValueError, match="linear_attention"):
+        sp_transformers.apply(model, "ring")
+
+
 def test_core_package_never_imports_transformers():
     code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -378,7 +642,8 @@ def test_core_package_never_imports_transformers():
 @pytest.mark.skipif(os.environ.get("SEQPAR_TRANSFORMERS_OLDEST") == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
     """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
+    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI);
+    the families it lacks are skipped there with the reason."""
     if not (OLDEST_PATH / "transformers").is_dir():
         pytest.skip(f"transformers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
@@ -386,7 +651,10 @@ def test_oldest_supported_transformers():
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
-    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw"
+    selection = (
+        "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head "
+        "or refuses"
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True,

@@ -23,17 +23,23 @@ parameter gradients is the single-process gradient.
 
 One chunk (C = chunk_size tokens, V = vocab, H = hidden):
     logits (C, V) = hidden (C, H) @ weight.T     in the inputs' dtype, as nn.Linear
-    fp32 (C, V): upcast, then in place: minus the row max, exp; row sums -> losses
-    in place: softmax - one-hot, times 1/N (0 on ignored rows)   -> d logits, fp32
+    fp32 (C, V): upcast, then in place: the model's transform (logit_scale, logit_softcap:
+        z = softcap * tanh(scale * logits / softcap), tanh kept in a second (C, V)
+        buffer), minus the row max, exp; row sums -> losses
+    in place: softmax - one-hot, times 1/N (0 on ignored rows), times dz/dlogits
+        (scale, or scale * (1 - tanh**2))                       -> d logits, fp32
     d hidden (C, H) = d logits @ weight          into an fp32 buffer, rounded to the
                                                  inputs' dtype once, in the backward
     d weight (V, H) += d logits.T @ hidden       fp32 accumulator
 Memory beyond the inputs and the gradients (fp32 until the backward): one chunk's fp32
-logits (C x V x 4 bytes), plus their product in the inputs' dtype when that is
-fp16/bf16, plus C x H and C-sized vectors.
+logits (C x V x 4 bytes; twice that with a softcap), plus their product in the inputs'
+dtype when that is fp16/bf16, plus C x H and C-sized vectors.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,9 +59,56 @@ DEFAULT_CHUNK_ELEMENTS = 2**26
 _GEMM_TO_FP32 = "dtype_out" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk for chunk_size=None: DEFAULT_CHUNK_ELEMENTS // vocab (at least 1)."""
-    return max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
+def default_chunk_size(vocab: int, buffers: int = 1) -> int:
+    """Tokens per chunk for chunk_size=None: DEFAULT_CHUNK_ELEMENTS // (vocab x buffers)
+    (at least 1); buffers: the (C, V) fp32 buffers a chunk holds (2 with a softcap)."""
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab * buffers, 1))
+
+
+# ----------------------------------------------------------------------------------
+# What a model's forward does to its logits
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """z = softcap * tanh(scale * logits / softcap) when softcap > 0, else scale * logits:
+    Cohere's logit_scale (scale), Gemma 2's final_logit_softcapping (softcap), both in
+    the order a model that has both applies them (scale, then cap). Applied in fp32,
+    after the upcast."""
+
+    softcap: float = 0.0
+    scale: float = 1.0
+
+    @property
+    def buffers(self) -> int:
+        """The (C, V) fp32 buffers a chunk holds: the logits, and the tanh with a softcap."""
+        return 2 if self.softcap > 0 else 1
+
+    def apply_(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(z, tanh): z in place of the fp32 logits without a softcap; with one, the
+        logits' buffer becomes tanh (kept for the backward) and z a new buffer."""
+        if self.softcap > 0:
+            tanh = logits.mul_(self.scale / self.softcap).tanh_()
+            return tanh * self.softcap, tanh
+        return (logits.mul_(self.scale) if self.scale != 1.0 else logits), None
+
+    def backward_(self, grad_z: torch.Tensor, tanh: torch.Tensor | None) -> torch.Tensor:
+        """d loss / d logits from d loss / d z, in place (tanh is overwritten)."""
+        if tanh is not None:  # dz/dlogits = scale * (1 - tanh**2)
+            return grad_z.mul_(tanh.square_().mul_(-self.scale).add_(self.scale))
+        return grad_z.mul_(self.scale) if self.scale != 1.0 else grad_z
+
+
+def check_logit_transform(logit_softcap, logit_scale, shapes: str) -> LogitTransform:
+    """logit_softcap: a finite number >= 0 (0: none); logit_scale: a finite number."""
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) \
+            or not 0 <= logit_softcap < math.inf:  # fmt: skip
+        raise ValueError(f"logit_softcap must be a finite number >= 0 (0: none), got {logit_softcap!r:.80} ({shapes})")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) \
+            or not -math.inf < logit_scale < math.inf:  # fmt: skip
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r:.80} ({shapes})")
+    return LogitTransform(float(logit_softcap), float(logit_scale))
 
 
 # ----------------------------------------------------------------------------------
@@ -104,13 +157,17 @@ def _check_ignore_index(ignore_index) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                  transform: LogitTransform):  # fmt: skip
     """The chunk's per-token losses (fp32, 0 on ignored tokens) and, for the gradient,
-    (exp(logits - row max) fp32 (C, V), its row sums, target indices, valid mask).
+    (exp(z - row max) fp32 (C, V), its row sums, target indices, valid mask, the tanh
+    of a softcap or None), z the transformed logits.
     The logits are computed in the inputs' dtype (nn.Linear), then upcast to fp32 for
-    the softmax (Hugging Face's causal-LM loss): the upcast's buffer is then worked on
-    in place, so one (C, V) fp32 buffer holds logits, then exponentials."""
+    the transform and the softmax (Hugging Face's causal-LM loss): the upcast's buffer is
+    then worked on in place, so one (C, V) fp32 buffer holds logits, then exponentials
+    (two with a softcap: its tanh, and z then exponentials)."""
     logits = torch.mm(hidden, weight.t()).float()  # fp32 input: the product itself, no copy
+    logits, tanh = transform.apply_(logits)
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0)
     target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)
@@ -119,7 +176,7 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     sum_exp = exps.sum(1)
     # lse - target = (row max + log sum) - target, with the row max subtracted from both.
     losses = torch.where(valid, sum_exp.log() - (target_logit - row_max.squeeze(1)), 0.0)
-    return losses, (exps, sum_exp, target, valid)
+    return losses, (exps, sum_exp, target, valid, tanh)
 
 
 def _mm_to_fp32(tensor: torch.Tensor) -> bool:
@@ -128,19 +185,21 @@ def _mm_to_fp32(tensor: torch.Tensor) -> bool:
     return _GEMM_TO_FP32 and tensor.is_cuda
 
 
-def _chunk_grads_(softmax_state, scale: torch.Tensor, hidden, weight, weight_fp32, grad_hidden, grad_weight) -> None:
+def _chunk_grads_(softmax_state, scale: torch.Tensor, hidden, weight, weight_fp32, grad_hidden, grad_weight,
+                  transform: LogitTransform) -> None:  # fmt: skip
     """d(scale x sum of the chunk's losses) for hidden, written into grad_hidden (a
     (C, H) fp32 slice, or None), and for weight, added into the fp32 grad_weight (or
     None). Overwrites the exponentials with d logits: (softmax - one-hot) x scale on
-    valid rows, 0 on ignored ones, fp32.
+    valid rows, 0 on ignored ones, times the transform's derivative, fp32.
 
     fp16/bf16 inputs: on CUDA d logits are rounded to the inputs' dtype, as the
     materialised loss's backward rounds them, and the GEMMs write fp32; elsewhere the
     GEMMs run in fp32 on the unrounded d logits and `weight_fp32`, the weight's fp32
     copy (CPUs without native bf16 GEMMs run fp32 ones faster anyway)."""
-    exps, sum_exp, target, valid = softmax_state
+    exps, sum_exp, target, valid, tanh = softmax_state
     dlogits = exps.mul_(torch.where(valid, scale / sum_exp, 0.0).unsqueeze(1))
     dlogits.scatter_add_(1, target.unsqueeze(1), torch.where(valid, -scale, 0.0).unsqueeze(1))
+    dlogits = transform.backward_(dlogits, tanh)
     if weight.dtype == torch.float32:
         weight_fp32, hidden_fp32 = weight, hidden
     elif _mm_to_fp32(weight):
@@ -184,7 +243,7 @@ class _ChunkedLocalShare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, inv_count, ignore_index: int, chunk_size: int, grad_hidden_needed: bool,
-                grad_weight_needed: bool):  # fmt: skip
+                grad_weight_needed: bool, transform: LogitTransform):  # fmt: skip
         tokens = hidden.shape[0]
         low_precision = weight.dtype != torch.float32
         # Low precision: the hidden gradient is kept in fp32 until the backward scales it
@@ -202,12 +261,12 @@ class _ChunkedLocalShare(torch.autograd.Function):
         local_sum = torch.zeros((), dtype=torch.float64, device=hidden.device)
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(tokens, start + chunk_size))
-            losses, softmax_state = _chunk_losses(hidden[rows], weight, labels[rows], ignore_index)
+            losses, softmax_state = _chunk_losses(hidden[rows], weight, labels[rows], ignore_index, transform)
             local_sum += losses.sum(dtype=torch.float64)
             if grad_hidden is not None or grad_weight is not None:
                 _chunk_grads_(
                     softmax_state, inv_count, hidden[rows], weight, weight_fp32,
-                    None if grad_hidden is None else grad_hidden[rows], grad_weight,
+                    None if grad_hidden is None else grad_hidden[rows], grad_weight, transform,
                 )  # fmt: skip
             del softmax_state  # this chunk's (C, V) buffer goes before the next one's
         ctx.grads = [grad_hidden, grad_weight]
@@ -231,7 +290,7 @@ class _ChunkedLocalShare(torch.autograd.Function):
                 grads[index] = grad.mul_(grad_share)
             else:  # scaled in fp32, then rounded once
                 grads[index] = torch.mul(grad, grad_share, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
-        return grads[0], grads[1], None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------
@@ -277,8 +336,12 @@ def sequence_parallel_cross_entropy(
     *,
     group: dist.ProcessGroup | None = None,
     mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    logit_softcap: float = 0.0,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """The causal-LM loss of a sequence sharded across ranks, the LM head fused in: the
     mean over every rank's real tokens of -log softmax(hidden @ lm_head_weight.T)[label],
@@ -296,16 +359,25 @@ def sequence_parallel_cross_entropy(
     group: the ranks the sequence is split over (default: the world; without an
         initialised torch.distributed, this process alone). mesh: instead of group, a
         DeviceMesh (e.g. USP's 2-D ("ring", "ulysses") mesh): the sum and the count are
-        reduced over every rank of it, one mesh dimension after the other. Not both.
+        reduced over every rank of it, one mesh dimension after the other; or
+        ulysses_group and ring_group (USP's two groups, make_usp_groups'). One of these.
     ignore_index: the label of tokens that count for nothing.
     chunk_size: tokens whose logits are computed at once; None picks
         default_chunk_size(vocab) = 2**26 // vocab (at least 1), so that one chunk's
-        fp32 logits take 256 MiB: 512 tokens at a 128K vocabulary.
+        fp32 logits take 256 MiB: 512 tokens at a 128K vocabulary (half as many with a
+        logit_softcap, whose tanh takes a second buffer).
+    logit_scale, logit_softcap: what the model's forward does to its logits before the
+        loss: z = logit_softcap * tanh(logit_scale * logits / logit_softcap) when
+        logit_softcap > 0 (Gemma 2's final_logit_softcapping), else logit_scale *
+        logits (Cohere's logit_scale). Exact in the backward too (the derivative
+        logit_scale * (1 - tanh**2) per logit, from the tanh kept for the chunk).
 
     Logits are computed as nn.Linear computes them, in the inputs' dtype, then upcast to
-    fp32 for the log-softmax (as Hugging Face transformers' causal-LM loss does): in
-    fp32 the result is F.cross_entropy(all logits, all labels, ignore_index=...,
-    reduction="mean") of one process holding every rank's tokens, to rounding.
+    fp32 for the transform and the log-softmax (as Hugging Face transformers' causal-LM
+    loss upcasts them; a model's own forward transforms them in its dtype before, which
+    in fp32 is the same): in fp32 the result is F.cross_entropy(all transformed logits,
+    all labels, ignore_index=..., reduction="mean") of one process holding every rank's
+    tokens, to rounding.
 
     Returns a 0-dim fp32 tensor, the same value on every rank: (sum of the per-token
     losses over all ranks) / N, N the tokens over all ranks whose label is not
@@ -331,9 +403,11 @@ def sequence_parallel_cross_entropy(
     each (the count, the sum), per group or per mesh dimension.
     """
     describe = "sequence_parallel_cross_entropy"
-    groups = reduction_groups(describe, group=group, mesh=mesh, any_mesh=True)
+    groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                              any_mesh=True)  # fmt: skip
     shapes = _shapes(("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                      ("shift_labels", shift_labels))  # fmt: skip
+    transform = LogitTransform()
 
     def local_checks():
         _check_inputs_tensor("hidden_states", hidden_states, shapes)
@@ -356,7 +430,9 @@ def sequence_parallel_cross_entropy(
                                        or chunk_size < 1):  # fmt: skip
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r} ({shapes})")
         _check_label_range(shift_labels, lm_head_weight.shape[0], ignore_index, shapes)
-        return (tuple(lm_head_weight.shape), hidden_states.dtype, ignore_index)
+        nonlocal transform
+        transform = check_logit_transform(logit_softcap, logit_scale, shapes)
+        return (tuple(lm_head_weight.shape), hidden_states.dtype, ignore_index, transform)
 
     device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
     checked_over_groups(describe, groups, device, local_checks)
@@ -366,9 +442,10 @@ def sequence_parallel_cross_entropy(
     count = _global_count(labels, ignore_index, groups)
     inv_count = (1.0 / count.clamp(min=1)).float().reshape(())
     grad_enabled = torch.is_grad_enabled()
+    chunk_size = chunk_size or default_chunk_size(vocab, transform.buffers)
     share, local_sum = _ChunkedLocalShare.apply(
-        hidden, lm_head_weight, labels, inv_count, ignore_index, chunk_size or default_chunk_size(vocab),
-        grad_enabled and hidden.requires_grad, grad_enabled and lm_head_weight.requires_grad,
+        hidden, lm_head_weight, labels, inv_count, ignore_index, chunk_size,
+        grad_enabled and hidden.requires_grad, grad_enabled and lm_head_weight.requires_grad, transform,
     )  # fmt: skip
     return _global_loss(share, local_sum, count, groups)
 
@@ -379,6 +456,8 @@ def sequence_parallel_cross_entropy_from_logits(
     *,
     group: dist.ProcessGroup | None = None,
     mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """The same loss as sequence_parallel_cross_entropy, from logits the caller has
@@ -388,7 +467,7 @@ def sequence_parallel_cross_entropy_from_logits(
         or bf16 (upcast to fp32 for the log-softmax, as Hugging Face transformers' loss
         does).
     shift_labels: int tensor of logits' leading shape (see sequence_parallel_cross_entropy).
-    group, mesh, ignore_index: as in sequence_parallel_cross_entropy.
+    group, mesh, ulysses_group + ring_group, ignore_index: as in sequence_parallel_cross_entropy.
 
     Returns the 0-dim fp32 loss, the same on every rank: (sum of the per-token losses
     over all ranks) / (tokens whose label is not ignore_index over all ranks), 0.0 when
@@ -398,7 +477,8 @@ def sequence_parallel_cross_entropy_from_logits(
     copy when they are fp16/bf16, and its log-softmax).
     """
     describe = "sequence_parallel_cross_entropy_from_logits"
-    groups = reduction_groups(describe, group=group, mesh=mesh, any_mesh=True)
+    groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                              any_mesh=True)  # fmt: skip
     shapes = _shapes(("logits", logits), ("shift_labels", shift_labels))
 
     def local_checks():

@@ -204,6 +204,7 @@ def test_bench_failed_cases_keep_the_other_rows_and_exit_nonzero(tmp_path):
         ("unpack", "MHA", "identical"),
         ("pack", "GQA", "identical"),
         ("unpack", "GQA", "FAILED RuntimeError"),
+        ("merge", "H=8", "matches"),
     ], output[-3000:]
     assert "injected: reshard S->T" in rows[1]["detail"]
     assert "FAILED: RuntimeError: injected: unpack GQA" in result.stdout  # the progress line

@@ -1,4 +1,4 @@
-"""The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
+"""The PNG: speedup per case, and the pack/unpack/merge kernels' GB/s against the peak; for ring
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
 kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
 LM loss, the peak memory and time of ours and of materialised logits per token count; for
@@ -38,6 +38,7 @@ BENCH_COLORS = {
     "ulysses-exchange": "tab:green",
     "pack": "tab:purple",
     "unpack": "tab:brown",
+    "merge": "tab:pink",
 }
 # Ring panels: the legend goes between the title and the plot, where it hides no bar.
 PAD_FOR_LEGEND = 34
@@ -69,7 +70,7 @@ def _plot_speedups(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.axvline(1.0, color="black", linewidth=1, label="1.0: as fast as unfused")
     if on_gpu:
         axis.axvline(GPU_SPEEDUP_TARGET, color="red", linestyle="--", linewidth=1,
-                     label=f"{GPU_SPEEDUP_TARGET}x: GPU pack/unpack target")  # fmt: skip
+                     label=f"{GPU_SPEEDUP_TARGET}x: GPU pack/unpack/merge target")  # fmt: skip
     axis.set_yticks(list(positions), labels, fontsize=8)
     axis.invert_yaxis()
     # Log scale: 0.5x and 2x are equally far from 1, and a 20x case does not squash the rest.
@@ -85,7 +86,7 @@ def _plot_speedups(axis, rows: list[Row], on_gpu: bool) -> None:
 def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
     kernels = [row for row in rows if row.bench in KERNEL_BENCHES]
     if not kernels:
-        axis.text(0.5, 0.5, "pack/unpack kernels not run", ha="center", va="center")
+        axis.text(0.5, 0.5, "pack/unpack/merge kernels not run", ha="center", va="center")
         axis.set_axis_off()
         return
     positions = range(len(kernels))
@@ -94,6 +95,10 @@ def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
               label="ours (fused kernel)", color="tab:purple")  # fmt: skip
     axis.barh([p + height / 2 for p in positions], [row.baseline_gbps for row in kernels], height,
               label="unfused", color="lightgray")  # fmt: skip
+    copies = [(p, row.copy_gbps) for p, row in zip(positions, kernels) if row.copy_gbps is not None]
+    if copies:
+        axis.scatter([gbps for _, gbps in copies], [p for p, _ in copies], marker="|", s=300, color="black",
+                     zorder=3, label="plain device copy of as many bytes")  # fmt: skip
     peak = kernels[0].peak_gbps
     if peak:
         source = kernels[0].peak_source
@@ -104,11 +109,12 @@ def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.set_yticks(list(positions), [f"{row.bench}: {row.case}" for row in kernels], fontsize=8)
     axis.invert_yaxis()
     # Room right of the peak line for the legend, so that it hides no bar.
-    widest = max([row.ours_gbps or 0 for row in kernels] + [row.baseline_gbps or 0 for row in kernels])
+    widest = max([row.ours_gbps or 0 for row in kernels] + [row.baseline_gbps or 0 for row in kernels]
+                 + [row.copy_gbps or 0 for row in kernels])  # fmt: skip
     axis.set_xlim(0, max(widest, peak or 0) * 1.5)
     axis.set_xlabel("GB/s (bytes read + written / time)")
     axis.legend(loc="lower right", fontsize=8)
-    axis.set_title("pack/unpack bandwidth" + (" vs peak" if on_gpu else " vs measured copy (CPU)"))
+    axis.set_title("pack/unpack/merge bandwidth" + (" vs peak" if on_gpu else " vs measured copy (CPU)"))
 
 
 def _plot_ring_efficiency(axis, rows: list[Row]) -> None:
@@ -397,7 +403,7 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "
-        f"commit {metadata['git_commit']}, {metadata['date']}",
+        f"triton {metadata.get('triton', 'unknown')}, commit {metadata['git_commit']}, {metadata['date']}",
         fontsize=10,
     )
     figure.tight_layout()

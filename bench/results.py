@@ -157,6 +157,8 @@ def progress_line(row: Row) -> str:
         text = f"{row.ours_gbps:.2f} vs {row.baseline_gbps:.2f} GB/s"
         if row.ours_fraction_of_peak is not None:
             text += f" ({row.ours_fraction_of_peak:.0%} of {row.peak_gbps:.0f})"
+        if row.copy_gbps is not None:
+            text += f", plain copy {row.copy_gbps:.2f}"
         parts.append(text)
     parts.append(row.check)
     return " | ".join(parts)
@@ -221,17 +223,24 @@ def _replace_atomically(path: Path, text: str) -> None:
     staging.replace(path)
 
 
+# The run's metadata repeated on every CSV row, after the row's own columns: a CSV read
+# alone still says what software and commit it measured.
+RUN_COLUMNS = ("torch", "triton", "git_commit")
+
+
 def write_results(rows: list[Row], checks: list[Check], metadata: dict, stem: Path) -> list[Path]:
-    """Writes <stem>.csv (one row per case) and <stem>.json (run metadata: device, torch,
-    git commit, world size, backend; and the targets). Returns the paths written. Called
-    again after every case (bench/suite.py): each call replaces both files whole."""
+    """Writes <stem>.csv (one row per case, then RUN_COLUMNS) and <stem>.json (run
+    metadata: device, torch, Triton, git commit, world size, backend; and the targets).
+    Returns the paths written. Called again after every case (bench/suite.py): each call
+    replaces both files whole."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = stem.with_suffix(".csv"), stem.with_suffix(".json")
     table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS)
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS + list(RUN_COLUMNS))
     writer.writeheader()
+    run = {key: metadata.get(key, "") for key in RUN_COLUMNS}
     for row in rows:
-        writer.writerow({key: _csv_value(value) for key, value in dataclasses.asdict(row).items()})
+        writer.writerow({**{key: _csv_value(value) for key, value in dataclasses.asdict(row).items()}, **run})
     _replace_atomically(csv_path, table.getvalue())
     document = dict(metadata, csv=csv_path.name, targets=[dataclasses.asdict(check) for check in checks])
     _replace_atomically(json_path, json.dumps(document, indent=2) + "\n")

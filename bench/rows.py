@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 # Row.bench of the families whose rows read differently from a fused-vs-unfused row
 # (progress lines, the summary, the targets, the plot).
-KERNEL_BENCHES = ("pack", "unpack")  # bench_kernels.py: the kernels alone, no collective
+# bench_kernels.py: the kernels alone, no collective (attention_merge_: the ring's merge)
+KERNEL_BENCHES = ("pack", "unpack", "merge")
 RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single-device SDPA
 STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
 STEP_TILES_BENCH = "ring-step-tiles"  # bench_ring_step.py (GPU): candidate tiles vs the shipped ones
@@ -58,6 +59,9 @@ class Row:
     peak_gbps: float | None = None  # memory bandwidth reference (kernels rows)
     peak_source: str = ""  # "spec sheet" or "measured large copy"
     ours_fraction_of_peak: float | None = None
+    # A plain device copy of as many bytes (read + written) as ours moves, timed side by
+    # side with it (kernels rows): the practical ceiling of a data-movement kernel.
+    copy_gbps: float | None = None
     # Ring attention (bench_ring.py, bench_ring_step.py, bench_ring_probe.py); empty
     # elsewhere. In ring / ring-train rows ours is the ring on P ranks and the baseline
     # single-device SDPA of the whole sequence.

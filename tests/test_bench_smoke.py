@@ -207,6 +207,7 @@ def test_bench_failed_cases_keep_the_other_rows_and_exit_nonzero(tmp_path):
         ("unpack", "MHA", "identical"),
         ("pack", "GQA", "identical"),
         ("unpack", "GQA", "FAILED RuntimeError"),
+        ("merge", "H=8", "matches"),
     ], output[-3000:]
     assert "injected: reshard S->T" in rows[1]["detail"]
     assert "FAILED: RuntimeError: injected: unpack GQA" in result.stdout  # the progress line
@@ -329,11 +330,11 @@ def test_step_bench_writes_the_table_of_the_source_tree():
     # Never an installed package's copy: the measured entry is to be committed.
     import os
 
-    from bench.bench_ring_step import SOURCE_STEP_BACKEND_TABLE
+    from bench.step_table import SOURCE_TABLE
 
     repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert SOURCE_STEP_BACKEND_TABLE == os.path.join(repository, "seqpar_kernels", "engine", "step_backends.json")
-    assert os.path.exists(SOURCE_STEP_BACKEND_TABLE)
+    assert str(SOURCE_TABLE) == os.path.join(repository, "seqpar_kernels", "engine", "step_backends.json")
+    assert SOURCE_TABLE.exists()
 
 
 def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):

@@ -127,8 +127,16 @@ def test_short_run_stops_a_stage_at_its_box_and_goes_on(tmp_path):
     stand_in = tmp_path / "stand_in_pytest.py"
     stand_in.write_text(STAND_IN_PYTEST)
     out = tmp_path / "out"
-    result = run_script("--short", "--offline", "--out", str(out), overrides=STAND_IN_RUN, tmp_path=tmp_path,
-                        env={"STAND_IN_PYTEST": str(stand_in), "SEQPAR_GIT_COMMIT": "abc1234"}, timeout=400)  # fmt: skip
+    result = run_script(
+        "--short",
+        "--offline",
+        "--out",
+        str(out),
+        overrides=STAND_IN_RUN,
+        tmp_path=tmp_path,
+        env={"STAND_IN_PYTEST": str(stand_in), "SEQPAR_GIT_COMMIT": "abc1234"},
+        timeout=400,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 124, output[-3000:]  # the first failure: the test stage's box
     (run,) = out.iterdir()

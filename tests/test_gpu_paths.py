@@ -72,8 +72,13 @@ def test_aten_steps_on_the_library_kernels(kernel, dtype, heads, kv_heads, head_
     generator = torch.Generator(device="cuda").manual_seed(31)
     q_len, full_lens = 333, (700, 260)
     q, dout = (_randn(generator, 1, q_len, heads, head_dim, dtype=dtype) for _ in range(2))
-    blocks = [(_randn(generator, 1, length, kv_heads, head_dim, dtype=dtype),
-               _randn(generator, 1, length, kv_heads, head_dim, dtype=dtype)) for length in (q_len, *full_lens)]  # fmt: skip
+    blocks = [
+        (
+            _randn(generator, 1, length, kv_heads, head_dim, dtype=dtype),
+            _randn(generator, 1, length, kv_heads, head_dim, dtype=dtype),
+        )
+        for length in (q_len, *full_lens)
+    ]
     scale = head_dim**-0.5
     steps = step_backends.AtenSteps(cpu_blocks=None, cuda_blocks=CudaLibraryBlocks(kernel=kernel))
     out = torch.zeros(1, q_len, heads, head_dim, dtype=torch.float32, device="cuda")

@@ -19,7 +19,7 @@ import pytest
 
 from bench import headline, step_table
 from bench.rows import CSV_COLUMNS
-from seqpar_kernels.parallel import ring_steps
+from seqpar_kernels.engine import step_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -281,7 +281,7 @@ def test_step_bench_records_into_the_json_and_the_given_table(tmp_path, monkeypa
             self.recorded.update(entries)
 
     ctx = Ctx()
-    shipped = Path(ring_steps.STEP_BACKEND_TABLE).read_text()
+    shipped = Path(step_backends.STEP_BACKEND_TABLE).read_text()
     # One of the two cases raised: nothing recorded, the JSON says why.
     bench_ring_step.record_step_backend(ctx, "sm_90")
     measured = ctx.recorded[step_table.RESULTS_KEY]
@@ -294,4 +294,4 @@ def test_step_bench_records_into_the_json_and_the_given_table(tmp_path, monkeypa
     assert measured["entry"]["backend"] == "triton" and measured["entry"]["measured"] is True
     assert "triton" in measured["entry"]["basis"] and "commit" in measured["entry"]["basis"]
     assert json.loads(table.read_text())["families"]["sm_90"] == measured["entry"]
-    assert Path(ring_steps.STEP_BACKEND_TABLE).read_text() == shipped  # only the table given
+    assert Path(step_backends.STEP_BACKEND_TABLE).read_text() == shipped  # only the table given

@@ -56,6 +56,23 @@ if [ ! -d "$oldest_dir/transformers" ]; then
     || { rm -rf "$oldest_dir.partial"; say "could not install it; its test will skip"; }
 fi
 
+# The diffusers integration's tests, the same way: the newest release in the environment,
+# the oldest supported one in build/ (its tests put it first on PYTHONPATH; it runs with
+# the environment's huggingface_hub, safetensors and the rest).
+DIFFUSERS_OLDEST=0.35.2
+if ! "$PYTHON" -c "import diffusers" 2>/dev/null; then
+  say "installing diffusers (optional: the integration's tests)"
+  "$PYTHON" -m pip install -q "diffusers>=$DIFFUSERS_OLDEST" || say "could not install diffusers; its tests will skip"
+fi
+oldest_dir="build/diffusers-$DIFFUSERS_OLDEST"
+if [ ! -d "$oldest_dir/diffusers" ]; then
+  say "installing diffusers==$DIFFUSERS_OLDEST into $oldest_dir (the oldest supported release)"
+  mkdir -p build
+  "$PYTHON" -m pip install -q --no-deps --target "$oldest_dir.partial" "diffusers==$DIFFUSERS_OLDEST" \
+      && mv "$oldest_dir.partial" "$oldest_dir" \
+    || { rm -rf "$oldest_dir.partial"; say "could not install it; its test will skip"; }
+fi
+
 say "building the extension (log: build/install.log)"
 mkdir -p build
 if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >build/install.log 2>&1; then

@@ -379,8 +379,32 @@ def run_unsupported_cases():
 
 
 def test_what_cannot_run_raises():
-    for per_rank in pool_for(2).run(run_unsupported_cases):
+    for per_rank in pool_for(3).run(run_unsupported_cases):
         assert not per_rank, per_rank
+
+
+EXAMPLE = REPOSITORY / "examples" / "video_dsp.py"
+
+
+def run_example():
+    """examples/video_dsp.py's check on this rank (the example loaded as a module once
+    per worker: examples/ is not a package)."""
+    import importlib.util
+
+    name = "_seqpar_example_video_dsp"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name].run_check(verbose=False)
+
+
+def test_example_matches_one_process():
+    for summary in pool_for(3).run(run_example):
+        assert summary["ok"], summary["results"]
+        assert [(name, mode) for name, mode, *_ in summary["results"]] == [
+            ("LatteTransformer3DModel", mode) for mode in ("dsp", "ulysses", "ring", "usp")
+        ] + [("WanTransformer3DModel", mode) for mode in ("ulysses", "ring", "usp")]
 
 
 def test_core_package_never_imports_diffusers():
@@ -399,7 +423,7 @@ def test_oldest_supported_diffusers():
     version = subprocess.run([sys.executable, "-c", "import diffusers; print(diffusers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
-    selection = "latte_and_wan and 3 or more_transformers or cannot_run"
+    selection = "latte_and_wan and 3 or more_transformers or cannot_run"  # one pool of 3 ranks
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True,

@@ -49,8 +49,8 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ from seqpar_kernels import (
     usp_split,
 )
 
-__all__ = ["apply", "remove", "MODES", "DSP_TRANSFORMERS", "TOKEN_PLANS", "Split", "Gather", "TokenPlan", "Parallelism"]
+__all__ = ["DSP_TRANSFORMERS", "MODES", "TOKEN_PLANS", "Gather", "Parallelism", "Split", "TokenPlan", "apply", "remove"]
 
 MODES = ("dsp", "ulysses", "ring", "usp")
 # The attribute apply() sets on the transformer (remove() reads it).
@@ -173,7 +173,7 @@ def _hunyuan_video_prompts(arguments: dict) -> None:
             )
 
 
-def _hunyuan_video_valid_text(call: "_Call", text: torch.Tensor) -> torch.Tensor:
+def _hunyuan_video_valid_text(call: _Call, text: torch.Tensor) -> torch.Tensor:
     """The prompt's tokens without their padding (see _hunyuan_video_prompts)."""
     mask = call.arguments.get("encoder_attention_mask")
     return text if mask is None else text[:, : int(mask[0].sum())]
@@ -447,7 +447,7 @@ class _SequenceParallelAttention(TorchFunctionMode):
     scaled_dot_product_attention on (B, H, S_r, D) tensors becomes ours on their
     (B, S_r, H, D) views. Everything else passes through."""
 
-    def __init__(self, sharding: "_TokenSharding", module_name: str):
+    def __init__(self, sharding: _TokenSharding, module_name: str):
         super().__init__()
         self.sharding, self.module_name = sharding, module_name
         self.calls = 0
@@ -552,7 +552,6 @@ class _TokenSharding(_Hooks):
             raise ValueError(f"{self.describe()}: the output was not gathered (no call of "
                              f"{[gather.module for gather in self.plan.gathers]}): this diffusers release's model "
                              "is not the one the plan was written for")  # fmt: skip
-        return None
 
     def _split(self, split: Split, value):
         if split.index is not None:
@@ -724,7 +723,6 @@ class _LatteDSP(_Hooks):
                 "patches per frame as ranks (mode='ulysses' shards the patches alone)"
             )
         self.call = _Call(arguments, frames=frames, positions=positions, batch=batch)
-        return None
 
     def _cut_frames(self, x):
         """This rank's frames of (B*T, ...) rows (batch-major); other tensors pass."""
@@ -806,11 +804,11 @@ def apply(
                          "the other")  # fmt: skip
     if mode == "dsp":
         if name not in DSP_TRANSFORMERS:
+            instead = ("attends over all of a video's tokens at once: use 'ulysses', 'ring' or 'usp'"
+                       if name in TOKEN_PLANS else "is not one")  # fmt: skip
             raise ValueError(
                 f"apply: mode='dsp' needs a transformer whose blocks alternate spatial and temporal attention "
-                f"({', '.join(DSP_TRANSFORMERS)}); {name} "
-                + ("attends over all of a video's tokens at once: use 'ulysses', 'ring' or 'usp'" if name in
-                   TOKEN_PLANS else "is not one")  # fmt: skip
+                f"({', '.join(DSP_TRANSFORMERS)}); {name} {instead}"
             )
         hooks = _LatteDSP(transformer, settings)
     else:

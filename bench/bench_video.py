@@ -177,36 +177,47 @@ def forward(model, inputs):
         return model(**inputs, return_dict=False)[0]
 
 
-def diffusers_candidates(ctx: Context, model, inputs, mesh) -> tuple[dict, dict[str, str]]:
+def diffusers_candidates(ctx: Context, model, inputs, shape, mesh, expected) -> tuple[dict, dict[str, str]]:
     """diffusers' own context parallelism of each method, on copies of the model:
-    ({method: call}, {method: why it did not run}). enable_parallelism is collective
+    ({method: call}, {method: why it did not run, or its output's error against the
+    single process's}). enable_parallelism is collective
     (a mesh of its own), so every rank tries every method; a method runs only where it
-    succeeded on every rank, including one call."""
-    from diffusers import ContextParallelConfig
+    succeeded on every rank, including one call. Where the ranks do not divide the
+    tokens or the heads, its "anything" variants (ulysses_anything, ring_anything)."""
+    import diffusers
 
     calls, reasons = {}, {}
     reason = None
-    if getattr(model, "_cp_plan", None) is None:
+    ContextParallelConfig = getattr(diffusers, "ContextParallelConfig", None)  # noqa: N806 - diffusers' class
+    if ContextParallelConfig is None:
+        reason = f"diffusers {diffusers.__version__} has no context parallelism (it came in 0.36)"
+    elif getattr(model, "_cp_plan", None) is None:
         reason = f"{type(model).__name__} has no _cp_plan: diffusers' context parallelism does not cover it"
     elif not (torch.accelerator.is_available() and torch.accelerator.device_count() > 0):
         reason = ("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
                   "r % torch.accelerator.device_count()); this machine has none")  # fmt: skip
     if reason is not None:
-        return {}, {method: reason for method in ("ulysses", "ring", "usp")}
+        return {}, {method: f"not run: {reason}" for method in ("ulysses", "ring", "usp")}
     for method in ("ulysses", "ring", "usp"):
         ulysses, ring = grid(ctx, method, mesh)
+        tokens = shape["tokens"][0] if "tokens" in shape else shape["positions"]
+        uneven = tokens % ctx.world_size != 0 or shape["heads"] % ulysses != 0
+        anything = {"ulysses_anything": uneven} if ring == 1 else {"ring_anything": uneven} if ulysses == 1 else {}
         copied = copy.deepcopy(model)
         error = ""
         try:
-            copied.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
-            forward(copied, inputs)
+            config = ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring, **anything)
+            copied.enable_parallelism(config=config)
+            out = forward(copied, inputs)
+            mismatch = (out.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
         except Exception as failure:  # noqa: BLE001 - reported as not run, with the reason
             error = f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}"
         failed = ctx.reduce_over_ranks(torch.tensor([int(bool(error))]), op=dist.ReduceOp.MAX).item()
         if failed:
-            reasons[method] = error or "failed on another rank"
+            reasons[method] = f"not run: {error or 'failed on another rank'}"
         else:
             calls[f"diffusers {method}"] = lambda copied=copied: forward(copied, inputs)
+            reasons[method] = f"output error {mismatch:.1e} of its largest value vs the single process"
     return calls, reasons
 
 
@@ -239,14 +250,14 @@ def measure(size: VideoModel, ctx: Context, mesh) -> list[Row]:
         theory = expected_bytes(mode, shape, ctx.rank, ctx.world_size, torch.finfo(dtype).bits // 8, ulysses)
         at_theory = ctx.reduce_over_ranks(torch.tensor([int(sent.bytes_sent == theory)]), op=dist.ReduceOp.MIN)
         volumes[mode] = (sent.bytes_sent, theory, bool(at_theory.item()))
-    theirs, reasons = diffusers_candidates(ctx, model, inputs, mesh)
+    theirs, notes_on_theirs = diffusers_candidates(ctx, model, inputs, shape, mesh, expected)
 
     timings = time_side_by_side({SINGLE: single, **ours, **theirs}, ctx)
     times = "; ".join(f"{name} {timing.median_s * 1e3:.1f} ms" for name, timing in timings.items())
-    if len(reasons) == 3 and len(set(reasons.values())) == 1:
-        not_run = f"diffusers' context parallelism not run: {next(iter(reasons.values()))}"
+    if len(set(notes_on_theirs.values())) == 1:  # one reason for all three
+        theirs_note = f"diffusers' context parallelism {next(iter(notes_on_theirs.values()))}"
     else:
-        not_run = "; ".join(f"diffusers {method} not run: {reason}" for method, reason in reasons.items())
+        theirs_note = "; ".join(f"diffusers {method} {note}" for method, note in notes_on_theirs.items())
     rows = []
     for mode in modes:
         baseline = f"diffusers {'ulysses' if mode == 'dsp' else mode}"
@@ -255,7 +266,7 @@ def measure(size: VideoModel, ctx: Context, mesh) -> list[Row]:
         measured, theory, at_theory = volumes[mode]
         ulysses, ring = grid(ctx, mode, mesh)
         notes = [f"{short_dtype(dtype)} inference; output error {error:.1e} of its largest value vs the single "
-                 f"process", f"times: {times}", not_run]  # fmt: skip
+                 f"process", f"times: {times}", theirs_note]  # fmt: skip
         if size.name == "Latte" and volumes["ulysses"][0]:
             notes.append(f"DSP sends {volumes['dsp'][0] / volumes['ulysses'][0]:.2f} x Ulysses' bytes (rank 0)")
         rows.append(timed_row(

@@ -39,9 +39,11 @@ one attention (Flux, CogVideoX, HunyuanVideo) are sharded with them, so each ran
 joint sequence is its text piece and its video piece: non-causal attention does not
 depend on the order of the keys, and the rotary embeddings travel with their tokens.
 
-Supported releases: diffusers 0.35 and newer (the first with the attention dispatcher
-that every supported model's processors call, and with today's layouts of their rotary
-embeddings).
+Supported releases: diffusers 0.35 and newer (the tests run the newest and 0.35.2). 0.35
+is the release from which the plans' module layouts hold: Wan's rotary embedding became
+the (cos, sin) pair with the tokens on dim 1 that its plan cuts (before, one complex
+tensor with the tokens on dim 2), and Wan's, Flux's, LTX-Video's and HunyuanVideo's
+attention moved to the dispatcher, whose native backend calls SDPA.
 """
 
 from __future__ import annotations
@@ -401,13 +403,14 @@ def _agree_on_every_rank(describe: str, parallelism: Parallelism, value, device)
         metadata_device = device if "nccl" in str(dist.get_backend(group)).lower() else torch.device("cpu")
         local = torch.tensor([mine, agreed], dtype=torch.int64, device=metadata_device)
         gathered = local.new_empty(dist.get_world_size(group) * 2)
-        dist.all_gather_into_tensor(gathered, local, group=group)
+        # all_gather_single is the newer name (torch >= 2.14) of all_gather_into_tensor.
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=group)
         rows = gathered.view(-1, 2).tolist()
         agreed = int(all(row[1] for row in rows) and len({row[0] for row in rows}) == 1)
     if not agreed:
         raise ValueError(
             f"{describe}: the ranks were called with different inputs (shapes, dtypes or options); every rank "
-            f"must call the transformer with the same full inputs. This rank's: {value}"
+            f"must call the transformer with the same full inputs. This rank's: {str(value)[:400]}"
         )
 
 

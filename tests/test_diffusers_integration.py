@@ -6,7 +6,8 @@ under DSP, Ulysses, ring and USP, Wan under Ulysses, ring and USP, CogVideoX, Hu
 (padded prompt), LTX-Video (text mask) and Flux (joint text-image attention), with frame and
 token counts no world size divides, and heads no world size divides (3). The bytes sent
 (comm_stats) must be the README's formulas, and DSP on Latte must send at most half of what
-Ulysses sends. What the integration cannot run raises a ValueError on every rank.
+Ulysses sends. LattePipeline and WanPipeline run unchanged and give every rank the whole
+pipeline's frames. What the integration cannot run raises a ValueError on every rank.
 
 The single-process reference is the same model without apply(), run whole on each rank.
 Run against the installed diffusers; test_oldest_supported_diffusers reruns this file under
@@ -308,6 +309,74 @@ def test_more_transformers_and_options():
 
 
 # ----------------------------------------------------------------------------------
+# Pipelines run unchanged
+# ----------------------------------------------------------------------------------
+
+
+def _latte_pipeline():
+    """LattePipeline around _latte's transformer, a tiny VAE (scale 2), no text encoder
+    (prompt embeddings given): 5 frames of 40 x 40 pixels, 100 patches a frame."""
+    transformer, _, _ = _latte(layers=1)
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                                  down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2)  # fmt: skip
+    pipe = diffusers.LattePipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                                   scheduler=diffusers.DDIMScheduler())  # fmt: skip
+    embeds = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(2))
+    return pipe, dict(prompt_embeds=embeds, negative_prompt=None, negative_prompt_embeds=torch.zeros_like(embeds),
+                      video_length=5, height=40, width=40, mask_feature=False)  # fmt: skip
+
+
+def _wan_pipeline():
+    """WanPipeline with a Wan of 16 latent channels, a tiny Wan VAE, no text encoder: 9
+    frames of 48 x 48 pixels, 3 x 3 x 3 = 27 tokens."""
+    torch.manual_seed(0)
+    transformer = _randomized(diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32))  # fmt: skip
+    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True])  # fmt: skip
+    pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0))  # fmt: skip
+    embeds = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(2))
+    return pipe, dict(prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), num_frames=9, height=48,
+                      width=48)  # fmt: skip
+
+
+@on_every_rank
+def run_pipelines(cases):
+    """Each pipeline whole, then with apply(pipe.transformer, mode): the frames (two
+    denoising steps, classifier-free guidance, the VAE's decoding) against the whole
+    pipeline's, and the same on every rank (their sums gathered)."""
+    import seqpar_kernels.integrations.diffusers as sp_diffusers
+
+    failures = []
+    for name, mode in cases:
+        pipe, arguments = {"latte": _latte_pipeline, "wan": _wan_pipeline}[name]()
+        pipe.set_progress_bar_config(disable=True)
+
+        def frames():
+            return pipe(**arguments, num_inference_steps=2, generator=torch.Generator().manual_seed(1),
+                        output_type="pt").frames  # fmt: skip
+
+        expected = frames()
+        sp_diffusers.apply(pipe.transformer, mode, group=timeout_group())
+        ours = frames()
+        error = _scaled_error(ours, expected)
+        sums = [torch.zeros(1, dtype=torch.float64) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(sums, ours.double().sum().reshape(1), group=timeout_group())
+        if not error <= FP32_RTOL or len({value.item() for value in sums}) != 1:
+            failures.append(f"{name} {mode}: frames error {error:.1e}, sums per rank {[v.item() for v in sums]}")
+    return failures
+
+
+def test_pipelines_run_unchanged():
+    for failures in pool_for(3).run(run_pipelines, [("latte", "dsp"), ("wan", "ulysses")]):
+        assert not failures, failures
+
+
+# ----------------------------------------------------------------------------------
 # What cannot run raises, on every rank
 # ----------------------------------------------------------------------------------
 
@@ -423,7 +492,7 @@ def test_oldest_supported_diffusers():
     version = subprocess.run([sys.executable, "-c", "import diffusers; print(diffusers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
-    selection = "latte_and_wan and 3 or more_transformers or cannot_run"  # one pool of 3 ranks
+    selection = "latte_and_wan and 3 or more_transformers or cannot_run or pipelines"  # one pool of 3 ranks
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True,

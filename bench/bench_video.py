@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from seqpar_kernels import comm_stats
 
-from bench.bench_transformers import machine_threads, single_process_threads
+from bench.bench_transformers import machine_threads, single_process_threads, usp_mesh
 from bench.cases import run_case, timed_row
 from bench.context import Context
 from bench.rows import VIDEO_BENCH, Row, short_dtype
@@ -154,14 +154,6 @@ def build(size: VideoModel, device: torch.device, dtype: torch.dtype):
                                           device=device).to(dtype),
     )  # fmt: skip
     return model, inputs, shape
-
-
-def usp_mesh(ctx: Context):
-    """Ulysses degree 2 where the world size is even, else 1 (as the examples)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    ulysses = 2 if ctx.world_size % 2 == 0 else 1
-    return init_device_mesh(ctx.device.type, (ctx.world_size // ulysses, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
 def grid(ctx: Context, method: str, mesh) -> tuple[int, int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,12 +27,12 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from conftest import pool_for  # noqa: E402
-from on_ranks import on_every_rank, timeout_group  # noqa: E402
+from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
+from optional_dependency import assert_never_imported, oldest_marker, run_under_oldest_release  # noqa: E402
 from video_bytes import expected_bytes  # noqa: E402
 
 OLDEST_SUPPORTED = "0.35.2"
 REPOSITORY = Path(__file__).resolve().parent.parent
-OLDEST_PATH = REPOSITORY / "build" / f"diffusers-{OLDEST_SUPPORTED}"
 
 FP32_RTOL = 1e-5  # of the output's largest value; of each parameter's largest gradient
 # A floor for gradients that are zero in exact arithmetic (a key projection's bias: softmax
@@ -98,7 +97,7 @@ def _cogvideox():
     generator = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(2, 5, 4, 2, 14, generator=generator), timestep=torch.tensor([10, 500]),
                   encoder_hidden_states=torch.randn(2, 7, 16, generator=generator),
-                  image_rotary_emb=(torch.randn(35, 8, generator=generator), torch.randn(35, 8, generator=generator)))  # fmt: skip
+                  image_rotary_emb=tuple(torch.randn(35, 8, generator=generator) for _ in range(2)))  # fmt: skip
     shape = dict(batch=2, tokens=[35, 7], heads=3, head_dim=8, layers=1, out_per_token=4 * 2 * 2)
     return _randomized(model), inputs, shape
 
@@ -116,7 +115,8 @@ def _hunyuan_video():
     mask[:, 7:] = 0
     inputs = dict(hidden_states=torch.randn(1, 4, 5, 2, 14, generator=generator), timestep=torch.tensor([500]),
                   encoder_hidden_states=torch.randn(1, 9, 16, generator=generator), encoder_attention_mask=mask,
-                  pooled_projections=torch.randn(1, 8, generator=generator), guidance=torch.tensor([3500.0]))  # fmt: skip
+                  pooled_projections=torch.randn(1, 8, generator=generator),
+                  guidance=torch.tensor([3500.0]))  # fmt: skip
     shape = dict(batch=1, tokens=[35, 7], heads=3, head_dim=12, layers=2, out_per_token=4 * 2 * 2)
     return _randomized(model), inputs, shape
 
@@ -191,6 +191,13 @@ def _run(model, inputs, case):
     return out, dout
 
 
+def _ranks_ready() -> None:
+    """A barrier on the default group (no short timeout) after building a model: the
+    first model of a class imports its diffusers module, which on a busy machine can
+    keep a rank longer than the timeout group waits in the next collective."""
+    torch.distributed.barrier()
+
+
 @on_every_rank
 def run_parity_cases(cases):
     """Per case: the output and every parameter's gradient against the single-process
@@ -211,6 +218,7 @@ def run_parity_cases(cases):
         ulysses = case.get("ulysses", 1)
         reference, inputs, shape = MODELS[case["model"]](**case.get("config", {}))
         inputs.update(case.get("inputs", {}))
+        _ranks_ready()
         model = copy.deepcopy(reference).to(dtype)
         groups = _groups(mode, ulysses)
         sp_diffusers.apply(model, mode, **groups)
@@ -355,6 +363,7 @@ def run_pipelines(cases):
     for name, mode in cases:
         pipe, arguments = {"latte": _latte_pipeline, "wan": _wan_pipeline}[name]()
         pipe.set_progress_bar_config(disable=True)
+        _ranks_ready()
 
         def frames():
             return pipe(**arguments, num_inference_steps=2, generator=torch.Generator().manual_seed(1),
@@ -381,17 +390,6 @@ def test_pipelines_run_unchanged():
 # ----------------------------------------------------------------------------------
 
 
-def _raises(call, match: str) -> str | None:
-    """None when call() raises ValueError matching `match`, else what went wrong."""
-    import re
-
-    try:
-        call()
-    except ValueError as error:
-        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
-    return f"no ValueError (expected {match!r})"
-
-
 class _ProcessorWithoutSDPA:
     """Wan's self-attention without rotary embeddings, by matmul and softmax."""
 
@@ -411,24 +409,26 @@ def run_unsupported_cases():
     problems = {}
     latte, latte_inputs, _ = _latte(layers=1)
     wan, wan_inputs, _ = _wan(layers=1)
-    problems["bad mode"] = _raises(lambda: sp_diffusers.apply(latte, "megatron", **group), "mode must be")
-    problems["dsp without alternating blocks"] = _raises(lambda: sp_diffusers.apply(wan, "dsp", **group),
+    hunyuan, hunyuan_inputs, _ = _hunyuan_video()
+    problems["bad mode"] = raises(lambda: sp_diffusers.apply(latte, "megatron", **group), "mode must be")
+    problems["dsp without alternating blocks"] = raises(lambda: sp_diffusers.apply(wan, "dsp", **group),
                                                          "alternate spatial and temporal")  # fmt: skip
     torch.manual_seed(0)
     dit = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
                                           sample_size=8, patch_size=2)  # fmt: skip
-    problems["no plan"] = _raises(lambda: sp_diffusers.apply(dit, "ulysses", **group), "no sequence-parallel plan")
-    problems["usp on a group"] = _raises(lambda: sp_diffusers.apply(wan, "usp", **group), "mesh")
+    _ranks_ready()
+    problems["no plan"] = raises(lambda: sp_diffusers.apply(dit, "ulysses", **group), "no sequence-parallel plan")
+    problems["usp on a group"] = raises(lambda: sp_diffusers.apply(wan, "usp", **group), "mesh")
     # Inputs that differ by rank raise on every rank, before any piece is cut.
     sp_diffusers.apply(wan, "ulysses", **group)
-    problems["applied twice"] = _raises(lambda: sp_diffusers.apply(wan, "ring", **group), "already")
+    problems["applied twice"] = raises(lambda: sp_diffusers.apply(wan, "ring", **group), "already")
     different = dict(wan_inputs, encoder_hidden_states=wan_inputs["encoder_hidden_states"][:, : 7 - rank])
-    problems["inputs differ by rank"] = _raises(lambda: wan(**different), "different inputs")
+    problems["inputs differ by rank"] = raises(lambda: wan(**different), "different inputs")
     # An attention that does not call torch's SDPA (another backend, a processor of one's
     # own) would bypass the sharded attention.
     native = wan.blocks[0].attn1.processor
     wan.blocks[0].attn1.set_processor(_ProcessorWithoutSDPA())
-    problems["not the native backend"] = _raises(lambda: wan(**wan_inputs), "native")
+    problems["not the native backend"] = raises(lambda: wan(**wan_inputs), "native")
     wan.blocks[0].attn1.set_processor(native)
     sp_diffusers.remove(wan)
     wan(**wan_inputs)  # runs whole again
@@ -436,14 +436,13 @@ def run_unsupported_cases():
     sp_diffusers.apply(latte, "dsp", **group)
     if torch.distributed.get_world_size() > 1:
         one_frame = dict(latte_inputs, hidden_states=latte_inputs["hidden_states"][:, :, :1])
-        problems["fewer frames than ranks"] = _raises(lambda: latte(**one_frame), "at least as many frames")
+        problems["fewer frames than ranks"] = raises(lambda: latte(**one_frame), "at least as many frames")
     # A prompt batch whose padded lengths differ leaves a mask the attention cannot take.
-    hunyuan, hunyuan_inputs, _ = _hunyuan_video()
     sp_diffusers.apply(hunyuan, "ulysses", **group)
     two_prompts = {key: torch.cat([value, value]) if isinstance(value, torch.Tensor) else value
                    for key, value in hunyuan_inputs.items()}  # fmt: skip
     two_prompts["encoder_attention_mask"][1, 5:] = 0
-    problems["prompts of different lengths"] = _raises(lambda: hunyuan(**two_prompts), "different lengths")
+    problems["prompts of different lengths"] = raises(lambda: hunyuan(**two_prompts), "different lengths")
     return {name: problem for name, problem in problems.items() if problem is not None}
 
 
@@ -477,24 +476,12 @@ def test_example_matches_one_process():
 
 
 def test_core_package_never_imports_diffusers():
-    code = "import sys, seqpar_kernels; sys.exit('diffusers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert_never_imported("diffusers")
 
 
-@pytest.mark.skipif(os.environ.get("SEQPAR_DIFFUSERS_OLDEST") == "1", reason="already the oldest release")
+@pytest.mark.skipif(os.environ.get(oldest_marker("diffusers")) == "1", reason="already the oldest release")
 def test_oldest_supported_diffusers():
     """This file's parity and error tests under the oldest supported release, installed
     by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
-    if not (OLDEST_PATH / "diffusers").is_dir():
-        pytest.skip(f"diffusers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
-               SEQPAR_DIFFUSERS_OLDEST="1")  # fmt: skip
-    version = subprocess.run([sys.executable, "-c", "import diffusers; print(diffusers.__version__)"],
-                             env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    assert version == OLDEST_SUPPORTED
     selection = "latte_and_wan and 3 or more_transformers or cannot_run or pipelines"  # one pool of 3 ranks
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
-        env=env, cwd=REPOSITORY, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_under_oldest_release("diffusers", OLDEST_SUPPORTED, __file__, selection)

@@ -2,7 +2,8 @@
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
 kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
 LM loss, the peak memory and time of ours and of materialised logits per token count; for
-the transformers training step, each mode's time and per-rank peak against one process's."""
+the transformers training step, each mode's time and per-rank peak against one process's;
+for the video transformers, each mode's time against its baseline and its bytes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from bench.rows import (  # noqa: E402
     STEP_TILES_BENCH,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
+    VIDEO_BENCH,
     Row,
     usp_grid_label,
 )
@@ -360,25 +362,59 @@ def _plot_transformers(left, right, rows: list[Row], on_gpu: bool) -> None:
     right.set_title("transformers training step: peak memory per rank")
 
 
+def _plot_video(left, right, rows: list[Row]) -> None:
+    """Each mode's time beside its baseline's (named in the case), and the bytes rank 0
+    sent per call: DSP against the token-sharding modes on Latte."""
+    positions = list(range(len(rows)))
+    labels = [row.case for row in rows]
+    left.barh([p - 0.2 for p in positions], [row.ours_s * 1e3 for row in rows], 0.4, color="tab:green", label="ours")
+    left.barh([p + 0.2 for p in positions], [row.baseline_s * 1e3 for row in rows], 0.4, color="lightgray",
+              label="baseline (named after 'vs')")  # fmt: skip
+    for position, row in zip(positions, rows):
+        left.text(row.ours_s * 1e3, position - 0.2, f" {row.ours_s * 1e3:.1f} ms x{row.speedup:.2f}", va="center",
+                  fontsize=6)  # fmt: skip
+    left.set_xlim(0, max(max(row.ours_s, row.baseline_s) for row in rows) * 1e3 * 1.35)
+    left.set_yticks(positions, labels, fontsize=7)
+    left.invert_yaxis()
+    left.set_xlabel("ms per transformer call (median); x = baseline / ours")
+    left.set_title("video transformers (diffusers): each mode against its baseline")
+    left.legend(loc="lower right", fontsize=7)
+    largest = max(row.bytes_sent_ours or 0 for row in rows)
+    unit, scale = ("MiB", 2**20) if largest >= 2**20 else ("KiB", 2**10)
+    right.barh(positions, [(row.bytes_sent_ours or 0) / scale for row in rows], 0.8, color="tab:orange")
+    for position, row in zip(positions, rows):
+        verdict = "" if row.volume_at_theory else " != theory"
+        right.text((row.bytes_sent_ours or 0) / scale, position, f" {(row.bytes_sent_ours or 0) / scale:.3g}{verdict}",
+                   va="center", fontsize=6)  # fmt: skip
+    right.set_xlim(0, max(largest / scale, 1e-9) * 1.35)
+    right.set_yticks(positions, labels, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel(f"{unit} sent by rank 0 per call (comm_stats; marked where not at the formula)")
+    right.set_title("video transformers: bytes per call")
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
-    general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH)]
+    general = [
+        row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH)
+    ]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
     tiles = [row for row in rows if row.bench == STEP_TILES_BENCH]
     usp = [row for row in rows if row.bench in USP_BENCHES]
     loss = [row for row in rows if row.bench == LOSS_BENCH]
     hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
+    video = [row for row in rows if row.bench == VIDEO_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP; the LM loss; the transformers training step.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf) if panel] or [0]
+    # the step kernels; USP; the LM loss; the transformers training step; video transformers.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf, video) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp or loss or hf):
+    if general or not (ring or steps or usp or loss or hf or video):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -400,6 +436,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if hf:
         left, right = next(line)
         _plot_transformers(left, right, hf, on_gpu)
+    if video:
+        left, right = next(line)
+        _plot_video(left, right, video)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

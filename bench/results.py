@@ -18,6 +18,7 @@ from bench.rows import (
     STEP_BENCHES,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
+    VIDEO_BENCH,
     Row,
     is_failed,
     usp_grid_label,
@@ -69,6 +70,14 @@ def ring_line(row: Row) -> str:
     if row.error_vs_plain is not None:
         parts.append(f"err {row.error_vs_plain:.1f}x plain torch's")
     return ", ".join(parts)
+
+
+def video_line(row: Row) -> str:
+    """The part of a video row's line that says how it went (progress and summary): the
+    mode's time against its baseline (named in the case), the grid, the bytes."""
+    return (f"{usp_grid_label(row.ulysses_degree, row.ring_degree)}: {_ms(row.ours_s)} vs {_ms(row.baseline_s)}: "
+            f"x{row.speedup:.2f} (won {row.ours_faster_share:.0%} of {row.reps} rounds, noise {row.noise:.0%}); "
+            f"{_sent(row)}")  # fmt: skip
 
 
 def _ring_progress_line(row: Row) -> str:
@@ -140,6 +149,8 @@ def progress_line(row: Row) -> str:
         return f"{row.bench:<16} {row.case:<32} {loss_line(row)} | {row.check}"
     if row.bench == TRANSFORMERS_BENCH:
         return f"{row.bench:<16} {row.case:<32} {transformers_line(row)} | {row.check}"
+    if row.bench == VIDEO_BENCH:
+        return f"{row.bench:<16} {row.case:<40} {video_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -186,6 +197,9 @@ SUMMARY_SECTIONS = (
     ((TRANSFORMERS_BENCH,), "transformers training step (x = single-process step time / the mode's on every "
      "rank; on CPU ranks sharing cores: total work, not a parallel speedup; check: loss and gradients "
      "against the single process)", transformers_line, 32),
+    ((VIDEO_BENCH,), "video transformer call (x = baseline time / the mode's, the baseline named in the case: "
+     "diffusers' context parallelism where it ran, else the single process; check: the output against the "
+     "single process)", video_line, 40),
 )  # fmt: skip
 
 
@@ -195,7 +209,11 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     failed = [row for row in rows if is_failed(row)]
     rows = [row for row in rows if not is_failed(row)]
     for row in rows:
-        if row.bench in RING_ALL or row.bench in USP_BENCHES or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH):
+        if (
+            row.bench in RING_ALL
+            or row.bench in USP_BENCHES
+            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH)
+        ):
             continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")

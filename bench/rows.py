@@ -20,6 +20,8 @@ USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid 
 LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
 # bench_transformers.py: a transformers model's training step, one process against each mode
 TRANSFORMERS_BENCH = "transformers"
+# bench_video.py: a diffusers video transformer's call under each mode of the diffusers integration
+VIDEO_BENCH = "video"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"

@@ -31,6 +31,7 @@ from bench import (
     bench_ulysses,
     bench_usp,
     bench_varlen,
+    bench_video,
     hardware,
 )
 from bench.cases import failed_row
@@ -51,6 +52,8 @@ from seqpar_kernels.extension import build_info
 # the integration (skipped, with the reason, where transformers is not installed);
 # "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
 # table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone.
+# table of step_backend="auto"; "video" a diffusers video transformer (Latte, Wan) under each
+# mode of the diffusers integration against diffusers' own context parallelism where it runs.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
@@ -62,6 +65,7 @@ BENCHES = {
     "varlen": (bench_varlen,),
     "loss": (bench_loss,),
     "transformers": (bench_transformers,),
+    "video": (bench_video,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -124,6 +128,11 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         skipped = bench_transformers.transformers_unavailable()
         if skipped is not None:
             metadata["transformers_skipped"] = skipped
+    if "video" in only:
+        metadata["video_baseline"] = bench_video.BASELINE_NOTE
+        skipped = bench_video.diffusers_unavailable()
+        if skipped is not None:
+            metadata["video_skipped"] = skipped
     return metadata
 
 

@@ -80,27 +80,29 @@ if [ ${#missing[@]} -gt 0 ]; then
   pip_install "${missing[*]}" -q "${missing[@]}" || say "missing ${missing[*]}: the build or some tests may fail"
 fi
 
-# The transformers integration's tests: the newest release in the environment, and the
-# oldest supported one (the README says which) in build/, where its tests put it first on
-# PYTHONPATH; its own pins of huggingface_hub and tokenizers go beside it. Without a
-# package index (the GPU machines) both are skipped, and so are those tests.
-TRANSFORMERS_OLDEST=4.56.2
-if [ -n "$(missing_packages transformers:transformers)" ]; then
-  pip_install "transformers (optional: the integration's tests)" -q "transformers>=$TRANSFORMERS_OLDEST" \
-    || say "no transformers: its tests will skip"
-fi
-oldest_dir="build/transformers-$TRANSFORMERS_OLDEST"
-if [ ! -d "$oldest_dir/transformers" ]; then
-  if [ $dry_run = 0 ]; then mkdir -p build; fi
-  if pip_install "transformers==$TRANSFORMERS_OLDEST into $oldest_dir (the oldest supported release)" -q \
-    --no-deps --target "$oldest_dir.partial" "transformers==$TRANSFORMERS_OLDEST" "huggingface_hub==0.36.0" \
-    "tokenizers==0.22.1"; then
-    if [ $dry_run = 0 ]; then mv "$oldest_dir.partial" "$oldest_dir"; fi
-  else
-    if [ $dry_run = 0 ]; then rm -rf "$oldest_dir.partial"; fi
-    say "no transformers $TRANSFORMERS_OLDEST: its test will skip"
+# An optional dependency of an integration: the newest release in the environment for its
+# tests, and the oldest supported one in build/NAME-VERSION, which its tests put first on
+# PYTHONPATH (with the pins given after the version beside it). Skipped offline.
+optional_dependency() {
+  local name=$1 oldest=$2
+  shift 2
+  if [ -n "$(missing_packages "$name:$name")" ]; then
+    pip_install "$name (optional: the integration's tests)" -q "$name>=$oldest" || say "no $name: its tests will skip"
   fi
-fi
+  local oldest_dir="build/$name-$oldest"
+  if [ ! -d "$oldest_dir/$name" ]; then
+    if [ $dry_run = 0 ]; then mkdir -p build; fi
+    if pip_install "$name==$oldest into $oldest_dir (the oldest supported release)" -q \
+      --no-deps --target "$oldest_dir.partial" "$name==$oldest" "$@"; then
+      if [ $dry_run = 0 ]; then mv "$oldest_dir.partial" "$oldest_dir"; fi
+    else
+      if [ $dry_run = 0 ]; then rm -rf "$oldest_dir.partial"; fi
+      say "no $name $oldest: its test will skip"
+    fi
+  fi
+}
+optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1"
+optional_dependency diffusers 0.35.2
 
 # The build needs no index (no build isolation, no dependencies): --no-index keeps pip
 # from asking one anyway.

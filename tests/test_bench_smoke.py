@@ -76,6 +76,23 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
             assert row["check"] == "matches" and "relative error" in row["detail"], row
             assert int(row["ours_peak_bytes"]) > 0 and int(row["baseline_peak_bytes"]) > 0, row
             assert float(row["ours_s"]) > 0 and float(row["baseline_s"]) > 0, row
+    # diffusers video transformers: Latte under DSP, Ulysses, ring and USP, Wan under the
+    # last three, each output equal to the single process's, its bytes at the formulas;
+    # diffusers' own context parallelism covers no Latte and needs an accelerator, so on
+    # CPU the baseline is the single process, the reason in the detail. Skipped, with the
+    # reason, without diffusers.
+    video = [row for row in rows if row["bench"] == "video"]
+    if importlib.util.find_spec("diffusers") is None:
+        assert not video and "video: skipped" in result.stdout, video
+    else:
+        cases = [row["case"] for row in video]
+        assert cases == [f"{model} {mode} vs single process" for model, modes in
+                         (("Latte", ("dsp", "ulysses", "ring", "usp")), ("Wan", ("ulysses", "ring", "usp")))
+                         for mode in modes], cases  # fmt: skip
+        for row in video:
+            assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
+            reason = "has no _cp_plan" if row["case"].startswith("Latte") else "enable_parallelism needs an accelerator"
+            assert "diffusers' context parallelism not run: " in row["detail"] and reason in row["detail"], row
 
 
 def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):

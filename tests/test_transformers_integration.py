@@ -328,13 +328,14 @@ def run_unsupported_cases():
     # A step backend is the model's choice alone: a batch sharded without it runs.
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
-    backends, ring_attention = [], sp_transformers.ring_attention
-    sp_transformers.ring_attention = lambda *args, **kwargs: backends.append(kwargs["step_backend"]) or ring_attention(
-        *args, **kwargs)
+    attention_module = sp_transformers.attention
+    backends, ring_attention = [], attention_module.ring_attention
+    attention_module.ring_attention = lambda *args, **kwargs: backends.append(kwargs["step_backend"]) or (
+        ring_attention(*args, **kwargs))
     try:
         aten_model.model(**local)
     finally:
-        sp_transformers.ring_attention = ring_attention
+        attention_module.ring_attention = ring_attention
     if settings.step_backend != "aten" or backends != ["aten"] * config.num_hidden_layers:
         problems["step backend passed on"] = f"apply recorded {settings}, the attention got {backends}"
     # An implementation set by hand, without apply's groups.

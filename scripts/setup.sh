@@ -47,6 +47,11 @@ if ! "$PYTHON" -c "import transformers" 2>/dev/null; then
   say "installing transformers (optional: the integration's tests)"
   "$PYTHON" -m pip install -q "transformers>=$TRANSFORMERS_OLDEST" || say "could not install transformers; its tests will skip"
 fi
+# The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
+if ! "$PYTHON" -c "import accelerate" 2>/dev/null; then
+  say "installing accelerate (optional: the Trainer's tests)"
+  "$PYTHON" -m pip install -q "accelerate>=1.0" || say "could not install accelerate; the Trainer's tests will skip"
+fi
 oldest_dir="build/transformers-$TRANSFORMERS_OLDEST"
 if [ ! -d "$oldest_dir/transformers" ]; then
   say "installing transformers==$TRANSFORMERS_OLDEST into $oldest_dir (the oldest supported release)"

@@ -6,11 +6,14 @@
     all_ranks_agree(flag)        True iff flag is true on every rank
     backward_on_every_rank(out, dout)   out.backward(dout), raising on every rank alike
                                  when some rank's out is cut from the graph
+    value_error_problem(call, match)    None when call() raises ValueError matching
+                                 `match`, else what went wrong (for a dict of problems)
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from datetime import timedelta
 
 import torch
@@ -85,3 +88,12 @@ def backward_on_every_rank(out, dout):
         )
     out.backward(dout)
 
+
+
+def value_error_problem(call, match: str) -> str | None:
+    """None when call() raises ValueError matching `match`, else what went wrong."""
+    try:
+        call()
+    except ValueError as error:
+        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
+    return f"no ValueError (expected {match!r})"

@@ -28,7 +28,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import pool_for  # noqa: E402
-from on_ranks import on_every_rank, timeout_group  # noqa: E402
+from on_ranks import on_every_rank, timeout_group, value_error_problem as _raises  # noqa: E402
 
 OLDEST_SUPPORTED = "4.56.2"
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -240,17 +240,6 @@ def test_bf16_within_twice_the_single_process_error():
 # ----------------------------------------------------------------------------------
 # What cannot be honoured raises
 # ----------------------------------------------------------------------------------
-
-
-def _raises(call, match: str) -> str | None:
-    """None when call() raises ValueError matching `match`, else what went wrong."""
-    import re
-
-    try:
-        call()
-    except ValueError as error:
-        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
-    return f"no ValueError (expected {match!r})"
 
 
 @on_every_rank

@@ -19,6 +19,10 @@ USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid 
 LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
 # bench_transformers.py: a transformers model's training step, one process against each mode
 TRANSFORMERS_BENCH = "transformers"
+# bench_memory.py: peak memory per rank of a training step at growing lengths, one rank
+# against P ranks, tiled MLPs and activation offload; "<configuration> fit" rows hold a
+# configuration's bytes per token
+MEMORY_BENCH = "memory"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -89,7 +93,8 @@ class Row:
     # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
     # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
     # A transformers row (bench_transformers.py): the largest over the ranks of a mode's
-    # step, and the single process's; no bound.
+    # step, and the single process's; no bound. A memory row (bench_memory.py): the
+    # configuration's largest over the ranks, and one rank's.
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None

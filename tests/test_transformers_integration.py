@@ -364,8 +364,9 @@ def test_core_package_never_imports_transformers():
 
 @pytest.mark.skipif(os.environ.get("SEQPAR_TRANSFORMERS_OLDEST") == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
-    """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
+    """This file's parity and error tests, and some of the Trainer's, under the oldest
+    supported release, installed by scripts/setup.sh into build/ (skipped where the
+    set-up could not reach PyPI)."""
     if not (OLDEST_PATH / "transformers").is_dir():
         pytest.skip(f"transformers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
@@ -373,9 +374,13 @@ def test_oldest_supported_transformers():
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert version == OLDEST_SUPPORTED
-    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw"
+    # With a part of the Trainer's tests (tests/test_transformers_trainer.py), in the same
+    # session: they share its rank pools.
+    selection = ("one_group and P2 or usp and 2 or unsupported or register or adamw or "
+                 "test_transformers_trainer and (P2-ring or replicas and packed or mixin)")  # fmt: skip
+    trainer_tests = str(Path(__file__).with_name("test_transformers_trainer.py"))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, trainer_tests, "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -1,7 +1,7 @@
 """The causal-LM loss of a transformers model under sequence parallelism, from its
 hidden states, with the model's own LM head.
 
-    model_loss(model, hidden_states, shift_labels, *, group=None, mesh=None)
+    model_loss(model, hidden_states, shift_labels, *, group=None, mesh=None, chunk_size=None)
     check_model_head(model)                 what model_loss raises for, checked up front
     loss_through_forward(call, model, hidden_module, loss)
 """
@@ -39,14 +39,15 @@ def check_model_head(model) -> None:
         )
 
 
-def model_loss(model, hidden_states: torch.Tensor, shift_labels: torch.Tensor, *, group=None, mesh=None) -> torch.Tensor:
+def model_loss(model, hidden_states: torch.Tensor, shift_labels: torch.Tensor, *, group=None, mesh=None,
+               chunk_size: int | None = None) -> torch.Tensor:
     """The loss of `model`'s LM head on this rank's hidden states: the mean over every
     rank's real tokens (sequence_parallel_cross_entropy's value and gradient convention:
     the gradient is this rank's share).
 
     hidden_states: (batch, seqlen_local, hidden), the base model's last hidden state
         (after its final norm). shift_labels: (batch, seqlen_local), shard_batch's.
-    group / mesh: the sequence-parallel ranks (as sequence_parallel_cross_entropy).
+    group / mesh, chunk_size: as sequence_parallel_cross_entropy's.
     Under autocast the head's logits are computed in the autocast dtype, as its Linear
     would compute them. Raises ValueError for a model whose forward transforms the
     logits (final softcapping, logit scales) or whose head is not a bias-free Linear."""
@@ -57,10 +58,11 @@ def model_loss(model, hidden_states: torch.Tensor, shift_labels: torch.Tensor, *
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             return sequence_parallel_cross_entropy(hidden_states.to(dtype), weight.to(dtype), shift_labels,
-                                                   group=group, mesh=mesh)  # fmt: skip
+                                                   group=group, mesh=mesh, chunk_size=chunk_size)  # fmt: skip
     if hidden_states.dtype != weight.dtype:  # e.g. an fp32 final norm before a bf16 head
         hidden_states = hidden_states.to(weight.dtype)
-    return sequence_parallel_cross_entropy(hidden_states, weight, shift_labels, group=group, mesh=mesh)
+    return sequence_parallel_cross_entropy(hidden_states, weight, shift_labels, group=group, mesh=mesh,
+                                           chunk_size=chunk_size)
 
 
 def loss_through_forward(call, model: torch.nn.Module, hidden_module: torch.nn.Module, loss) -> torch.Tensor:

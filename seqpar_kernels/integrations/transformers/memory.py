@@ -239,7 +239,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
-        if (tensor.requires_grad and tensor.is_leaf) or nbytes < self.min_bytes or tensor.layout != torch.strided:
+        if (tensor.requires_grad and tensor.is_leaf) or nbytes == 0 or nbytes < self.min_bytes \
+                or tensor.layout != torch.strided:  # fmt: skip
             return tensor  # parameters, small tensors: kept as they are
         # The same tensor saved again (one input of several ops): its one copy. Keyed by
         # id, valid while that tensor lives (a freed tensor's id and memory are reused).

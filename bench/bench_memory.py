@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from seqpar_kernels.testing import peak_cpu_memory
 
+from bench.bench_transformers import ModelSize
 from bench.cases import run_case
 from bench.context import Context
 from bench.rows import MEMORY_BENCH, Row
@@ -69,22 +70,6 @@ LOSS_CHUNK = 64  # tokens of logits at a time in the loss: a constant, whatever 
 TILE = 64  # tokens per MLP tile
 LOSS_RTOL = 1e-5
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def label(self) -> str:
-        return (f"Llama hidden {self.hidden}, {self.layers} layers, heads {self.heads}/{self.kv_heads} kv x "
-                f"{self.head_dim}, MLP {self.intermediate}, vocab {self.vocab}")  # fmt: skip
 
 
 # Llama-8B's proportions (MLP 3.5 x hidden, 4 query heads per kv head) at a size whose

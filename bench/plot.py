@@ -366,7 +366,7 @@ def _plot_memory(left, right, rows: list[Row]) -> None:
     left.set_xlabel("tokens in the sequence")
     left.set_ylabel("MiB held by the allocator in one step (largest rank)")
     left.set_title("memory: peak per rank of a training step")
-    _legend_on_top(left)
+    left.legend(fontsize=8, loc="upper left")
     positions = list(range(len(names)))
     right.barh(positions, [longest[name][1] for name in names], 0.8, color="tab:blue")
     right.set_yticks(positions, [f"{name} (T={longest[name][0]})" for name in names], fontsize=8)

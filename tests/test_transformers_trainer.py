@@ -235,11 +235,11 @@ ACCUMULATE = dict(max_steps=3, gradient_accumulation_steps=2)
     [
         (2, _case("ring", "balanced", args=ACCUMULATE)),
         (3, _case("ulysses", "contiguous", "packed", args=STEPS3)),
-        (3, _case("ring", "contiguous", "packed", args=ACCUMULATE)),
+        (3, _case("ring", "contiguous", "packed", tiled_mlp=16, args=ACCUMULATE)),
         (4, _case("usp", "balanced", args=STEPS3)),
         (4, _case("usp", "contiguous", "packed", ulysses_degree=4, args=STEPS3)),
     ],
-    ids=["P2-ring-balanced-accumulate", "P3-ulysses-packed", "P3-ring-packed-accumulate", "P4-usp-balanced",
+    ids=["P2-ring-balanced-accumulate", "P3-ulysses-packed", "P3-ring-packed-accumulate-tiled", "P4-usp-balanced",
          "P4-usp-contiguous-packed"],
 )  # fmt: skip
 def test_each_mode_matches_the_plain_trainer(world_size, case):
@@ -277,8 +277,6 @@ def run_resumed(case: dict) -> dict:
     """Train 4 steps saving at step 2, then a new trainer resumes from that checkpoint
     (weights, AdamW's state, the scheduler, every rank's RNG, the sampler's position)
     and trains to step 4: its log and weights."""
-    import torch.distributed as dist
-
     _as_torchrun_started()
     directory = case["directory"]
     _trainer(case, directory, save_strategy="steps", save_steps=2).train()

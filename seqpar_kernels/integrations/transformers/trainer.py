@@ -61,7 +61,6 @@ know, dispatched batches (accelerate's dispatch_batches), uneven replica batches
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -167,24 +166,18 @@ def make_layout(mode: str, sequence_parallel_size: int | None, ulysses_degree: i
                                   loss_groups)  # fmt: skip
 
 
-def _innermost(model):
-    """The model inside DDP / FSDP / accelerate's wrappers (module attributes)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
-def _batch_checksum(batch) -> int:
-    """An int64 fingerprint of a batch's token tensors (wraps around; the same bytes give
-    the same value on every rank)."""
-    total = torch.zeros((), dtype=torch.int64)
+def _batch_checksum(batch) -> torch.Tensor:
+    """An int64 fingerprint (0-dim, on the batch's device) of a batch's token tensors: the
+    same bytes give the same value on every rank (the sums wrap around alike)."""
+    total = None
     for index, key in enumerate(("input_ids", "labels", "position_ids", "attention_mask")):
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
-            flat = value.reshape(-1).to("cpu", torch.int64)
-            weights = torch.arange(flat.numel(), dtype=torch.int64) % 65521 + 1 + index
-            total += (flat * weights).sum() + flat.numel()
-    return int(total)
+            flat = value.reshape(-1).long()
+            weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) % 65521 + 1 + index
+            term = (flat * weights).sum() + flat.numel()
+            total = term if total is None else total + term
+    return total
 
 
 @dataclass(frozen=True)
@@ -268,7 +261,7 @@ class SequenceParallelTrainerMixin:
         """Switch the model's attention to the mode (and tile its MLPs); the groups are
         made on the first call (collective)."""
         options = self.sequence_parallel_options
-        inner = _innermost(model)
+        inner = self.accelerator.unwrap_model(model)
         if self.sequence_parallel is None:
             config = getattr(inner, "config", None)
             text_config = getattr(config, "get_text_config", lambda: config)()
@@ -388,23 +381,23 @@ class SequenceParallelTrainerMixin:
         return shard_batch(batch, mode=layout.mode, layout=self.sequence_parallel_options["layout"],
                            ignore_index=IGNORE_INDEX, **layout.groups)  # fmt: skip
 
-    def _gather_rows(self, row: list[int], device) -> list[list[int]]:
-        """Every rank's `row` (ints, the same length on every rank), in rank order."""
+    def _gather_rows(self, row: torch.Tensor) -> list[list[int]]:
+        """Every rank's row (an int64 vector, the same length on every rank), in rank
+        order: one all-gather, one host sync."""
         layout = self.sequence_parallel
         if layout.world_size == 1:
-            return [row]
-        mine = torch.tensor(row, dtype=torch.int64, device=device)
-        gathered = mine.new_empty(layout.world_size * len(row))
-        dist.all_gather_into_tensor(gathered, mine)
-        return gathered.view(layout.world_size, len(row)).tolist()
+            return [row.tolist()]
+        gathered = row.new_empty(layout.world_size * row.numel())
+        dist.all_gather_into_tensor(gathered, row)
+        return gathered.view(layout.world_size, row.numel()).tolist()
 
-    def _check_same_batches(self, batches: list, device) -> None:
+    def _check_same_batches(self, batches: list) -> None:
         """Raise ValueError on every rank if two ranks of a group hold different
         batches (one small all-gather of their checksums, before any sharding)."""
         layout = self.sequence_parallel
         if layout.size == 1:
             return
-        rows = self._gather_rows([_batch_checksum(batch) for batch in batches], device)
+        rows = self._gather_rows(torch.stack([_batch_checksum(batch) for batch in batches]))
         groups = [rows[replica * layout.size : (replica + 1) * layout.size] for replica in range(layout.replicas)]
         disagree = [replica for replica, group in enumerate(groups) if any(row != group[0] for row in group)]
         if disagree:
@@ -421,12 +414,13 @@ class SequenceParallelTrainerMixin:
         all-gathers over the world: the batches' checksums, then the counts."""
         layout = self.sequence_parallel
         batches = [self._prepare_inputs(batch) for batch in batches]
-        device = batches[0]["input_ids"].device
-        self._check_same_batches(batches, device)
+        self._check_same_batches(batches)
         local = [self._shard(batch) for batch in batches]
-        counts = [int((shard["shift_labels"] != IGNORE_INDEX).sum()) for shard in local]
-        own = 0 if trainer_count is None else int(round(float(trainer_count)))
-        rows = self._gather_rows(counts + [own], device)
+        own = torch.zeros((), dtype=torch.int64, device=local[0]["shift_labels"].device)
+        if trainer_count is not None:
+            own += torch.as_tensor(trainer_count, device=own.device).round().long()
+        counts = [(shard["shift_labels"] != IGNORE_INDEX).sum() for shard in local]
+        rows = self._gather_rows(torch.stack(counts + [own]))
         group_rows = rows[layout.replica * layout.size : (layout.replica + 1) * layout.size]
         for index, shard in enumerate(local):
             shard[_COUNTS_KEY] = (float(sum(row[index] for row in group_rows)), float(sum(row[index] for row in rows)))
@@ -468,7 +462,7 @@ class SequenceParallelTrainerMixin:
             [local], _ = self._shard_and_count([inputs])
         group_tokens, all_tokens = local.pop(_COUNTS_KEY)
         shift_labels = local.pop("shift_labels")
-        inner = _innermost(model)
+        inner = self.accelerator.unwrap_model(model)  # inside DDP, FSDP, torch.compile
         no_logits = torch.empty(0, dtype=torch.long, device=shift_labels.device)
         outputs = {}
 

@@ -450,6 +450,14 @@ def run_unsupported() -> dict:
             batch["input_ids"][0, 0] = rank
             return batch
 
+        # An IterableDataset: accelerate dispatches its batches from rank 0 by default.
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(_dataset(4))
+
+        streamed = _trainer(dict(case, args=dict(max_steps=1)), directory)
+        streamed.train_dataset = Stream()
+        problems["dispatched batches"] = _raises(streamed.train, "dispatch_batches")
         trainer = _trainer(case, directory)
         trainer.data_collator = differs_by_rank
         problems["different batches"] = _raises(trainer.train, "read different batches")

@@ -53,9 +53,10 @@ What raises (ValueError, at construction): label smoothing, compute_loss_func,
 compute_metrics and preprocess_logits_for_metrics (they need the logits of the whole
 sequence), DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
 parallelism_config, the "batch_rebalance" sampling strategy, a world size that
-sequence_parallel_size does not divide; at the first batch: keys shard_batch does not
-know, dispatched batches (accelerate's dispatch_batches), uneven replica batches
-(even_batches=False).
+sequence_parallel_size does not divide; when train() or evaluate() makes a dataloader:
+batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
+IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
+rank: keys shard_batch does not know, ranks of a group holding different batches.
 """
 
 from __future__ import annotations

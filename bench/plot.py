@@ -3,7 +3,8 @@ attention, each case's share of the ideal and overlap efficiency, and (GPU) the 
 kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
 LM loss, the peak memory and time of ours and of materialised logits per token count; for
 the transformers training step, each mode's time and per-rank peak against one process's;
-for the video transformers, each mode's time against its baseline and its bytes."""
+for the video transformers, each mode's time against its baseline and its bytes; for memory,
+each configuration's peak per rank against the sequence's length."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import matplotlib.ticker  # noqa: E402
 from bench.rows import (  # noqa: E402
     KERNEL_BENCHES,
     LOSS_BENCH,
+    MEMORY_BENCH,
     RING_ALL,
     STEP_BENCHES,
     STEP_TILES_BENCH,
@@ -393,10 +395,35 @@ def _plot_video(left, right, rows: list[Row]) -> None:
     right.set_title("video transformers: bytes per call")
 
 
+def _plot_memory(left, right, rows: list[Row]) -> None:
+    """Peak per rank against tokens, one line per configuration (left); each
+    configuration's peak at the longest length (right)."""
+    measured = [row for row in rows if row.ours_peak_bytes is not None]
+    names = list(dict.fromkeys(row.case.rsplit(" T=", 1)[0] for row in measured))
+    longest = {}
+    for name in names:
+        points = sorted((int(row.case.rsplit("T=", 1)[1]), row.ours_peak_bytes / 2**20) for row in measured
+                        if row.case.rsplit(" T=", 1)[0] == name)  # fmt: skip
+        left.plot([t for t, _ in points], [peak for _, peak in points], marker="o", label=name)
+        longest[name] = points[-1]
+    left.set_xlabel("tokens in the sequence")
+    left.set_ylabel("MiB held by the allocator in one step (largest rank)")
+    left.set_title("memory: peak per rank of a training step")
+    left.legend(fontsize=8, loc="upper left")
+    positions = list(range(len(names)))
+    right.barh(positions, [longest[name][1] for name in names], 0.8, color="tab:blue")
+    right.set_yticks(positions, [f"{name} (T={longest[name][0]})" for name in names], fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("MiB per rank at the longest measured length")
+    right.set_title("memory: configurations side by side")
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
     general = [
-        row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH)
+        row
+        for row in rows
+        if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
     ]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
@@ -405,16 +432,18 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     loss = [row for row in rows if row.bench == LOSS_BENCH]
     hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
     video = [row for row in rows if row.bench == VIDEO_BENCH]
+    memory = [row for row in rows if row.bench == MEMORY_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP; the LM loss; the transformers training step; video transformers.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf, video) if panel] or [0]
+    # the step kernels; USP; the LM loss; the transformers training step; video
+    # transformers; memory.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf, video, memory) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp or loss or hf or video):
+    if general or not (ring or steps or usp or loss or hf or video or memory):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -439,6 +468,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if video:
         left, right = next(line)
         _plot_video(left, right, video)
+    if memory:
+        left, right = next(line)
+        _plot_memory(left, right, memory)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

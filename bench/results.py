@@ -13,6 +13,7 @@ from bench.rows import (
     CSV_COLUMNS,
     FAILED,
     LOSS_BENCH,
+    MEMORY_BENCH,
     PROBE_BENCH,
     RING_ALL,
     STEP_BENCHES,
@@ -139,6 +140,15 @@ def transformers_line(row: Row) -> str:
             f"process {_bytes(row.baseline_peak_bytes)}")  # fmt: skip
 
 
+def memory_line(row: Row) -> str:
+    """The part of a memory row's line that says how it went (progress and summary):
+    the peak against one rank's, or a configuration's fitted bytes per token."""
+    if row.ours_peak_bytes is None:
+        return row.detail
+    return (f"peak {_bytes(row.ours_peak_bytes)} per rank at most, 1 rank {_bytes(row.baseline_peak_bytes)} "
+            f"(/{row.baseline_peak_bytes / max(row.ours_peak_bytes, 1):.2f})")  # fmt: skip
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
@@ -151,6 +161,8 @@ def progress_line(row: Row) -> str:
         return f"{row.bench:<16} {row.case:<32} {transformers_line(row)} | {row.check}"
     if row.bench == VIDEO_BENCH:
         return f"{row.bench:<16} {row.case:<40} {video_line(row)} | {row.check}"
+    if row.bench == MEMORY_BENCH:
+        return f"{row.bench:<16} {row.case:<32} {memory_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -200,6 +212,9 @@ SUMMARY_SECTIONS = (
     ((VIDEO_BENCH,), "video transformer call (x = baseline time / the mode's, the baseline named in the case: "
      "diffusers' context parallelism where it ran, else the single process; check: the output against the "
      "single process)", video_line, 40),
+    ((MEMORY_BENCH,), "Memory per rank of a training step (peak = the allocator's most bytes held; /n = one rank's "
+     "peak / this configuration's; fit: bytes per token and the longest sequence within the budget)", memory_line,
+     32),
 )  # fmt: skip
 
 
@@ -212,7 +227,7 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
         if (
             row.bench in RING_ALL
             or row.bench in USP_BENCHES
-            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH)
+            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
         ):
             continue
         won = f"{row.ours_faster_share:4.0%}"

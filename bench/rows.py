@@ -22,6 +22,10 @@ LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised log
 TRANSFORMERS_BENCH = "transformers"
 # bench_video.py: a diffusers video transformer's call under each mode of the diffusers integration
 VIDEO_BENCH = "video"
+# bench_memory.py: peak memory per rank of a training step at growing lengths, one rank
+# against P ranks, tiled MLPs and activation offload; "<configuration> fit" rows hold a
+# configuration's bytes per token
+MEMORY_BENCH = "memory"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -95,7 +99,8 @@ class Row:
     # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
     # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
     # A transformers row (bench_transformers.py): the largest over the ranks of a mode's
-    # step, and the single process's; no bound.
+    # step, and the single process's; no bound. A memory row (bench_memory.py): the
+    # configuration's largest over the ranks, and one rank's.
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None

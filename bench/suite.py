@@ -23,6 +23,7 @@ import seqpar_kernels
 from bench import (
     bench_kernels,
     bench_loss,
+    bench_memory,
     bench_reshard,
     bench_ring,
     bench_ring_probe,
@@ -50,6 +51,8 @@ from seqpar_kernels.extension import build_info
 # "loss" the fused LM loss against materialised logits (one process: rank 0);
 # "transformers" a transformers model's training step, one process against each mode of
 # the integration (skipped, with the reason, where transformers is not installed);
+# "memory" the peak memory per rank of a training step at growing lengths (one rank
+# against P ranks, tiled MLPs, activation offload) and the bytes per token;
 # "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
 # table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone.
 # table of step_backend="auto"; "video" a diffusers video transformer (Latte, Wan) under each
@@ -66,6 +69,7 @@ BENCHES = {
     "loss": (bench_loss,),
     "transformers": (bench_transformers,),
     "video": (bench_video,),
+    "memory": (bench_memory,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -123,6 +127,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
     if "loss" in only:
         metadata["loss_baseline"] = bench_loss.BASELINE_NOTE
+    if "memory" in only:
+        metadata["memory_baseline"] = bench_memory.BASELINE_NOTE
     if "transformers" in only:
         metadata["transformers_baseline"] = bench_transformers.BASELINE_NOTE
         skipped = bench_transformers.transformers_unavailable()

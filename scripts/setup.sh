@@ -103,6 +103,10 @@ optional_dependency() {
 }
 optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1"
 optional_dependency diffusers 0.35.2
+# The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
+if [ -n "$(missing_packages accelerate:accelerate)" ]; then
+  pip_install "accelerate (optional: the Trainer's tests)" -q "accelerate>=1.0" || say "no accelerate: the Trainer's tests will skip"
+fi
 
 # The build needs no index (no build isolation, no dependencies): --no-index keeps pip
 # from asking one anyway.

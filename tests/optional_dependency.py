@@ -31,9 +31,10 @@ def assert_never_imported(name: str) -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def run_under_oldest_release(name: str, version: str, test_file: str, selection: str) -> None:
-    """The tests of test_file that `selection` (pytest -k) picks, in a subprocess whose
-    `name` is release `version` from build/ (skipped where the set-up could not install it)."""
+def run_under_oldest_release(name: str, version: str, test_files: str | list[str], selection: str) -> None:
+    """The tests of test_files (one path or several, run in one session: they share its
+    rank pools) that `selection` (pytest -k) picks, in a subprocess whose `name` is
+    release `version` from build/ (skipped where the set-up could not install it)."""
     path = REPOSITORY / "build" / f"{name}-{version}"
     if not (path / name).is_dir():
         pytest.skip(f"{name} {version} is not installed in {path} (scripts/setup.sh does it)")
@@ -43,7 +44,8 @@ def run_under_oldest_release(name: str, version: str, test_file: str, selection:
                            env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert found == version
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", selection],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         *([test_files] if isinstance(test_files, str) else test_files), "-k", selection],
         env=env, cwd=REPOSITORY, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

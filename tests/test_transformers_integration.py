@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,14 +315,15 @@ def run_unsupported_cases():
     # A step backend is the model's choice alone: a batch sharded without it runs.
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
-    backends, ring_attention = [], sp_transformers.ring_attention
-    sp_transformers.ring_attention = lambda *args, **kwargs: (
+    attention_module = sp_transformers.attention
+    backends, ring_attention = [], attention_module.ring_attention
+    attention_module.ring_attention = lambda *args, **kwargs: (
         backends.append(kwargs["step_backend"]) or ring_attention(*args, **kwargs)
     )
     try:
         aten_model.model(**local)
     finally:
-        sp_transformers.ring_attention = ring_attention
+        attention_module.ring_attention = ring_attention
     if settings.step_backend != "aten" or backends != ["aten"] * config.num_hidden_layers:
         problems["step backend passed on"] = f"apply recorded {settings}, the attention got {backends}"
     # An implementation set by hand, without apply's groups.
@@ -361,7 +363,13 @@ def test_core_package_never_imports_transformers():
 
 @pytest.mark.skipif(os.environ.get(oldest_marker("transformers")) == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
-    """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
-    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw"
-    run_under_oldest_release("transformers", OLDEST_SUPPORTED, __file__, selection)
+    """This file's parity and error tests, and some of the Trainer's, under the oldest
+    supported release, installed by scripts/setup.sh into build/ (skipped where the
+    set-up could not reach PyPI). The Trainer's run in the same session: they share its
+    rank pools."""
+    selection = (
+        "one_group and P2 or usp and 2 or unsupported or register or adamw or "
+        "test_transformers_trainer and (P2-ring or replicas and packed or mixin)"
+    )
+    trainer_tests = str(Path(__file__).with_name("test_transformers_trainer.py"))
+    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, trainer_tests], selection)

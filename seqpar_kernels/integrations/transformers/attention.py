@@ -1,12 +1,5 @@
-"""Sequence parallelism for Hugging Face transformers models.
-
-    import seqpar_kernels.integrations.transformers as sp_transformers
-
-    sp_transformers.apply(model, mode="ring", layout="balanced")     # once, after loading
-    batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced")   # every step
-    hidden = model.model(**batch).last_hidden_state                 # (B, S_local, hidden)
-    loss = sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, batch["shift_labels"])
-    loss.backward(); sp_transformers.all_reduce_gradients(model)
+"""The attention of seqpar_kernels.integrations.transformers: the attention functions
+transformers calls, their mask functions, register() and apply().
 
 register() adds three attention implementations through transformers' public
 AttentionInterface, and a mask function for each through AttentionMaskInterface:
@@ -51,31 +44,12 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 from seqpar_kernels.groups import all_gather_ints
-from seqpar_kernels.parallel.cross_entropy import (
-    sequence_parallel_cross_entropy,
-    sequence_parallel_cross_entropy_from_logits,
-)
 from seqpar_kernels.parallel.ring import ring_attention
-from seqpar_kernels.parallel.training import (
-    SequenceParallelism,
-    SequenceShard,
-    all_reduce_gradients,
-    shard_batch,
-)
+from seqpar_kernels.parallel.training import SequenceParallelism, SequenceShard
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.usp import usp_attention
 
-__all__ = [
-    "register",
-    "apply",
-    "shard_batch",
-    "sequence_parallel_cross_entropy",
-    "sequence_parallel_cross_entropy_from_logits",
-    "all_reduce_gradients",
-    "SequenceParallelism",
-    "SequenceShard",
-    "IMPLEMENTATIONS",
-]
+__all__ = ["register", "apply", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "seqpar_usp"}
 # The attribute apply() sets on every module of the model: the attention function gets

@@ -2,6 +2,8 @@
 
     python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
+    python -m bench --short              full shapes, fewer timed rounds, no tile sweep (the
+                                         short GPU check: scripts/gpu_check.sh --short)
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
                                          attention, then its GPU step kernel and overlap probe),
                                          usp (every grid U x R of the ranks), varlen (packed
@@ -39,6 +41,11 @@ def parse_options(argv: list[str] | None = None) -> Options:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl when CUDA GPUs are present, else gloo")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (seconds)")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="full shapes, 10 to 30 timed rounds a case and no tile sweep (the short GPU check)",
+    )
     parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
                         help="run only this benchmark (repeatable; default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -50,6 +57,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         quick=args.quick,
         only=tuple(dict.fromkeys(args.only or BENCHES)),  # in order, each once
         out=args.out,
+        short=args.short,
     )
 
 

@@ -14,13 +14,16 @@ accuracy rule with the trusted baseline's error in the yardstick (bench/verify.p
 accuracy_verdict).
 
 The "aten" step backend (torch's library kernel per block, then the merge kernel:
-seqpar_kernels/parallel/ring_steps.py AtenSteps) is timed in the same run; its TFLOP/s
+seqpar_kernels/engine/step_backends.py AtenSteps) is timed in the same run; its TFLOP/s
 and accuracy are in each row's detail. After the cases, the backend with the shorter
 total time over them (forward + backward) becomes this GPU family's entry of the table
-step_backend="auto" reads (seqpar_kernels/parallel/step_backends.json: commit it with
-the results), unless either failed its accuracy check somewhere.
+step_backend="auto" reads, unless either failed its accuracy check somewhere: written
+into the results JSON ("step_backend", with every case's TFLOP/s of each candidate)
+and into this checkout's table (seqpar_kernels/engine/step_backends.json: commit it
+with the results). A run elsewhere brings its JSON back; python -m bench.step_table
+writes its entry into the checkout's table from there.
 
-Tile sweep (rows ring-step-tiles, not with --quick): for the first forward and backward
+Tile sweep (rows ring-step-tiles, not with --quick or --short): for the first forward and backward
 case, each candidate tile of each step kernel (SWEEP_TILES: forward, dq, dk/dv) timed
 against the shipped one side by side (ours = the candidate, baseline = the shipped
 tile; speedup > 1: the candidate is faster), its result checked by the same accuracy
@@ -33,11 +36,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench import hardware, step_table
 from bench.baselines import leaves, sdpa
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
@@ -76,13 +79,6 @@ class StepCase:
         recomputation of the scores included), as flash-attention counts; causal half."""
         forward = 4 * self.batch * self.heads * self.seqlen**2 * self.head_dim
         return forward * (2.5 if self.backward else 1.0) * (0.5 if self.causal else 1.0)
-
-
-# The table step_backend="auto" reads, in this checkout's source tree (never the copy an
-# installed package holds): the run's measured choice goes there, to be committed.
-SOURCE_STEP_BACKEND_TABLE = str(
-    Path(__file__).resolve().parent.parent / "seqpar_kernels" / "engine" / "step_backends.json"
-)
 
 
 def step_cases(ctx: Context) -> list[StepCase]:
@@ -253,6 +249,10 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     best = max(trusted, key=lambda name: tflops[name])
     BACKEND_TIMES.append((case, timings["ours"].median_s, timings["aten"].median_s,
                           accuracy["ours"].check, accuracy["aten"].check))  # fmt: skip
+    STEP_RATES.append({"bench": case.bench, "case": case.label, "shape": case.shape,
+                       "tflops": {"triton" if name == "ours" else name: rate for name, rate in tflops.items()},
+                       "checks": {"triton": accuracy["ours"].check, "aten": accuracy["aten"].check},
+                       "sdpa_baselines": trusted})  # fmt: skip
     timings = {name: timing for name, timing in timings.items() if name != "aten"}
     timings["baseline"] = timings[best]
     peak, peak_source = ctx.peak_flops
@@ -305,7 +305,7 @@ class TileCase:
 
 
 def tile_cases(ctx: Context) -> list[TileCase]:
-    if ctx.quick:
+    if ctx.quick or ctx.short:
         return []
     forward = next(case for case in step_cases(ctx) if not case.backward)
     backward = next(case for case in step_cases(ctx) if case.backward)
@@ -344,6 +344,9 @@ def measure_tiles(case: TileCase, ctx: Context) -> Row:
 
 # (case, triton seconds, aten seconds, triton check, aten check) of every case measured.
 BACKEND_TIMES: list = []
+# Every case measured: its TFLOP/s by candidate (triton, aten, the SDPA backends that
+# ran it) and both step backends' checks, for the results JSON.
+STEP_RATES: list = []
 
 
 def choose_step_backend(times) -> tuple[str | None, str]:
@@ -363,19 +366,41 @@ def choose_step_backend(times) -> tuple[str | None, str]:
     return ("triton" if triton_total < aten_total else "aten"), summary
 
 
+def record_step_backend(ctx: Context, family: str) -> None:
+    """This family's measured entry (choose_step_backend over BACKEND_TIMES) into the
+    results JSON, with every case's rates, and into this checkout's table. Nothing is
+    recorded unless every case was measured (a case that raised counts against)."""
+    backend, summary = choose_step_backend(BACKEND_TIMES)
+    unmeasured = len(step_cases(ctx)) - len(BACKEND_TIMES)
+    if unmeasured and backend is not None:
+        backend, summary = None, f"{summary}; not recorded: {unmeasured} cases raised"
+    ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
+    entry = None
+    if backend is not None:
+        basis = (f"measured on {ctx.device_name}, torch {torch.__version__}, triton {hardware.triton_version()}, "
+                 f"commit {hardware.git_commit()}: {summary}")  # fmt: skip
+        entry = {"backend": backend, "measured": True, "basis": basis}
+    if ctx.record_metadata is not None:
+        ctx.record_metadata({step_table.RESULTS_KEY: {"family": family, "entry": entry, "summary": summary,
+                                                      "cases": list(STEP_RATES)}})  # fmt: skip
+    if entry is None:
+        return
+    if step_table.SOURCE_TABLE.exists():
+        step_table.write_entry(family, entry)
+        ctx.log(f'step_backend="auto" on {family}: {backend}, written to {step_table.SOURCE_TABLE}')
+    else:
+        ctx.log(f"step_backend=\"auto\" on {family}: {backend} (no source table at {step_table.SOURCE_TABLE}: "
+                "python -m bench.step_table RESULTS in a checkout writes it there)")  # fmt: skip
+
+
 def run(ctx: Context) -> list[Row]:
     BACKEND_TIMES.clear()
+    STEP_RATES.clear()
     rows = run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
     rows += run_on_one_gpu(ctx, "ring-step-tiles", None, measure_tiles, tile_cases)
     if ctx.is_root and ctx.on_gpu and not ctx.quick:
-        from seqpar_kernels.engine.step_backends import gpu_family, record_measured_step_backend
+        from seqpar_kernels.engine.step_backends import gpu_family
 
         major, minor = torch.cuda.get_device_capability(ctx.device)
-        family = gpu_family(10 * major + minor)
-        backend, summary = choose_step_backend(BACKEND_TIMES)
-        ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
-        if backend is not None:
-            basis = f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
-            record_measured_step_backend(family, backend, basis, SOURCE_STEP_BACKEND_TABLE)
-            ctx.log(f'step_backend="auto" on {family}: {backend} ({SOURCE_STEP_BACKEND_TABLE})')
+        record_step_backend(ctx, gpu_family(10 * major + minor))
     return rows

@@ -30,6 +30,11 @@ class Context:
     # Takes every row as bench/cases.py's run_case makes it (bench/suite.py: rewrites the
     # results files at once).
     record_row: Callable[[Row], None] | None = None
+    # The full shapes with fewer timed rounds and no tile sweep: the short GPU check
+    # (scripts/gpu_check.sh --short).
+    short: bool = False
+    # Takes entries for the run's JSON (bench/suite.py: written at once; rank 0's count).
+    record_metadata: Callable[[dict], None] | None = None
 
     @property
     def is_root(self) -> bool:

@@ -31,6 +31,9 @@ DEFAULT_CPU_WORLD_SIZE = 4
 # that everything runs.
 REPETITIONS = dict(warmup=3, reps=15, max_reps=75, seconds_per_case=3.0)
 QUICK_REPETITIONS = dict(warmup=1, reps=3, max_reps=3, seconds_per_case=0.0)
+# --short (the short GPU check): the full shapes in a third of the time per case; GPU
+# events time a kernel to a microsecond, so 10 rounds settle a median there.
+SHORT_REPETITIONS = dict(warmup=2, reps=10, max_reps=30, seconds_per_case=1.0)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Options:
     quick: bool
     only: tuple[str, ...]  # benchmarks to run, in order
     out: Path
+    short: bool = False  # full shapes, SHORT_REPETITIONS, no tile sweep
 
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -95,8 +99,8 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
     )  # fmt: skip
     ctx = Context(
         rank=rank, world_size=world_size, backend=backend, device=device,
-        device_name=hardware.device_name(device), quick=options.quick,
-        **(QUICK_REPETITIONS if options.quick else REPETITIONS),
+        device_name=hardware.device_name(device), quick=options.quick, short=options.short,
+        **(QUICK_REPETITIONS if options.quick else SHORT_REPETITIONS if options.short else REPETITIONS),
     )  # fmt: skip
     try:
         run_suite(ctx, list(options.only), options.out)

@@ -13,6 +13,7 @@ import torch
 # conftest.py runs the kernels in the Triton interpreter (TRITON_INTERPRET=1) without a GPU.
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from seqpar_kernels.kernels import attention_step_launch as launchers  # noqa: E402
+from seqpar_kernels.kernels import attention_step_tiles as step_tiles  # noqa: E402
 
 MASK_FULL, MASK_CAUSAL, MASK_INTERVALS = launchers.MASK_FULL, launchers.MASK_CAUSAL, launchers.MASK_INTERVALS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,3 +308,15 @@ def cuda_stand_in(shape):
     from types import SimpleNamespace
 
     return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=torch.Size(shape))
+
+
+def sweep_forms():
+    """split_sweep True and False (SPLIT_FORWARD_SWEEP, SPLIT_BACKWARD_SWEEPS forced);
+    the form this Triton release does not ship is marked gpu_long: the short GPU check
+    leaves it out, as it compiles every kernel again."""
+    shipped = step_tiles.SPLIT_FORWARD_SWEEP
+    unshipped = () if shipped != step_tiles.SPLIT_BACKWARD_SWEEPS else (not shipped,)
+    return [
+        pytest.param(split, id=name, marks=[pytest.mark.gpu_long] if split in unshipped else [])
+        for split, name in ((True, "split-sweep"), (False, "one-sweep"))
+    ]

@@ -52,7 +52,7 @@ def test_cuda_tiles_compute_the_same_in_the_interpreter(monkeypatch, tiles):
 
 
 @runs_triton_on(DEVICE)
-@pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
+@pytest.mark.parametrize("split_sweep", cases.sweep_forms())
 def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
     # Triton 3.8+ compiles the forward, dq and dk/dv kernels with their unmasked
     # sweeps split off, older Triton with one masked sweep each
@@ -242,7 +242,7 @@ def test_dkdv_with_the_group_heads_split(monkeypatch, mode):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
-@pytest.mark.parametrize("split_sweep", [True, False], ids=["split-sweep", "one-sweep"])
+@pytest.mark.parametrize("split_sweep", cases.sweep_forms())
 def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     # The other tests use at most 40 keys: with the GPU tiles (up to 128 x 128) every k
     # tile there is partial, so the forward's unmasked sweep and the loops over several

@@ -307,7 +307,7 @@ def cuda_loop_unpack(buffer, out_shapes, split_dims, starts, lengths, out_dim_or
 def padded(tensor, width):
     """The same values in the first columns of a wider tensor: rows of exactly
     tensor.shape[-1] contiguous elements that do not merge with the next dim."""
-    wide = torch.zeros(*tensor.shape[:-1], width, dtype=tensor.dtype)
+    wide = torch.zeros(*tensor.shape[:-1], width, dtype=tensor.dtype, device=tensor.device)
     wide[..., : tensor.shape[-1]] = tensor
     return wide[..., : tensor.shape[-1]]
 
@@ -359,9 +359,9 @@ CUDA_LOOP_OPTIONS = {
 }
 
 
-def cuda_loop_case_tensor(name, seed=0):
+def cuda_loop_case_tensor(name, seed=0, device="cpu"):
     shape, dtype, layout, _, _ = CUDA_LOOP_CASES[name]
-    tensor = make(shape, dtype, "cpu", seed)
+    tensor = make(shape, dtype, device, seed)
     if isinstance(layout, tuple):
         return padded(tensor, layout[1])
     return views(tensor, layout)
@@ -381,6 +381,26 @@ def test_cuda_loop_on_host_packs_and_unpacks_like_cpu_kernel(case, options):
         (expected,) = unpack_blocks(packed, [shape], [split_dim], starts, lengths, [order])
         assert out.stride() == expected.stride() and torch.equal(out, expected), order
         assert torch.equal(out, tensor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("case", CUDA_LOOP_CASES.keys())
+def test_cuda_kernels_match_cpu_kernels_in_every_layout_family(case):
+    # Each layout family of the CUDA launch above (unit widths of 16 to 1 bytes, rows
+    # shorter and longer than a thread's loads, strided and transposed rows, the split
+    # dim innermost), laid out alike on the GPU: the CUDA kernels against the CPU
+    # kernels, bit for bit, both ways, and the unpacked strides.
+    shape, _, _, split_dim, world_size = CUDA_LOOP_CASES[case]
+    tensor, on_gpu = cuda_loop_case_tensor(case), cuda_loop_case_tensor(case, device="cuda")
+    assert on_gpu.stride() == tensor.stride()
+    starts, lengths = even_ranges(shape[split_dim], world_size)
+    packed = pack_blocks([tensor], [split_dim], starts, lengths)
+    packed_on_gpu = pack_blocks([on_gpu], [split_dim], starts, lengths)
+    assert packed_on_gpu.is_cuda and torch.equal(packed_on_gpu.cpu(), packed)
+    for order in (list(range(len(shape))), list(reversed(range(len(shape))))):
+        (out,) = unpack_blocks(packed, [shape], [split_dim], starts, lengths, [order])
+        (out_on_gpu,) = unpack_blocks(packed_on_gpu, [shape], [split_dim], starts, lengths, [order])
+        assert out_on_gpu.stride() == out.stride() and torch.equal(out_on_gpu.cpu(), out), order
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

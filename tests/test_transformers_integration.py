@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,11 +30,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import pool_for  # noqa: E402
-from on_ranks import on_every_rank, timeout_group  # noqa: E402
+from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
+from optional_dependency import assert_never_imported, oldest_marker, run_under_oldest_release  # noqa: E402
 
 OLDEST_SUPPORTED = "4.56.2"
-REPOSITORY = Path(__file__).resolve().parent.parent
-OLDEST_PATH = REPOSITORY / "build" / f"transformers-{OLDEST_SUPPORTED}"
 
 VOCAB = 96
 FP32_LOSS_RTOL = 1e-5
@@ -382,17 +379,6 @@ def test_bf16_within_twice_the_single_process_error():
 # ----------------------------------------------------------------------------------
 
 
-def _raises(call, match: str) -> str | None:
-    """None when call() raises ValueError matching `match`, else what went wrong."""
-    import re
-
-    try:
-        call()
-    except ValueError as error:
-        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
-    return f"no ValueError (expected {match!r})"
-
-
 @on_every_rank
 def run_unsupported_cases():
     import seqpar_kernels.integrations.transformers as sp_transformers
@@ -412,25 +398,25 @@ def run_unsupported_cases():
     # A padding mask handed to the model directly, not folded by shard_batch.
     padded_mask = torch.ones_like(local["input_ids"])
     padded_mask[:, 0] = 0
-    problems["padding mask"] = _raises(
+    problems["padding mask"] = raises(
         lambda: model.model(input_ids=local["input_ids"], attention_mask=padded_mask), "pads some tokens"
     )
     # Left padding cannot be folded into the labels.
     left = dict(batch, attention_mask=batch["attention_mask"].flip(-1))
-    problems["left padding"] = _raises(lambda: sp_transformers.shard_batch(left, mode="ring", **group), "left padding")
+    problems["left padding"] = raises(lambda: sp_transformers.shard_batch(left, mode="ring", **group), "left padding")
     # Packed documents without shard_batch's plan.
     packed, _, positions = _batch("packed", 37)
     local_positions = sp_transformers.shard_batch(packed, mode="ring", **group)["position_ids"]
-    problems["packed without a plan"] = _raises(
+    problems["packed without a plan"] = raises(
         lambda: model.model(input_ids=torch.zeros_like(local_positions), position_ids=local_positions),
         "global positions",
     )
     # Positions counted from 0 on every rank (a model given only its tokens).
     if torch.distributed.get_world_size() > 1:
-        problems["local positions"] = _raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
+        problems["local positions"] = raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
     # Dropout while training.
     dropout_model = model_with(attention_dropout=0.1).train()
-    problems["dropout"] = _raises(lambda: dropout_model.model(**local), "dropout")
+    problems["dropout"] = raises(lambda: dropout_model.model(**local), "dropout")
     # A mask transformers composes with a model-specific overlay (as Gemma 3's image
     # blocks, an or_masks): the registered mask function raises.
     from transformers import masking_utils
@@ -438,7 +424,7 @@ def run_unsupported_cases():
     implementation = sp_transformers.IMPLEMENTATIONS["ring"]
     make_mask = masking_utils.AttentionMaskInterface._global_mapping[implementation]
     overlay = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv == 0)
-    problems["overlay"] = _raises(lambda: make_mask(mask_function=overlay), "cannot honour")
+    problems["overlay"] = raises(lambda: make_mask(mask_function=overlay), "cannot honour")
     # Called as a model calls the attention: a window its mask does not carry, a mask
     # tensor, sinks the module has but does not pass, a KV cache.
     attention = model.model.layers[0].self_attn
@@ -446,13 +432,13 @@ def run_unsupported_cases():
     kv = torch.randn(1, 2, 5, 16)
     attend = transformers.AttentionInterface._global_mapping[implementation]
     causal = make_mask(mask_function=masking_utils.causal_mask_function)
-    problems["window without its mask"] = _raises(lambda: attend(attention, q, kv, kv, causal, sliding_window=8),
+    problems["window without its mask"] = raises(lambda: attend(attention, q, kv, kv, causal, sliding_window=8),
                                                   "sliding_window=8")  # fmt: skip
-    problems["mask tensor"] = _raises(lambda: attend(attention, q, kv, kv, torch.zeros(1, 1, 5, 5)), "mask tensor")
+    problems["mask tensor"] = raises(lambda: attend(attention, q, kv, kv, torch.zeros(1, 1, 5, 5)), "mask tensor")
     attention.sinks = torch.nn.Parameter(torch.zeros(4))
-    problems["sinks not passed"] = _raises(lambda: attend(attention, q, kv, kv, causal), "sinks")
+    problems["sinks not passed"] = raises(lambda: attend(attention, q, kv, kv, causal), "sinks")
     del attention.sinks
-    problems["kv cache"] = _raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+    problems["kv cache"] = raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                                                   causal), "KV cache")  # fmt: skip
     # Chunked attention over packed documents, where this release counts the chunks from
     # the packed row's start.
@@ -460,22 +446,22 @@ def run_unsupported_cases():
         llama4 = _family_model("llama4")
         sp_transformers.apply(llama4, "ring", **group)
         packed_local = sp_transformers.shard_batch(_batch("packed", 37)[0], mode="ring", **group)
-        problems["chunks of a packed row"] = _raises(lambda: llama4.model(**packed_local), "chunk")
+        problems["chunks of a packed row"] = raises(lambda: llama4.model(**packed_local), "chunk")
     # A batch sharded for another layout than the model's.
     balanced = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", **group)
-    problems["layout mismatch"] = _raises(lambda: model.model(**balanced), "sharded for")
+    problems["layout mismatch"] = raises(lambda: model.model(**balanced), "sharded for")
     # Ulysses has no balanced layout; packing needs batch size 1.
-    problems["ulysses balanced"] = _raises(lambda: sp_transformers.apply(_model(config), "ulysses", layout="balanced",
+    problems["ulysses balanced"] = raises(lambda: sp_transformers.apply(_model(config), "ulysses", layout="balanced",
                                                                          **group), "contiguous")  # fmt: skip
     two_rows = {"input_ids": torch.zeros(2, 12, dtype=torch.long),
                 "position_ids": torch.cat([torch.arange(6), torch.arange(6)]).expand(2, 12)}  # fmt: skip
-    problems["packed batch of two"] = _raises(lambda: sp_transformers.shard_batch(two_rows, mode="ring", **group),
+    problems["packed batch of two"] = raises(lambda: sp_transformers.shard_batch(two_rows, mode="ring", **group),
                                               "batch size 1")  # fmt: skip
-    problems["unknown key"] = _raises(
+    problems["unknown key"] = raises(
         lambda: sp_transformers.shard_batch(dict(batch, pixel_values=torch.zeros(1)), mode="ring", **group),
         "pixel_values",
     )
-    problems["step backend"] = _raises(
+    problems["step backend"] = raises(
         lambda: sp_transformers.apply(_model(config), "ring", step_backend="cudnn", **group), "step_backend"
     )
     # A step backend is the model's choice alone: a batch sharded without it runs.
@@ -495,7 +481,7 @@ def run_unsupported_cases():
     # An implementation set by hand, without apply's groups.
     by_hand = _model(config)
     by_hand.set_attn_implementation(implementation)
-    problems["set by hand"] = _raises(lambda: by_hand.model(**local), "apply")
+    problems["set by hand"] = raises(lambda: by_hand.model(**local), "apply")
     return {name: problem for name, problem in problems.items() if problem is not None}
 
 
@@ -635,28 +621,18 @@ def test_apply_refuses_layers_that_mix_the_sequence_outside_the_attention():
 
 
 def test_core_package_never_imports_transformers():
-    code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert_never_imported("transformers")
 
 
-@pytest.mark.skipif(os.environ.get("SEQPAR_TRANSFORMERS_OLDEST") == "1", reason="already the oldest release")
+@pytest.mark.skipif(os.environ.get(oldest_marker("transformers")) == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
-    """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI);
-    the families it lacks are skipped there with the reason."""
-    if not (OLDEST_PATH / "transformers").is_dir():
-        pytest.skip(f"transformers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
-               SEQPAR_TRANSFORMERS_OLDEST="1")  # fmt: skip
-    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-                             env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    assert version == OLDEST_SUPPORTED
+    """This file's parity and error tests, and some of the Trainer's, under the oldest
+    supported release, installed by scripts/setup.sh into build/ (skipped where the
+    set-up could not reach PyPI); the families it lacks are skipped there with the
+    reason. The Trainer's run in the same session: they share its rank pools."""
     selection = (
         "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head "
-        "or refuses"
+        "or refuses or test_transformers_trainer and (P2-ring or replicas and packed or mixin)"
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
-        env=env, cwd=REPOSITORY, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    trainer_tests = str(Path(__file__).with_name("test_transformers_trainer.py"))
+    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, trainer_tests], selection)

@@ -282,7 +282,7 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
     (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
     dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
-    as the ring allocates them.  kernels/ahead_of_time.py compiles these for GPU
+    as the ring allocates them.  tools/ahead_of_time.py compiles these for GPU
     targets."""
     fp32 = torch.float32
     batch, seqlen_q, nheads, _ = q.shape

@@ -8,11 +8,22 @@
     loss = sp_transformers.causal_lm_loss(model, hidden, batch["shift_labels"])
     loss.backward(); sp_transformers.all_reduce_gradients(model)
 
+or, with the Hugging Face Trainer (started by torchrun):
+
+    trainer = sp_transformers.SequenceParallelTrainer(model=model, args=args, train_dataset=...,
+                                                      mode="ring", layout="balanced")
+    trainer.train()
+
 Modules:
     attention   the attention implementations transformers dispatches to (register,
                 apply) and their mask functions (LayerMask)
     causal_lm   causal_lm_loss: the loss of the model's own head (tied embeddings,
                 final logit softcapping, logit scales), fused and chunked
+    trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
+                imported on first use)
+    loss        the loss computed inside the model's forward (where DDP and FSDP need it)
+    memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
+                the backward needs, held in host memory)
 
 Supported releases: transformers 4.56 and newer (the models that dispatch attention
 through AttentionInterface and build masks through masking_utils).
@@ -23,6 +34,7 @@ from __future__ import annotations
 # attention first: it raises the ImportError that names the missing dependency.
 from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, LayerMask, apply, register
 from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss
+from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
@@ -46,4 +58,20 @@ __all__ = [
     "SequenceShard",
     "IMPLEMENTATIONS",
     "LayerMask",
+    "SequenceParallelTrainer",
+    "SequenceParallelTrainerMixin",
+    "tile_mlp",
+    "untile_mlp",
+    "offload_activations",
 ]
+
+_TRAINER_NAMES = ("SequenceParallelTrainer", "SequenceParallelTrainerMixin")
+
+
+def __getattr__(name: str):
+    # The Trainer's names import transformers.Trainer and accelerate only when asked for.
+    if name in _TRAINER_NAMES:
+        from seqpar_kernels.integrations.transformers import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,14 +99,21 @@ def causal_lm_loss(
         groups apply() recorded on the model (the world for a model it did not set up).
     ignore_index, chunk_size: sequence_parallel_cross_entropy's.
     Returns the 0-dim fp32 mean over every rank's real tokens, the same on every rank;
-    its backward gives this rank's share (all_reduce_gradients sums them). Raises
-    ValueError for a head it cannot express (head_of)."""
+    its backward gives this rank's share (all_reduce_gradients sums them). Under
+    autocast the head's logits are computed in the autocast dtype, as its Linear would
+    compute them. Raises ValueError for a head it cannot express (head_of)."""
     weight, logit_softcap, logit_scale = head_of(model)
     groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
     settings = getattr(model, SETTINGS_ATTRIBUTE, None)
     if settings is not None and all(value is None for value in groups.values()):
         groups.update(settings.group_kwargs())
-    return sequence_parallel_cross_entropy(
-        hidden_states, weight, shift_labels, ignore_index=ignore_index, chunk_size=chunk_size,
-        logit_softcap=logit_softcap, logit_scale=logit_scale, **groups,
-    )  # fmt: skip
+    options = dict(ignore_index=ignore_index, chunk_size=chunk_size, logit_softcap=logit_softcap,
+                   logit_scale=logit_scale, **groups)  # fmt: skip
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return sequence_parallel_cross_entropy(hidden_states.to(dtype), weight.to(dtype), shift_labels, **options)
+    if hidden_states.dtype != weight.dtype:  # e.g. an fp32 final norm before a bf16 head
+        hidden_states = hidden_states.to(weight.dtype)
+    return sequence_parallel_cross_entropy(hidden_states, weight, shift_labels, **options)

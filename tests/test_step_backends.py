@@ -294,12 +294,12 @@ def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     forward = type(triton_steps).forward
     first_steps = []
 
-    def forward_on_garbage(self, q, k, v, out, lse, scale, causal, first_step=False):
+    def forward_on_garbage(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
         if first_step:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
         first_steps.append(first_step)
-        return forward(self, q, k, v, out, lse, scale, causal, first_step=first_step)
+        return forward(self, q, k, v, out, lse, scale, causal, first_step=first_step, softcap=softcap)
 
     monkeypatch.setattr(type(triton_steps), "forward", forward_on_garbage)
     generator = torch.Generator().manual_seed(4)

@@ -127,6 +127,40 @@ def _load_intervals(Start, End, offs, mask, length):
 
 
 @triton.jit
+def _seen_by_every_row(start, end, mask, lo, hi, BLOCK: tl.constexpr):
+    # [mid_lo, mid_hi): the whole tiles of the sweep over [lo, hi) (tiles of
+    # BLOCK counted from lo) whose every index each of the rows ``mask`` sees,
+    # i.e. inside [max start, min end) over those rows.  Both are lo plus a
+    # multiple of BLOCK and lo <= mid_lo <= mid_hi; mid_lo == mid_hi when no
+    # tile is seen by every row (a row with an empty interval: its start >=
+    # its end).  The sweep then goes masked over [lo, mid_lo) and [mid_hi, hi)
+    # and unmasked over [mid_lo, mid_hi): a sliding window or a long document
+    # puts most of its tiles there.  mid_lo stays within the tile that holds
+    # hi, so the first masked sweep never runs past the others' end.
+    tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK)
+    every_lo = tl.max(tl.where(mask, start, lo), 0)
+    every_hi = tl.minimum(tl.min(tl.where(mask, end, hi), 0), hi)
+    first = tl.minimum(tl.cdiv(tl.maximum(every_lo - lo, 0), BLOCK), tiles)
+    last = tl.maximum(every_hi - lo, 0) // BLOCK
+    return lo + first * BLOCK, lo + tl.maximum(first, last) * BLOCK
+
+
+@triton.jit
+def _softcapped(qk, softcap_qk, softcap_log2e):
+    # The soft-capped score in base-2 units, softcap * tanh(x) * log2(e) with
+    # x = softmax_scale * qk / softcap, and r = 1 / (1 + exp(2x)), from which
+    # tanh(x) = 1 - 2r and its derivative 1 - tanh(x)^2 = 4r(1 - r) follow.
+    # softcap_qk = 2 * log2(e) * softmax_scale / softcap, softcap_log2e =
+    # softcap * log2(e).  exp2 and a division rather than a tanh: the
+    # interpreter and every Triton release have them, and r gives the
+    # backward's derivative without cancellation near tanh = +-1.  tanh is
+    # exact to a few fp32 ulps of 1 everywhere; exp2 overflowing to inf
+    # gives r = 0, tanh = 1, as it should.
+    r = 1.0 / (1.0 + tl.exp2(qk * softcap_qk))
+    return softcap_log2e - (2.0 * softcap_log2e) * r, r
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     # a @ b (+ acc, when acc is not None: the accumulator goes into the MMA
     # itself, no separate addition).  The Triton CPU interpreter
@@ -173,9 +207,12 @@ def _attention_fwd_sweep(
     row_start,
     row_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -187,9 +224,10 @@ def _attention_fwd_sweep(
     # attended.  MASKED=False: every key of every tile is valid for every row,
     # so no key mask and no causal or interval test.  row_start/row_end: the
     # rows' key intervals (INTERVALS only).  The running max m_i is in scaled
-    # base-2 units (of qk * qk_scale).  TENSOR_DESCRIPTORS: K and V come
-    # through k_desc/v_desc (TMA), whose rows end at seqlen_k and columns at
-    # the head dim: what lies past either loads as 0, no mask needed.
+    # base-2 units (of qk * qk_scale, or of the soft-capped score with
+    # SOFTCAP: _softcapped).  TENSOR_DESCRIPTORS: K and V come through
+    # k_desc/v_desc (TMA), whose rows end at seqlen_k and columns at the head
+    # dim: what lies past either loads as 0, no mask needed.
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             cols = start_n + offs_n
@@ -207,13 +245,23 @@ def _attention_fwd_sweep(
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             if INTERVALS:
                 valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
-            s = tl.where(valid, qk * qk_scale, float("-inf"))
+            if SOFTCAP:
+                s, _ = _softcapped(qk, softcap_qk, softcap_log2e)
+            else:
+                s = qk * qk_scale
+            s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no valid key so far has m_new == -inf; subtracting it
             # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2
             # below then sees -inf and yields exactly 0.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
+        elif SOFTCAP:
+            # Every row has a valid key here: m_new is finite (|s| <= softcap).
+            s, _ = _softcapped(qk, softcap_qk, softcap_log2e)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+            p = tl.exp2(s - m_new[:, None])
         else:
             # Every row has a valid key here, so m_new is finite.  qk_scale >= 0
             # (the launcher turns a negative scale into a negated q), and x * c
@@ -276,8 +324,11 @@ def attention_step_fwd_kernel(
     seqlen_k,
     kv_group,
     qk_scale,  # softmax_scale * log2(e)
+    softcap_qk,  # with SOFTCAP 2 * log2(e) * softmax_scale / softcap, otherwise None
+    softcap_log2e,  # with SOFTCAP softcap * log2(e), otherwise None
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -327,9 +378,9 @@ def attention_step_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if INTERVALS:
-        # Packed documents: only the hull [lo, hi) of the rows' key intervals,
-        # all of it masked (no k tile is known to be seen by every row).  The
-        # keys end at hi: the last tile neither reads nor attends keys past it.
+        # Packed documents, windows, chunks: only the hull [lo, hi) of the rows'
+        # key intervals.  The keys end at hi: the last tile neither reads nor
+        # attends keys past it.
         row_start, row_end, lo, hi = _load_intervals(RowStart, RowEnd, offs_m, mask_m, seqlen_k)
         key_end = hi
     else:
@@ -360,14 +411,53 @@ def attention_step_fwd_kernel(
         )
     else:
         k_desc, v_desc = None, None
+    # SPLIT_SWEEP, as in the Triton fused-attention tutorial: the whole k tiles
+    # that every row sees go through a sweep without a key mask or a causal or
+    # interval test, the rest (the diagonal tiles, a partial last tile, the
+    # edges of the intervals) through masked ones.
     if INTERVALS:
         k_ptrs += _offset64(lo, stride_kn)
         v_ptrs += _offset64(lo, stride_vn)
+        if SPLIT_SWEEP:
+            # Masked [lo, unmasked_lo), unmasked [unmasked_lo, unmasked_hi),
+            # masked [unmasked_hi, hi).
+            unmasked_lo, unmasked_hi = _seen_by_every_row(row_start, row_end, mask_m, lo, hi, BLOCK_N)
+            acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_ptrs,
+                v_ptrs,
+                k_desc,
+                v_desc,
+                stride_kn,
+                stride_vn,
+                lo,
+                unmasked_lo,
+                offs_m,
+                offs_n,
+                mask_d,
+                key_end,
+                row_start,
+                row_end,
+                qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                True,
+                False,
+                True,
+                SOFTCAP,
+                BLOCK_N,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
     elif SPLIT_SWEEP:
-        # Two sweeps, as in the Triton fused-attention tutorial: the whole k
-        # tiles that every row sees go without a key mask or a causal test, the
-        # rest (the diagonal tiles, a partial last tile) with them.
-        lo = (all_visible // BLOCK_N) * BLOCK_N
+        unmasked_lo, unmasked_hi = 0, (all_visible // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    if SPLIT_SWEEP:
         acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
             acc,
             l_i,
@@ -379,8 +469,8 @@ def attention_step_fwd_kernel(
             v_desc,
             stride_kn,
             stride_vn,
-            0,
-            lo,
+            unmasked_lo,
+            unmasked_hi,
             offs_m,
             offs_n,
             mask_d,
@@ -388,16 +478,18 @@ def attention_step_fwd_kernel(
             row_start,
             row_end,
             qk_scale,
+            softcap_qk,
+            softcap_log2e,
             False,
             CAUSAL,
             False,
+            SOFTCAP,
             BLOCK_N,
             DOT_PRECISION,
             DOT_UPCAST,
             TENSOR_DESCRIPTORS,
         )
-    else:
-        lo = 0
+        lo = unmasked_hi
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
         acc,
         l_i,
@@ -418,9 +510,12 @@ def attention_step_fwd_kernel(
         row_start,
         row_end,
         qk_scale,
+        softcap_qk,
+        softcap_log2e,
         True,
         CAUSAL,
         INTERVALS,
+        SOFTCAP,
         BLOCK_N,
         DOT_PRECISION,
         DOT_UPCAST,
@@ -547,9 +642,12 @@ def _attention_dq_sweep(
     row_start,
     row_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -576,7 +674,13 @@ def _attention_dq_sweep(
             kt = tl.load(kt_ptrs, mask=mask_d[:, None], other=0.0)
         qk = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
         # Recompute P from the final lse (base 2, scale folded into the exponent).
-        p = tl.exp2(qk * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            # dS/d(softmax_scale * qk) = 1 - tanh^2 = 4r(1 - r) goes into p
+            # at once: p is read by ds only, and so one tile stays live.
+            s, r = _softcapped(qk, softcap_qk, softcap_log2e)
+            p = tl.exp2(s - lse2[:, None]) * (4.0 * r * (1.0 - r))
+        else:
+            p = tl.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             valid = mask_n[None, :]
             if CAUSAL:
@@ -647,8 +751,11 @@ def attention_step_bwd_dq_kernel(
     kv_group,
     softmax_scale,
     qk_scale,
+    softcap_qk,  # with SOFTCAP as in the forward, otherwise None
+    softcap_log2e,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -741,13 +848,13 @@ def attention_step_bwd_dq_kernel(
         )
     else:
         k_desc, v_desc = None, None
-    if not INTERVALS:
+    # The whole k tiles every row sees without a mask, the diagonal tiles, a
+    # partial last tile and the edges of the intervals with it (as in the
+    # forward).  A key past seqlen_k is not harmless here even though its K and
+    # V load as 0: p = exp2(-lse) may overflow for rows of very negative lse.
+    if INTERVALS:
         if SPLIT_SWEEP:
-            # The whole k tiles every row sees without a mask, the diagonal
-            # tiles and a partial last tile with it (as in the forward).  A key
-            # past seqlen_k is not harmless here even though its K and V load
-            # as 0: p = exp2(-lse) may overflow for rows of very negative lse.
-            lo = (all_visible // BLOCK_N) * BLOCK_N
+            unmasked_lo, unmasked_hi = _seen_by_every_row(row_start, row_end, mask_m, lo, hi, BLOCK_N)
             dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
                 dq,
                 q,
@@ -761,8 +868,8 @@ def attention_step_bwd_dq_kernel(
                 v_desc,
                 stride_kn,
                 stride_vn,
-                0,
                 lo,
+                unmasked_lo,
                 offs_m,
                 offs_n,
                 mask_d,
@@ -770,16 +877,56 @@ def attention_step_bwd_dq_kernel(
                 row_start,
                 row_end,
                 qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                True,
                 False,
-                CAUSAL,
-                False,
+                True,
+                SOFTCAP,
                 BLOCK_N,
                 DOT_PRECISION,
                 DOT_UPCAST,
                 TENSOR_DESCRIPTORS,
             )
-        else:
-            lo = 0
+    elif SPLIT_SWEEP:
+        unmasked_lo, unmasked_hi = 0, (all_visible // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    if SPLIT_SWEEP:
+        dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            kt_ptrs,
+            k_ptrs,
+            vt_ptrs,
+            k_desc,
+            v_desc,
+            stride_kn,
+            stride_vn,
+            unmasked_lo,
+            unmasked_hi,
+            offs_m,
+            offs_n,
+            mask_d,
+            key_end,
+            row_start,
+            row_end,
+            qk_scale,
+            softcap_qk,
+            softcap_log2e,
+            False,
+            CAUSAL,
+            False,
+            SOFTCAP,
+            BLOCK_N,
+            DOT_PRECISION,
+            DOT_UPCAST,
+            TENSOR_DESCRIPTORS,
+        )
+        lo = unmasked_hi
     dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
         dq,
         q,
@@ -802,9 +949,12 @@ def attention_step_bwd_dq_kernel(
         row_start,
         row_end,
         qk_scale,
+        softcap_qk,
+        softcap_log2e,
         True,
         CAUSAL,
         INTERVALS,
+        SOFTCAP,
         BLOCK_N,
         DOT_PRECISION,
         DOT_UPCAST,
@@ -850,9 +1000,12 @@ def _attention_dkdv_sweep(
     col_start,
     col_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -893,13 +1046,20 @@ def _attention_dkdv_sweep(
 
         # Transposed scores (keys x queries) so dk/dv come out row-major.
         st = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
-        pt = tl.exp2(st * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            st, rt = _softcapped(st, softcap_qk, softcap_log2e)
+            pt = tl.exp2(st - lse2[None, :])
+        else:
+            pt = tl.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
             if CAUSAL:
                 pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
             if INTERVALS:
                 pt = tl.where((rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None]), pt, 0.0)
         dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
+        if SOFTCAP:
+            # The derivative of the cap, 1 - tanh^2 = 4r(1 - r) (see the dq sweep).
+            pt = pt * (4.0 * rt * (1.0 - rt))
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)
         dst = pt * (dpt - delta[None, :])
         dk = _dot(dst.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
@@ -954,8 +1114,11 @@ def attention_step_bwd_dkdv_kernel(
     heads_per_program,  # q heads of the group one program sweeps: kv_group unless SPLIT_HEADS
     softmax_scale,
     qk_scale,
+    softcap_qk,  # with SOFTCAP as in the forward, otherwise None
+    softcap_log2e,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1022,7 +1185,12 @@ def attention_step_bwd_dkdv_kernel(
         # same intervals, held through the loop: exact, as the row intervals of
         # each q tile would be, without loading two more vectors per q tile.
         col_start, col_end, lo, hi = _load_intervals(ColStart, ColEnd, offs_n, mask_n, seqlen_q)
-        masked_hi = hi
+        if SPLIT_SWEEP:
+            # Masked [lo, masked_hi), unmasked [masked_hi, unmasked_hi), masked
+            # [unmasked_hi, hi): the q tiles that see every key in the middle.
+            masked_hi, unmasked_hi = _seen_by_every_row(col_start, col_end, mask_n, lo, hi, BLOCK_M)
+        else:
+            masked_hi = hi
     else:
         col_start, col_end = offs_n, offs_n  # not read
         hi = seqlen_q
@@ -1038,6 +1206,7 @@ def attention_step_bwd_dkdv_kernel(
             masked_hi = 0
         if not SPLIT_SWEEP:
             masked_hi = hi  # one masked sweep over every q tile
+        unmasked_hi = hi
 
     for g in range(head_lo, head_hi):
         off_h = off_hk * kv_group + g
@@ -1055,7 +1224,8 @@ def attention_step_bwd_dkdv_kernel(
         else:
             q_desc, do_desc = None, None
         if INTERVALS or CAUSAL or not SPLIT_SWEEP:
-            # The diagonal tiles (causal) or the interval hull, masked ...
+            # The diagonal tiles (causal) or the interval hull (its first edge
+            # with SPLIT_SWEEP), masked ...
             dk, dv = _attention_dkdv_sweep(
                 dk,
                 dv,
@@ -1083,52 +1253,97 @@ def attention_step_bwd_dkdv_kernel(
                 col_start,
                 col_end,
                 qk_scale,
+                softcap_qk,
+                softcap_log2e,
                 True,
                 CAUSAL,
                 INTERVALS,
+                SOFTCAP,
                 BLOCK_M,
                 DOT_PRECISION,
                 DOT_UPCAST,
                 TENSOR_DESCRIPTORS,
             )
-        if not INTERVALS:
-            if SPLIT_SWEEP:
-                # ... and the q tiles that see every key of the k tile, without.
-                dk, dv = _attention_dkdv_sweep(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q_base,
-                    do_base,
-                    q_desc,
-                    do_desc,
-                    lse_base,
-                    delta_base,
-                    stride_qm,
-                    stride_qd,
-                    stride_gm,
-                    stride_gd,
-                    stride_lm,
-                    stride_em,
-                    tl.maximum(lo, masked_hi),
-                    hi,
-                    offs_m,
-                    offs_n,
-                    offs_d,
-                    mask_d,
-                    hi,
-                    col_start,
-                    col_end,
-                    qk_scale,
-                    False,
-                    CAUSAL,
-                    False,
-                    BLOCK_M,
-                    DOT_PRECISION,
-                    DOT_UPCAST,
-                    TENSOR_DESCRIPTORS,
-                )
+        if SPLIT_SWEEP:
+            # ... and the q tiles that see every key of the k tile, without ...
+            dk, dv = _attention_dkdv_sweep(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                q_desc,
+                do_desc,
+                lse_base,
+                delta_base,
+                stride_qm,
+                stride_qd,
+                stride_gm,
+                stride_gd,
+                stride_lm,
+                stride_em,
+                tl.maximum(lo, masked_hi),
+                unmasked_hi,
+                offs_m,
+                offs_n,
+                offs_d,
+                mask_d,
+                hi,
+                col_start,
+                col_end,
+                qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                False,
+                CAUSAL,
+                False,
+                SOFTCAP,
+                BLOCK_M,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
+        if INTERVALS and SPLIT_SWEEP:
+            # ... and the intervals' other edge, masked.
+            dk, dv = _attention_dkdv_sweep(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                q_desc,
+                do_desc,
+                lse_base,
+                delta_base,
+                stride_qm,
+                stride_qd,
+                stride_gm,
+                stride_gd,
+                stride_lm,
+                stride_em,
+                unmasked_hi,
+                hi,
+                offs_m,
+                offs_n,
+                offs_d,
+                mask_d,
+                hi,
+                col_start,
+                col_end,
+                qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                True,
+                False,
+                True,
+                SOFTCAP,
+                BLOCK_M,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
 
     # Accumulate (+=) into the travelling fp32 dk/dv buffers.
     dk_ptrs = (

@@ -175,13 +175,12 @@ def test_intervals_go_with_mask_intervals_only():
 def test_sliding_windows_with_and_without_the_split_sweeps(monkeypatch, softcap):
     # Sliding windows over a block as one interval per row.  With the split
     # sweeps, the k tiles every row of a q tile sees go through an unmasked
-    # sweep between two masked ones (in dk/dv: the q tiles that see every key
-    # of the k tile): a window of 100 keys leaves two whole 32-key tiles of the
-    # interpreter per 16-row q tile there.  Split and one masked sweep give the
-    # same numbers to the last bit in the interpreter (the same products in the
-    # same order; a mask that keeps every score changes none), and match fp64:
-    # fp32, and bf16, whose dk/dv splits too.  Queries at positions 96-159,
-    # keys 0-159.
+    # sweep between two masked ones in the forward and dq: a window of 100 keys
+    # leaves two whole 32-key tiles of the interpreter per 16-row q tile there.
+    # Split and one masked sweep give the same numbers to the last bit in the
+    # interpreter (the same products in the same order; a mask that keeps
+    # every score changes none), and match fp64: fp32 and bf16.  Queries at
+    # positions 96-159, keys 0-159.
     torch.manual_seed(26)
     b, h, hk, d, scale = 1, 2, 1, 64, 0.125
     q_pos, k_pos = torch.arange(96, 160), torch.arange(160)

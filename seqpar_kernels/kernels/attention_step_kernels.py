@@ -36,14 +36,16 @@ the others carry no trace of it):
 
     neither    every query row attends every key of the block (full)
     CAUSAL     the diagonal block (seqlen_q == seqlen_k): row i attends keys j <= i
-    INTERVALS  packed documents: row i attends exactly the keys
-               ``row_start[i] <= j < row_end[i]``, and key j is attended by
-               exactly the rows ``col_start[j] <= i < col_end[j]``
+    INTERVALS  packed documents, sliding windows, chunks: row i attends
+               exactly the keys ``row_start[i] <= j < row_end[i]``, and key j
+               is attended by exactly the rows ``col_start[j] <= i < col_end[j]``
 
 INTERVALS is how packed variable-length sequences look from one ring step: q
 rows and keys are each sorted by global position, so the keys one row may see
 (its own document, causal or not) are one contiguous index range of the block,
-and so are the rows that see one key.  ``row_start``/``row_end`` are int32
+and so are the rows that see one key.  A sliding window (the keys within a
+distance of the row's position) and chunked attention (the keys of the row's
+chunk, up to its own position) are one interval per row as well.  ``row_start``/``row_end`` are int32
 (seqlen_q,), ``col_start``/``col_end`` int32 (seqlen_k,), shared by every batch
 entry and head; the two describe the same mask and the caller keeps them
 consistent.  An interval with end <= start is empty.  The forward and the dq
@@ -52,7 +54,10 @@ kernel read the row intervals: a q tile sweeps only the k tiles of
 it does nothing).  A k tile of the dk/dv kernel loops over the q rows of
 ``[min col_start, max col_end)`` over its keys' non-empty intervals and masks
 with the same column intervals.  Keys (q rows for dk/dv) outside that range
-are never read, so they may hold anything.
+are never read, so they may hold anything.  With SPLIT_SWEEP the forward and
+dq send the whole k tiles of that range which every row of the q tile sees
+through an unmasked sweep between two masked ones (``_seen_by_every_row``):
+most tiles of a long window or document.
 
 Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 ``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
@@ -61,11 +66,22 @@ Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 never repeated in memory).  ``lse`` and ``delta`` are (batch, nheads,
 seqlen_q).  Every tensor may have arbitrary strides: the kernels take strides.
 
+Soft-capped scores (SOFTCAP, compile-time, with any mask mode): the score of
+row i and key j is ``softcap * tanh(softmax_scale * q_i . k_j / softcap)``
+(Gemma 2, Grok; flash-attention's ``softcap``) before the mask and the softmax,
+and the backward takes its derivative, ``softmax_scale * (1 - tanh^2)`` per
+score, recomputed from ``q . k`` in the dq and the dk/dv kernels
+(``_softcapped``).  The cap's two runtime arguments, ``softcap_qk`` and
+``softcap_log2e``, are None without SOFTCAP: compile-time constants, not
+kernel parameters, so the kernels without the cap compile exactly as they
+would without the feature.
+
 Compile-time switches of the launches (attention_step_tiles.py):
 
     SPLIT_SWEEP         the tiles every row (forward, dq) or every key (dk/dv)
-                        sees go through a loop without a causal or key mask,
-                        the diagonal and partial ones through a masked loop
+                        sees go through a loop without a causal, interval or
+                        key mask, the diagonal, edge and partial ones through
+                        masked loops (dk/dv: not with INTERVALS)
     TENSOR_DESCRIPTORS  q, k, v and dout come through tensor descriptors (TMA
                         on sm_90), built per program over one (batch, head):
                         rows past the block and columns past the head dim load
@@ -84,7 +100,8 @@ to base 2 (``log2(e)`` folded into the scale, ``qk_scale``) so the kernels use
 ``exp2``, and the scale goes into the exponent: ``exp2(qk * qk_scale - m)`` is
 one FFMA per score (the forward's running max ``m`` is kept in those scaled
 units; its unmasked sweep needs ``qk_scale >= 0``, which the launcher
-ensures).  ``lse`` is stored in natural-log units, the convention of
+ensures).  With SOFTCAP the capped score is taken to base 2 the same way
+(``softcap * log2(e) * tanh``) and the running max is of it.  ``lse`` is stored in natural-log units, the convention of
 flash-attention.  The head dim is a compile-time constant (``HEAD_DIM``), so
 the head-dim masks vanish when it is a power of two.
 Rows that see no valid key are never written by the forward after the first
@@ -151,12 +168,16 @@ def _softcapped(qk, softcap_qk, softcap_log2e):
     # x = softmax_scale * qk / softcap, and r = 1 / (1 + exp(2x)), from which
     # tanh(x) = 1 - 2r and its derivative 1 - tanh(x)^2 = 4r(1 - r) follow.
     # softcap_qk = 2 * log2(e) * softmax_scale / softcap, softcap_log2e =
-    # softcap * log2(e).  exp2 and a division rather than a tanh: the
-    # interpreter and every Triton release have them, and r gives the
-    # backward's derivative without cancellation near tanh = +-1.  tanh is
-    # exact to a few fp32 ulps of 1 everywhere; exp2 overflowing to inf
-    # gives r = 0, tanh = 1, as it should.
-    r = 1.0 / (1.0 + tl.exp2(qk * softcap_qk))
+    # softcap * log2(e).  exp2 and rsqrt rather than a tanh: the interpreter
+    # and every Triton release have them, and r gives the backward's
+    # derivative without cancellation near tanh = +-1.  r as rsqrt(x)^2: one
+    # MUFU.RSQ and a multiply, where 1 / x is div.full.f32 (MUFU.RCP and four
+    # instructions of range handling; 1075 against 885 SASS instructions per
+    # iteration of the sm_90 bf16 d128 forward).  tanh is exact to a few fp32
+    # ulps of 1 everywhere; exp2 overflowing to inf gives r = 0, tanh = 1, as
+    # it should.
+    root = tl.math.rsqrt(1.0 + tl.exp2(qk * softcap_qk))
+    r = root * root
     return softcap_log2e - (2.0 * softcap_log2e) * r, r
 
 
@@ -1185,12 +1206,7 @@ def attention_step_bwd_dkdv_kernel(
         # same intervals, held through the loop: exact, as the row intervals of
         # each q tile would be, without loading two more vectors per q tile.
         col_start, col_end, lo, hi = _load_intervals(ColStart, ColEnd, offs_n, mask_n, seqlen_q)
-        if SPLIT_SWEEP:
-            # Masked [lo, masked_hi), unmasked [masked_hi, unmasked_hi), masked
-            # [unmasked_hi, hi): the q tiles that see every key in the middle.
-            masked_hi, unmasked_hi = _seen_by_every_row(col_start, col_end, mask_n, lo, hi, BLOCK_M)
-        else:
-            masked_hi = hi
+        masked_hi = hi
     else:
         col_start, col_end = offs_n, offs_n  # not read
         hi = seqlen_q
@@ -1206,7 +1222,6 @@ def attention_step_bwd_dkdv_kernel(
             masked_hi = 0
         if not SPLIT_SWEEP:
             masked_hi = hi  # one masked sweep over every q tile
-        unmasked_hi = hi
 
     for g in range(head_lo, head_hi):
         off_h = off_hk * kv_group + g
@@ -1224,8 +1239,7 @@ def attention_step_bwd_dkdv_kernel(
         else:
             q_desc, do_desc = None, None
         if INTERVALS or CAUSAL or not SPLIT_SWEEP:
-            # The diagonal tiles (causal) or the interval hull (its first edge
-            # with SPLIT_SWEEP), masked ...
+            # The diagonal tiles (causal) or the interval hull, masked ...
             dk, dv = _attention_dkdv_sweep(
                 dk,
                 dv,
@@ -1264,86 +1278,47 @@ def attention_step_bwd_dkdv_kernel(
                 DOT_UPCAST,
                 TENSOR_DESCRIPTORS,
             )
-        if SPLIT_SWEEP:
-            # ... and the q tiles that see every key of the k tile, without ...
-            dk, dv = _attention_dkdv_sweep(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                q_desc,
-                do_desc,
-                lse_base,
-                delta_base,
-                stride_qm,
-                stride_qd,
-                stride_gm,
-                stride_gd,
-                stride_lm,
-                stride_em,
-                tl.maximum(lo, masked_hi),
-                unmasked_hi,
-                offs_m,
-                offs_n,
-                offs_d,
-                mask_d,
-                hi,
-                col_start,
-                col_end,
-                qk_scale,
-                softcap_qk,
-                softcap_log2e,
-                False,
-                CAUSAL,
-                False,
-                SOFTCAP,
-                BLOCK_M,
-                DOT_PRECISION,
-                DOT_UPCAST,
-                TENSOR_DESCRIPTORS,
-            )
-        if INTERVALS and SPLIT_SWEEP:
-            # ... and the intervals' other edge, masked.
-            dk, dv = _attention_dkdv_sweep(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                q_desc,
-                do_desc,
-                lse_base,
-                delta_base,
-                stride_qm,
-                stride_qd,
-                stride_gm,
-                stride_gd,
-                stride_lm,
-                stride_em,
-                unmasked_hi,
-                hi,
-                offs_m,
-                offs_n,
-                offs_d,
-                mask_d,
-                hi,
-                col_start,
-                col_end,
-                qk_scale,
-                softcap_qk,
-                softcap_log2e,
-                True,
-                False,
-                True,
-                SOFTCAP,
-                BLOCK_M,
-                DOT_PRECISION,
-                DOT_UPCAST,
-                TENSOR_DESCRIPTORS,
-            )
+        if not INTERVALS:
+            if SPLIT_SWEEP:
+                # ... and the q tiles that see every key of the k tile, without.
+                dk, dv = _attention_dkdv_sweep(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    q_desc,
+                    do_desc,
+                    lse_base,
+                    delta_base,
+                    stride_qm,
+                    stride_qd,
+                    stride_gm,
+                    stride_gd,
+                    stride_lm,
+                    stride_em,
+                    tl.maximum(lo, masked_hi),
+                    hi,
+                    offs_m,
+                    offs_n,
+                    offs_d,
+                    mask_d,
+                    hi,
+                    col_start,
+                    col_end,
+                    qk_scale,
+                    softcap_qk,
+                    softcap_log2e,
+                    False,
+                    CAUSAL,
+                    False,
+                    SOFTCAP,
+                    BLOCK_M,
+                    DOT_PRECISION,
+                    DOT_UPCAST,
+                    TENSOR_DESCRIPTORS,
+                )
 
     # Accumulate (+=) into the travelling fp32 dk/dv buffers.
     dk_ptrs = (

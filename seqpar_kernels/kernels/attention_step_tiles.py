@@ -231,11 +231,16 @@ _TENSOR_DESCRIPTOR_TILES = {
 }
 
 # The soft-capped scores (SOFTCAP), applied last: (which launches, given the
-# target, whether the mask is the interval one and whether the loads go through
-# tensor descriptors; {kernel: {key: tiles}}).  The cap costs the forward two
-# more special-function operations per score and the backward kernels one more
-# score-sized tile in registers (docs/tuning.md, "Soft-capped scores").
-_SOFTCAP_TILE_OVERRIDES = ()
+# target and whether the mask is the interval one; {kernel: {key: tiles}}).  The
+# cap costs the backward kernels one more score-sized tile in registers; every
+# other soft-capped launch keeps its tile (docs/tuning.md, "Soft-capped
+# scores").  sm_120's interval dq at d128, (128, 32, 8, 2), spills 3 accesses in
+# its loops with the cap; one stage spills none (255 registers, 8-24 B outside
+# the loops), (64, 32, 4, 2) none either but takes 14% more instructions per
+# score and loads K/V for half the rows.
+_SOFTCAP_TILE_OVERRIDES = (
+    (lambda target, intervals: target.capability >= 120 and intervals, {"dq": {(2, 128): (128, 32, 8, 1)}}),
+)
 
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
@@ -272,13 +277,17 @@ def dkdv_head_splits(programs, kv_group, multiprocessors):
 
 
 def all_cuda_tiles():
-    """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
+    """Every tile shape (BLOCK_M, BLOCK_N) a CUDA launch can take, as one of its
+    tiles (tests run each in the interpreter, which ignores warps and stages)."""
     tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
         table
         for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES + _SOFTCAP_TILE_OVERRIDES
         for table in overrides.values()
     ]
-    return sorted({tiles for table in tables for tiles in table.values()})
+    shapes = {}
+    for tiles in sorted({tiles for table in tables for tiles in table.values()}):
+        shapes.setdefault(tiles[:2], tiles)
+    return list(shapes.values())
 
 
 # Tiles a benchmark tries in place of the shipped ones (tile_override), by kernel.
@@ -320,7 +329,7 @@ def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=F
         tiles = _TENSOR_DESCRIPTOR_TILES[kernel][key]
     if softcap:
         for applies, overrides in _SOFTCAP_TILE_OVERRIDES:
-            if applies(target, intervals, tensor_descriptors) and key in overrides.get(kernel, {}):
+            if applies(target, intervals) and key in overrides.get(kernel, {}):
                 tiles = overrides[kernel][key]
     return tiles
 
@@ -510,7 +519,12 @@ def backward_launches(
         # the split, and with the split's second loop the fp32 tiles spill in
         # a loop on some target at every head dim (causal GQA d64: 2 accesses
         # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
-        # with (16, 32, 4, 2): 94 on sm_86).
+        # with (16, 32, 4, 2): 94 on sm_86).  The interval mask sweeps once,
+        # masked, in dk/dv: split in three (masked, unmasked, masked) its GQA
+        # kernel spills in the loops at bf16 d128 (sm_90 through descriptors,
+        # (32, 64, 8, 3): 4 accesses, 2 with softcap; the masked edges in one
+        # loop, 2 and 12; sm_100, (16, 64, 8, 2): 25), for 12-16% fewer
+        # instructions per iteration where it does not.
         _step_launch(
             attention_step_bwd_dkdv_kernel,
             _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors, softcap),
@@ -520,7 +534,7 @@ def backward_launches(
             intervals,
             softcap,
             interpreted,
-            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and dtype.itemsize == 2,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and dtype.itemsize == 2 and not intervals,
             TENSOR_DESCRIPTORS=bool(tensor_descriptors),
             SPLIT_HEADS=False,
         ),

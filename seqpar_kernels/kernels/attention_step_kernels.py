@@ -45,10 +45,10 @@ rows and keys are each sorted by global position, so the keys one row may see
 (its own document, causal or not) are one contiguous index range of the block,
 and so are the rows that see one key.  A sliding window (the keys within a
 distance of the row's position) and chunked attention (the keys of the row's
-chunk, up to its own position) are one interval per row as well.  ``row_start``/``row_end`` are int32
-(seqlen_q,), ``col_start``/``col_end`` int32 (seqlen_k,), shared by every batch
-entry and head; the two describe the same mask and the caller keeps them
-consistent.  An interval with end <= start is empty.  The forward and the dq
+chunk, up to its own position) are one interval per row as well.
+``row_start``/``row_end`` are int32 (seqlen_q,), ``col_start``/``col_end``
+int32 (seqlen_k,), shared by every batch entry and head; the two describe the
+same mask and the caller keeps them consistent.  An interval with end <= start is empty.  The forward and the dq
 kernel read the row intervals: a q tile sweeps only the k tiles of
 ``[min row_start, max row_end)`` over its rows with a non-empty interval (none:
 it does nothing).  A k tile of the dk/dv kernel loops over the q rows of
@@ -101,9 +101,10 @@ to base 2 (``log2(e)`` folded into the scale, ``qk_scale``) so the kernels use
 one FFMA per score (the forward's running max ``m`` is kept in those scaled
 units; its unmasked sweep needs ``qk_scale >= 0``, which the launcher
 ensures).  With SOFTCAP the capped score is taken to base 2 the same way
-(``softcap * log2(e) * tanh``) and the running max is of it.  ``lse`` is stored in natural-log units, the convention of
-flash-attention.  The head dim is a compile-time constant (``HEAD_DIM``), so
-the head-dim masks vanish when it is a power of two.
+(``softcap * log2(e) * tanh``) and the running max is of it.  ``lse`` is
+stored in natural-log units, the convention of flash-attention.  The head
+dim is a compile-time constant (``HEAD_DIM``), so the head-dim masks vanish
+when it is a power of two.
 Rows that see no valid key are never written by the forward after the first
 step (they stay exactly as they were), and rows whose final ``lse`` is ``-inf``
 get zero gradient.

@@ -43,7 +43,15 @@ Without causality row_end would be 5 for the first document's queries and
 col_start 0 for its keys.  A q tile sweeps only the keys from the smallest
 row_start to the largest row_end of its rows (and a k tile of dk/dv only the
 queries its column intervals span), so a step with short documents costs far
-less than seqlen_q x seqlen_k.
+less than seqlen_q x seqlen_k.  Sliding windows and chunked attention are
+intervals too (query i: the keys of its window or of its chunk): the forward
+and dq kernels sweep the k tiles that every row of a q tile sees without a
+mask.
+
+Every launcher takes ``softcap=0.0``: above 0 each score is
+``softcap * tanh(softmax_scale * q.k / softcap)`` before the mask and the
+softmax (Gemma 2, Grok), forward and backward alike; 0 launches the kernels
+without the cap.
 """
 
 import math

@@ -34,17 +34,20 @@ def causal_keep(sq, sk, offset=0):
     return (j <= i).to(DEVICE)
 
 
-def reference_attention(q, k, v, scale, keep=None):
+def reference_attention(q, k, v, scale, keep=None, softcap=0.0):
     """fp64 attention; returns out (b, sq, h, d) and lse (b, h, sq).
 
     keep: optional bool (sq, sk) mask of visible keys.  Rows with no visible
-    key give out = 0 and lse = -inf.
+    key give out = 0 and lse = -inf.  softcap > 0: the scores are
+    softcap * tanh(scale * q.k / softcap) (Gemma 2), before the mask.
     """
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -54,27 +57,30 @@ def reference_attention(q, k, v, scale, keep=None):
     return out, lse
 
 
-def torch_attention_in_dtype(q, k, v, scale, keep=None):
-    """Plain (materialized) torch attention computed in q's own dtype."""
+def torch_attention_in_dtype(q, k, v, scale, keep=None, softcap=0.0):
+    """Plain (materialized) torch attention computed in q's own dtype (with the
+    soft cap as Gemma 2's eager attention computes it, when softcap > 0)."""
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     s = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)
 
 
-def assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout=None, grads=None):
+def assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout=None, grads=None, softcap=0.0):
     """fp16/bf16 step results against fp64 attention on the same rounded inputs:
     ``out`` within twice the error of plain PyTorch attention in the inputs'
     dtype (a row without a key counts as 0 in both), ``lse`` fp32-accurate
     (exact products accumulated in fp32), and ``grads`` (dq, dk, dv for
     ``dout``), when given, each within 3% of its largest reference entry."""
     qr, kr, vr = (t.double().requires_grad_(grads is not None) for t in (q, k, v))
-    ref_out, ref_lse = reference_attention(qr, kr, vr, scale, keep)
-    torch_out = torch_attention_in_dtype(q, k, v, scale, keep).nan_to_num(0.0)
+    ref_out, ref_lse = reference_attention(qr, kr, vr, scale, keep, softcap)
+    torch_out = torch_attention_in_dtype(q, k, v, scale, keep, softcap).nan_to_num(0.0)
     ours_err = (out.double() - ref_out).abs().max().item()
     torch_err = (torch_out.double() - ref_out).abs().max().item()
     assert ours_err <= 2 * torch_err + 1e-3, (ours_err, torch_err)
@@ -84,6 +90,17 @@ def assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout=None, gra
         for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
             err = (got.double() - want).abs().max().item()
             assert err <= 3e-2 * want.abs().max().item(), err
+
+
+def assert_within_twice_plain_torch(dtype, results, plain, exact):
+    """Each of ``results`` (out, dq, dk, dv) within twice the error of plain
+    PyTorch attention in ``dtype`` (``plain``: its out, dq, dk, dv) against
+    ``exact`` (fp64), plus about one ulp of dtype."""
+    slack = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
+    for name, ours, yardstick, want in zip(("out", "dq", "dk", "dv"), results, plain, exact):
+        err = (ours.double() - want).abs().max().item()
+        plain_err = (yardstick.double() - want).abs().max().item()
+        assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
 
 
 def fresh_state(b, sq, h, d):
@@ -107,32 +124,51 @@ def ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32):
     return steps, k_all, v_all, keep
 
 
-def check_bf16_step(mode, sq, sk):
-    """One bf16 GQA step, forward and backward, against fp64 autograd with the
-    tolerances of the other low-precision tests: the output within twice plain
-    PyTorch attention's error in bf16, the gradients within 3% of their largest
-    entry."""
-    b, h, hk, d = 1, 4, 2, 128
-    q, dout = (randn(b, sq, h, d, dtype=torch.bfloat16) for _ in range(2))
-    k, v = (randn(b, sk, hk, d, dtype=torch.bfloat16) for _ in range(2))
-    keep = causal_keep(sq, sk) if mode == MASK_CAUSAL else None
+def check_low_precision_step(mode, sq, sk, dtype=torch.bfloat16, d=128, softcap=0.0, q_scale=1.0):
+    """One fp16/bf16 GQA step, forward and backward, against fp64 autograd with
+    the tolerances of the other low-precision tests: the output within twice
+    plain PyTorch attention's error in ``dtype``, the gradients within 3% of
+    their largest entry.  ``mode``: a mask mode, or an (intervals, keep) pair
+    of MASK_INTERVALS; q_scale multiplies q (logits that a soft cap bends)."""
+    b, h, hk = 1, 4, 2
+    q, dout = randn(b, sq, h, d, dtype=dtype, scale=q_scale), randn(b, sq, h, d, dtype=dtype)
+    k, v = (randn(b, sk, hk, d, dtype=dtype) for _ in range(2))
+    intervals = None
+    if isinstance(mode, tuple):
+        (intervals, keep), mode = mode, MASK_INTERVALS
+    else:
+        keep = causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     scale = d**-0.5
     out, lse = fresh_state(b, sq, h, d)
-    launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, softcap=softcap)
+    launchers.attention_step_forward(q, k, v, out, lse, **options)
     dq, dk, dv = zeros(b, sq, h, d), zeros(b, sk, hk, d), zeros(b, sk, hk, d)
-    launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv, softmax_scale=scale, mask_mode=mode)
-    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv))
+    launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv, **options)
+    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv), softcap)
 
 
-def run_steps(q, steps, k_all, full_lens, dout, dq, scale):
+def run_steps(q, steps, k_all, full_lens, dout, dq, scale, softcap=0.0, first_step=False):
     """The ring steps of ring_blocks through the step kernels: every forward, then
     every backward, dq accumulated in place.  Returns (out, lse, dk_all, dv_all);
     dk/dv are slices of one fp32 buffer (like the travelling gradient buffers of the
-    ring), in k_all's order [full blocks..., diagonal]."""
+    ring), in k_all's order [full blocks..., diagonal].  first_step: the first
+    forward starts from a NaN state with first_step=True (as the ring does)."""
     b, sq, h, d = q.shape
     out, lse = fresh_state(b, sq, h, d)
-    for k, v, mode in steps:
-        launchers.attention_step_forward(q, k, v, out, lse, softmax_scale=scale, mask_mode=mode)
+    if first_step:
+        out.fill_(float("nan")), lse.fill_(float("nan"))
+    for index, (k, v, mode) in enumerate(steps):
+        launchers.attention_step_forward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            softmax_scale=scale,
+            mask_mode=mode,
+            softcap=softcap,
+            first_step=first_step and index == 0,
+        )
     delta = launchers.attention_backward_preprocess(out, dout)
     dk_all, dv_all = zeros(*k_all.shape), zeros(*k_all.shape)
     n_full = sum(full_lens)
@@ -143,28 +179,46 @@ def run_steps(q, steps, k_all, full_lens, dout, dq, scale):
         start += n
     for (k, v, mode), (lo, hi) in zip(steps, bounds):
         launchers.attention_step_backward(
-            q, k, v, out, dout, lse, delta, dq, dk_all[:, lo:hi], dv_all[:, lo:hi], softmax_scale=scale, mask_mode=mode
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            delta,
+            dq,
+            dk_all[:, lo:hi],
+            dv_all[:, lo:hi],
+            softmax_scale=scale,
+            mask_mode=mode,
+            softcap=softcap,
         )
     return out, lse, dk_all, dv_all
 
 
-def check_steps_forward_and_backward(h, hk, d, full_lens, b, sq):
+def check_steps_forward_and_backward(h, hk, d, full_lens, b, sq, softcap=0.0, q_scale=1.0):
     """Forward over a causal diagonal block and full blocks, then the backward of
-    every step, against fp64 autograd of the whole attention."""
+    every step, against fp64 autograd of the whole attention (out and lse too
+    when softcap > 0; q_scale multiplies q, for logits the cap bends)."""
     steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=full_lens)
-    q = randn(b, sq, h, d)
+    q = randn(b, sq, h, d, scale=q_scale)
     scale = d**-0.5
     dout = randn(b, sq, h, d)
     # dq starts non-zero to check accumulation (+=).
     dq0 = randn(b, sq, h, d)
     dq = dq0.clone()
-    _, _, dk_all, dv_all = run_steps(q, steps, k_all, full_lens, dout, dq, scale)
+    out, lse, dk_all, dv_all = run_steps(
+        q, steps, k_all, full_lens, dout, dq, scale, softcap=softcap, first_step=bool(softcap)
+    )
 
     qr = q.double().requires_grad_()
     kr = k_all.double().requires_grad_()
     vr = v_all.double().requires_grad_()
-    ref_out, _ = reference_attention(qr, kr, vr, scale, keep)
+    ref_out, ref_lse = reference_attention(qr, kr, vr, scale, keep, softcap)
     ref_out.backward(dout.double())
+    if softcap:
+        torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=0)
     torch.testing.assert_close(dq.double() - dq0.double(), qr.grad, atol=1e-4, rtol=0)
     torch.testing.assert_close(dk_all.double(), kr.grad, atol=1e-4, rtol=0)
     torch.testing.assert_close(dv_all.double(), vr.grad, atol=1e-4, rtol=0)
@@ -217,7 +271,7 @@ def positions(layout, generator):
     return subset(45), [subset(70), subset(23)]
 
 
-def interval_steps(q, dout, steps, scale):
+def interval_steps(q, dout, steps, scale, softcap=0.0):
     """The steps [(k, v, intervals)] through the step kernels: every forward, then
     every backward with the final lse.  Returns (out, lse) after the first step,
     the final (out, lse), dq, and per step (dk, dv)."""
@@ -226,7 +280,7 @@ def interval_steps(q, dout, steps, scale):
     first = None
     for k, v, intervals in steps:
         launchers.attention_step_forward(
-            q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_INTERVALS, intervals=intervals
+            q, k, v, out, lse, softmax_scale=scale, mask_mode=MASK_INTERVALS, intervals=intervals, softcap=softcap
         )
         first = first or (out.clone(), lse.clone())
     delta = launchers.attention_backward_preprocess(out, dout)
@@ -247,6 +301,7 @@ def interval_steps(q, dout, steps, scale):
             softmax_scale=scale,
             mask_mode=MASK_INTERVALS,
             intervals=intervals,
+            softcap=softcap,
         )
         dkv.append((dk, dv))
     return first, (out, lse), dq, dkv
@@ -295,6 +350,30 @@ def check_intervals(h, hk, d, causal, layout, b, seed):
     if causal and layout == "ring":
         # The all-empty step adds exactly nothing to dk/dv.
         assert not dkv[2][0].any() and not dkv[2][1].any()
+
+
+def intervals_of(keep):
+    """The ``intervals`` (row_start, row_end, col_start, col_end) of a dense keep
+    mask (sq, sk) in which every row's and every column's True entries are one
+    run (or none: the empty [0, 0)), as MASK_INTERVALS takes them."""
+    keep = keep.cpu()
+
+    def runs(mask):  # per row: [start, end) of its run of True
+        count = mask.sum(1)
+        start = torch.where(count > 0, mask.int().argmax(1), 0)
+        index = torch.arange(mask.shape[1])
+        assert torch.equal(mask, (index >= start[:, None]) & (index < (start + count)[:, None])), "not one run"
+        return start, start + count
+
+    return tuple(t.to(device=DEVICE, dtype=torch.int32) for t in (*runs(keep), *runs(keep.T)))
+
+
+def window_keep(q_pos, k_pos, left, right=0):
+    """keep[i, j]: the query at position q_pos[i] sees the key at k_pos[j], a
+    sliding window over one sequence of ``left`` keys before its own position
+    and ``right`` after it (right=0: causal)."""
+    offset = k_pos[None, :] - q_pos[:, None]
+    return ((offset >= -left) & (offset <= right)).to(DEVICE)
 
 
 def properties(major, minor, **extra):

@@ -1,9 +1,11 @@
 """The ring-attention step kernels compiled ahead of time for GPUs that are not here.
 
 Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
-64/128/256, full or causal, MHA or GQA; the interval mask of packed documents
-for bf16 and fp32 at head dim 128; on sm_90 the pointer loads that a q layout
-TMA cannot take falls back to, bf16 at head dim 128) is compiled by
+64/128/256, full or causal, MHA or GQA; the interval mask of packed documents and
+sliding windows for bf16 at head dims 128 and 256 and fp32 at 128; soft-capped
+scores for bf16/fp16 at 128 and 256 and fp32 at 128 (tools/ahead_of_time.py,
+TABLE_SOFTCAP_CASES); on sm_90 the pointer loads that a q layout TMA cannot take
+falls back to, bf16 at head dim 128) is compiled by
 tools.ahead_of_time for one GPU of each family the tile choice
 tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
 99 KiB of shared memory), sm_100 (B200) and sm_120 (RTX 50xx), with the same
@@ -130,14 +132,15 @@ def test_the_record_holds_every_kernel(compiled):
 def test_the_recorded_kernels_compile_as_recorded():
     # The record is only as good as its keys: a fresh compile of a few of its
     # kernels (dk/dv, the one nearest its register limit, bf16 d128 causal GQA
-    # on every target: TMA and pointer loads, one program per group and split)
-    # must give the recorded rows.
+    # on every target: TMA and pointer loads, one program per group and split;
+    # not its soft-capped variants, which would add 10 compiles) must give the
+    # recorded rows.
     recorded = read_record(RECORD)
     script = (
         "import json, sys\n"
         "from tools.ahead_of_time import recompile\n"
         "json.dump([row for capability in json.loads(sys.argv[1]) for row in recompile(capability, "
-        "['attention_step_bwd_dkdv_kernel bfloat16 d128 causal GQA'])], sys.stdout)"
+        "['attention_step_bwd_dkdv_kernel bfloat16 d128 causal GQA'], without=['softcap'])], sys.stdout)"
     )
     result = subprocess.run(
         [sys.executable, "-c", script, json.dumps(list(DEFAULT_CAPABILITIES))],
@@ -171,15 +174,49 @@ def test_every_kernel_compiles_for_every_target(compiled):
         for dtype in ("bfloat16", "float16", "float32"):
             for headdim in (64, 128, 256):
                 assert any(f" {dtype} d{headdim} " in row["description"] for row in rows), (capability, dtype, headdim)
-        # The interval mask: each step kernel, MHA and GQA, bf16 and fp32 at d128
-        # (and the launch variants of each, e.g. a first step's forward).
-        intervals = {tuple(row["description"].split()[:5]) for row in rows if " intervals " in row["description"]}
-        assert intervals == {
-            (kernel, dtype, "d128", "intervals", heads)
-            for kernel in KERNELS - {"attention_bwd_preprocess_kernel"}
-            for dtype in ("bfloat16", "float32")
+        # The interval mask: each step kernel, MHA and GQA, bf16 at d128 and d256
+        # and fp32 at d128 (and the launch variants of each, e.g. a first step's
+        # forward); with the soft-capped scores, fp16 at d128 and d256 too.
+        step_kernels = KERNELS - {"attention_bwd_preprocess_kernel"}
+        for capped, cases in (
+            (False, (("bfloat16", "d128"), ("bfloat16", "d256"), ("float32", "d128"))),
+            (
+                True,
+                (
+                    ("bfloat16", "d128"),
+                    ("bfloat16", "d256"),
+                    ("float16", "d128"),
+                    ("float16", "d256"),
+                    ("float32", "d128"),
+                ),
+            ),
+        ):
+            intervals = {
+                tuple(row["description"].split()[:5])
+                for row in rows
+                if " intervals " in row["description"] and ("softcap" in row["description"].split()) == capped
+            }
+            assert intervals == {
+                (kernel, dtype, headdim, "intervals", heads)
+                for kernel in step_kernels
+                for dtype, headdim in cases
+                for heads in ("MHA", "GQA")
+            }, (capability, capped, sorted(intervals))
+        # The soft-capped scores: each step kernel, MHA and GQA, bf16 at d128 and
+        # d256 with every mask, fp16 with the causal and interval ones.
+        capped = {tuple(row["description"].split()[:5]) for row in rows if "softcap" in row["description"].split()}
+        assert {case for case in capped if case[3] != "intervals"} == {
+            (kernel, dtype, headdim, mask, heads)
+            for kernel in step_kernels
+            for dtype, headdim, masks in (
+                ("bfloat16", "d128", ("full", "causal")),
+                ("bfloat16", "d256", ("full", "causal")),
+                ("float16", "d128", ("causal",)),
+                ("float16", "d256", ("causal",)),
+            )
+            for mask in masks
             for heads in ("MHA", "GQA")
-        }, (capability, sorted(intervals))
+        }, (capability, sorted(capped))
     # sm_90: bf16 d128 through tensor descriptors and, for a q TMA cannot take,
     # through pointers; each step kernel, full and causal, MHA and GQA.
     if not TENSOR_DESCRIPTORS_AVAILABLE:
@@ -191,6 +228,7 @@ def test_every_kernel_compiles_for_every_target(compiled):
         and " bfloat16 d128 " in row["description"]
         and row["kernel"] != "attention_bwd_preprocess_kernel"
         and " intervals " not in row["description"]
+        and "softcap" not in row["description"].split()
     }
     assert loads == {
         (kernel, "bfloat16", "d128", mask, heads, descriptors)

@@ -75,8 +75,8 @@ def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
     cases.check_steps_forward_and_backward(h=4, hk=2, d=64, full_lens=[9, 70], b=1, sq=45)
     # bf16, whose dk/dv splits too: a causal diagonal of 45 rows and a full block
     # of 70 keys, partial tiles at both ends.
-    cases.check_bf16_step(MASK_CAUSAL, sq=45, sk=45)
-    cases.check_bf16_step(MASK_FULL, sq=45, sk=70)
+    cases.check_low_precision_step(MASK_CAUSAL, sq=45, sk=45)
+    cases.check_low_precision_step(MASK_FULL, sq=45, sk=70)
 
 
 @runs_triton_on(DEVICE)
@@ -105,7 +105,7 @@ def test_tensor_descriptor_loads(monkeypatch, case):
         cases.check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=25)
     else:
         torch.manual_seed(17)
-        cases.check_bf16_step(MASK_CAUSAL, sq=33, sk=33)
+        cases.check_low_precision_step(MASK_CAUSAL, sq=33, sk=33)
 
 
 @runs_triton_on(DEVICE)
@@ -268,14 +268,7 @@ def test_gpu_tiles_over_several_whole_tiles(monkeypatch, dtype, d, split_sweep):
     qp, kp, vp = (t.detach().clone().requires_grad_() for t in (q, k_all, v_all))
     plain = cases.torch_attention_in_dtype(qp, kp, vp, scale, keep)
     plain.backward(dout)
-    slack = {torch.float32: 2e-5, torch.bfloat16: 1e-4, torch.float16: 1e-5}[dtype]
     torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3 if dtype != torch.float32 else 2e-5, rtol=0)
-    for name, ours, yardstick, want in (
-        ("out", out, plain, exact),
-        ("dq", dq, qp.grad, qr.grad),
-        ("dk", dk_all, kp.grad, kr.grad),
-        ("dv", dv_all, vp.grad, vr.grad),
-    ):
-        err = (ours.double() - want).abs().max().item()
-        plain_err = (yardstick.double() - want).abs().max().item()
-        assert err <= 2 * plain_err + slack, f"{name}: err {err:.3g}, plain torch in {dtype} {plain_err:.3g}"
+    cases.assert_within_twice_plain_torch(
+        dtype, (out, dq, dk_all, dv_all), (plain, qp.grad, kp.grad, vp.grad), (exact, qr.grad, kr.grad, vr.grad)
+    )

@@ -165,6 +165,48 @@ def test_intervals_go_with_mask_intervals_only():
         launchers.attention_step_backward(
             q, k, k, out, out, lse, None, out, k, k, softmax_scale=1.0, mask_mode=MASK_INTERVALS
         )
-    # The forward of the interval mask sweeps once, masked, whatever Triton release.
+    # The interval mask splits its sweeps where the full and causal ones do.
     launch = step_tiles.forward_launch(torch.float32, 64, False, intervals=True, target=None, interpreted=True)
-    assert launch.constexprs["INTERVALS"] and not launch.constexprs["SPLIT_SWEEP"]
+    assert launch.constexprs["INTERVALS"] and launch.constexprs["SPLIT_SWEEP"] is step_tiles.SPLIT_FORWARD_SWEEP
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["no-cap", "softcap"])
+def test_sliding_windows_with_and_without_the_split_sweeps(monkeypatch, softcap):
+    # Sliding windows over a block as one interval per row.  With the split
+    # sweeps, the k tiles every row of a q tile sees go through an unmasked
+    # sweep between two masked ones in the forward and dq: a window of 100 keys
+    # leaves two whole 32-key tiles of the interpreter per 16-row q tile there.
+    # Split and one masked sweep give the same numbers to the last bit in the
+    # interpreter (the same products in the same order; a mask that keeps
+    # every score changes none), and match fp64: fp32 and bf16.  Queries at
+    # positions 96-159, keys 0-159.
+    torch.manual_seed(26)
+    b, h, hk, d, scale = 1, 2, 1, 64, 0.125
+    q_pos, k_pos = torch.arange(96, 160), torch.arange(160)
+    # A causal window without the cap, a two-sided one with it.
+    left, right = (100, 0) if not softcap else (60, 50)
+    keep = cases.window_keep(q_pos, k_pos, left, right)
+    intervals = cases.intervals_of(keep)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, dout = cases.randn(b, 64, h, d, dtype=dtype, scale=3.0), cases.randn(b, 64, h, d, dtype=dtype)
+        k, v = cases.randn(b, 160, hk, d, dtype=dtype), cases.randn(b, 160, hk, d, dtype=dtype)
+        results = {}
+        for split_sweep in (True, False):
+            monkeypatch.setattr(step_tiles, "SPLIT_FORWARD_SWEEP", split_sweep)
+            monkeypatch.setattr(step_tiles, "SPLIT_BACKWARD_SWEEPS", split_sweep)
+            _, (out, lse), dq, [(dk, dv)] = cases.interval_steps(q, dout, [(k, v, intervals)], scale, softcap)
+            results[split_sweep] = (out, lse, dq, dk, dv)
+        for split, one in zip(results[True], results[False]):
+            assert torch.equal(split, one)
+        out, lse, dq, dk, dv = results[True]
+        if dtype == torch.bfloat16:
+            cases.assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv), softcap)
+            continue
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = cases.reference_attention(qr, kr, vr, scale, keep, softcap)
+        ref_out.backward(dout.double())
+        torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-5, rtol=0)
+        for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)

@@ -2,6 +2,7 @@
 checks before it launches the step kernels (check_launchable).
 """
 
+import itertools
 import re
 
 import pytest
@@ -46,6 +47,14 @@ def test_tiles_follow_the_target_family():
     assert step_tiles._tiles("dq", fp32, 256, step_tiles.GpuTarget(110, 101376)) == (16, 16, 8, 2)
     assert step_tiles._tiles("forward", bf16, 64, target(100)) == (128, 64, 8, 3)
     assert step_tiles._tiles("forward", bf16, 64, None) == step_tiles._INTERPRETER_TILES
+    # The soft-capped scores keep the tiles but for sm_120's interval dq at d128,
+    # which spills in its loops with two stages.
+    for capability in (80, 86, 90, 100, 120):
+        for kernel, intervals in itertools.product(("forward", "dq", "dkdv"), (False, True)):
+            capped = step_tiles._tiles(kernel, bf16, 128, target(capability), intervals=intervals, softcap=True)
+            plain = step_tiles._tiles(kernel, bf16, 128, target(capability), intervals=intervals)
+            expected = (128, 32, 8, 1) if (capability, kernel, intervals) == (120, "dq", True) else plain
+            assert capped == expected, (capability, kernel, intervals)
     with pytest.raises(ValueError, match="sm_75"):
         target(75)
 

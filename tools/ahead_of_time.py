@@ -689,11 +689,26 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # BLOCK_D (16 or 32): not compiled here.
 TABLE_HEAD_DIMS = (64, 128, 256)
 TABLE_HEADS, TABLE_SEQLEN = 16, 4096
-# The interval mask (packed documents) holds its row or column intervals in
-# registers through the sweep.  It is compiled for bf16 (fp16 compiles alike)
-# and fp32 at head dim 128, MHA and GQA: 12 kernels per target, where every
-# dtype and head dim would add 36 to the table's compile time.
-TABLE_INTERVAL_CASES = ((torch.bfloat16, 128), (torch.float32, 128))
+# The interval mask (packed documents, sliding windows, chunks) holds its row or
+# column intervals in registers through the sweep and splits its sweep in three
+# (masked, unmasked, masked).  It is compiled for bf16 (fp16 compiles alike) at
+# head dims 128 and 256 (Gemma's windows are d256) and fp32 at head dim 128, MHA
+# and GQA, where every dtype and head dim would add more than 100 kernels to
+# the table's compile time.
+TABLE_INTERVAL_CASES = ((torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float32, 128))
+# The soft-capped scores (SOFTCAP: Gemma 2 is d256 with a cap of 50): a tanh per
+# score and one more score-sized tile in the backward's registers.  The masks
+# compiled with the cap, by (dtype, head dim): every mask for bf16, the causal
+# and interval ones for fp16 (which compiles like bf16), the interval mask for
+# fp32 at d128 (its tightest registers); MHA and GQA each.
+TABLE_SOFTCAP_CASES = {
+    (torch.bfloat16, 128): ("full", "causal", "intervals"),
+    (torch.bfloat16, 256): ("full", "causal", "intervals"),
+    (torch.float16, 128): ("causal", "intervals"),
+    (torch.float16, 256): ("causal", "intervals"),
+    (torch.float32, 128): ("intervals",),
+}
+TABLE_SOFTCAP = 50.0  # a runtime argument: any value compiles alike
 # Where the step kernels load through tensor descriptors (TMA), a q whose
 # strides TMA cannot take (a head dim of 100 bf16 elements: 200-byte rows) makes
 # the launcher fall back to pointer loads with the pointer tiles.  That fallback
@@ -714,15 +729,17 @@ def step_kernel_cases(capability: int):
     passes; kv heads 16 (MHA: the GQA group size 1 is a compile-time constant)
     and 4 (GQA) on every target: register use differs between them (GQA dk/dv
     at d128 spills on sm_80 with the sm_90 tiles).  Masks full and causal
-    everywhere, intervals for TABLE_INTERVAL_CASES.  On a target whose
+    everywhere, intervals for TABLE_INTERVAL_CASES; the soft-capped scores
+    (SOFTCAP) for TABLE_SOFTCAP_CASES.  On a target whose
     launches take tensor descriptors, TABLE_POINTER_FALLBACK_CASES also with a
     q that TMA cannot take (each row padded by one element), which takes the
     pointer loads.
 
-    A description reads "kernel dtype dN mask MHA|GQA"; where several launches
-    share one, each is followed by the lower-cased names of the boolean
-    compile-time flags it sets and another of them does not (e.g. "first_step"
-    for the forward of a ring's first step), so that every variant has its own.
+    A description reads "kernel dtype dN mask MHA|GQA", followed by "softcap"
+    for the soft-capped scores; where several launches share one, each is
+    followed by the lower-cased names of the boolean compile-time flags it sets
+    and another of them does not (e.g. "first_step" for the forward of a ring's
+    first step), so that every variant has its own.
     """
     from seqpar_kernels.kernels.attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
 
@@ -732,16 +749,19 @@ def step_kernel_cases(capability: int):
     for dtype in TABLE_DTYPES:
         for headdim in TABLE_HEAD_DIMS:
             masks = [MASK_FULL, MASK_CAUSAL] + [MASK_INTERVALS] * ((dtype, headdim) in TABLE_INTERVAL_CASES)
-            for mask_mode in masks:
+            capped = [mode for mode in mask_names if mask_names[mode] in TABLE_SOFTCAP_CASES.get((dtype, headdim), ())]
+            for mask_mode, softcap in [(mode, 0.0) for mode in masks] + [(mode, TABLE_SOFTCAP) for mode in capped]:
                 layouts = [headdim] + [headdim + 1] * (
                     mask_mode != MASK_INTERVALS
+                    and not softcap
                     and (dtype, headdim) in TABLE_POINTER_FALLBACK_CASES
                     and uses_tensor_descriptors(dtype, headdim, target)
                 )
                 for kv_heads, q_row in itertools.product((TABLE_HEADS, 4), layouts):
                     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, q_row, dtype=dtype, device="meta")[..., :headdim]
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
-                    for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), mask_mode, target):
+                    v = torch.empty_like(k)
+                    for launch, args in cuda_kernel_calls(q, k, v, mask_mode, target, softcap=softcap):
                         key = (
                             launch.kernel.__name__,
                             repr(_specialize(launch, args)),
@@ -754,7 +774,7 @@ def step_kernel_cases(capability: int):
                         description = (
                             f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
                             f"d{headdim} {mask_names[mask_mode]} "
-                            f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}"
+                            f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}" + " softcap" * bool(softcap)
                         )
                         cases.append((description, launch, args))
     alike: dict[str, list[dict]] = {}
@@ -966,13 +986,14 @@ def compile_table(
     return rows
 
 
-def recompile(capability: int, prefixes) -> list[dict]:
+def recompile(capability: int, prefixes, without=()) -> list[dict]:
     """The rows of the step kernel cases of ``capability`` whose descriptions
-    start with one of ``prefixes``, compiled now whatever a record holds (with
-    their compile_key): a record's rows can be checked against them."""
+    start with one of ``prefixes`` and hold none of the words ``without`` (e.g.
+    "softcap"), compiled now whatever a record holds (with their compile_key):
+    a record's rows can be checked against them."""
     rows = []
     for description, launch, args in step_kernel_cases(capability):
-        if description.startswith(tuple(prefixes)):
+        if description.startswith(tuple(prefixes)) and not set(without) & set(description.split()):
             rows.append(
                 dict(
                     compile_for_gpu(launch, args, capability).__dict__,

@@ -36,23 +36,28 @@ the others carry no trace of it):
 
     neither    every query row attends every key of the block (full)
     CAUSAL     the diagonal block (seqlen_q == seqlen_k): row i attends keys j <= i
-    INTERVALS  packed documents: row i attends exactly the keys
-               ``row_start[i] <= j < row_end[i]``, and key j is attended by
-               exactly the rows ``col_start[j] <= i < col_end[j]``
+    INTERVALS  packed documents, sliding windows, chunks: row i attends
+               exactly the keys ``row_start[i] <= j < row_end[i]``, and key j
+               is attended by exactly the rows ``col_start[j] <= i < col_end[j]``
 
 INTERVALS is how packed variable-length sequences look from one ring step: q
 rows and keys are each sorted by global position, so the keys one row may see
 (its own document, causal or not) are one contiguous index range of the block,
-and so are the rows that see one key.  ``row_start``/``row_end`` are int32
-(seqlen_q,), ``col_start``/``col_end`` int32 (seqlen_k,), shared by every batch
-entry and head; the two describe the same mask and the caller keeps them
-consistent.  An interval with end <= start is empty.  The forward and the dq
+and so are the rows that see one key.  A sliding window (the keys within a
+distance of the row's position) and chunked attention (the keys of the row's
+chunk, up to its own position) are one interval per row as well.
+``row_start``/``row_end`` are int32 (seqlen_q,), ``col_start``/``col_end``
+int32 (seqlen_k,), shared by every batch entry and head; the two describe the
+same mask and the caller keeps them consistent.  An interval with end <= start is empty.  The forward and the dq
 kernel read the row intervals: a q tile sweeps only the k tiles of
 ``[min row_start, max row_end)`` over its rows with a non-empty interval (none:
 it does nothing).  A k tile of the dk/dv kernel loops over the q rows of
 ``[min col_start, max col_end)`` over its keys' non-empty intervals and masks
 with the same column intervals.  Keys (q rows for dk/dv) outside that range
-are never read, so they may hold anything.
+are never read, so they may hold anything.  With SPLIT_SWEEP the forward and
+dq send the whole k tiles of that range which every row of the q tile sees
+through an unmasked sweep between two masked ones (``_seen_by_every_row``):
+most tiles of a long window or document.
 
 Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 ``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
@@ -61,11 +66,22 @@ Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
 never repeated in memory).  ``lse`` and ``delta`` are (batch, nheads,
 seqlen_q).  Every tensor may have arbitrary strides: the kernels take strides.
 
+Soft-capped scores (SOFTCAP, compile-time, with any mask mode): the score of
+row i and key j is ``softcap * tanh(softmax_scale * q_i . k_j / softcap)``
+(Gemma 2, Grok; flash-attention's ``softcap``) before the mask and the softmax,
+and the backward takes its derivative, ``softmax_scale * (1 - tanh^2)`` per
+score, recomputed from ``q . k`` in the dq and the dk/dv kernels
+(``_softcapped``).  The cap's two runtime arguments, ``softcap_qk`` and
+``softcap_log2e``, are None without SOFTCAP: compile-time constants, not
+kernel parameters, so the kernels without the cap compile exactly as they
+would without the feature.
+
 Compile-time switches of the launches (attention_step_tiles.py):
 
     SPLIT_SWEEP         the tiles every row (forward, dq) or every key (dk/dv)
-                        sees go through a loop without a causal or key mask,
-                        the diagonal and partial ones through a masked loop
+                        sees go through a loop without a causal, interval or
+                        key mask, the diagonal, edge and partial ones through
+                        masked loops (dk/dv: not with INTERVALS)
     TENSOR_DESCRIPTORS  q, k, v and dout come through tensor descriptors (TMA
                         on sm_90), built per program over one (batch, head):
                         rows past the block and columns past the head dim load
@@ -84,9 +100,11 @@ to base 2 (``log2(e)`` folded into the scale, ``qk_scale``) so the kernels use
 ``exp2``, and the scale goes into the exponent: ``exp2(qk * qk_scale - m)`` is
 one FFMA per score (the forward's running max ``m`` is kept in those scaled
 units; its unmasked sweep needs ``qk_scale >= 0``, which the launcher
-ensures).  ``lse`` is stored in natural-log units, the convention of
-flash-attention.  The head dim is a compile-time constant (``HEAD_DIM``), so
-the head-dim masks vanish when it is a power of two.
+ensures).  With SOFTCAP the capped score is taken to base 2 the same way
+(``softcap * log2(e) * tanh``) and the running max is of it.  ``lse`` is
+stored in natural-log units, the convention of flash-attention.  The head
+dim is a compile-time constant (``HEAD_DIM``), so the head-dim masks vanish
+when it is a power of two.
 Rows that see no valid key are never written by the forward after the first
 step (they stay exactly as they were), and rows whose final ``lse`` is ``-inf``
 get zero gradient.
@@ -124,6 +142,44 @@ def _load_intervals(Start, End, offs, mask, length):
     lo = tl.maximum(tl.min(tl.where(nonempty, start, length), 0), 0)
     hi = tl.minimum(tl.max(tl.where(nonempty, end, 0), 0), length)
     return start, end, lo, hi
+
+
+@triton.jit
+def _seen_by_every_row(start, end, mask, lo, hi, BLOCK: tl.constexpr):
+    # [mid_lo, mid_hi): the whole tiles of the sweep over [lo, hi) (tiles of
+    # BLOCK counted from lo) whose every index each of the rows ``mask`` sees,
+    # i.e. inside [max start, min end) over those rows.  Both are lo plus a
+    # multiple of BLOCK and lo <= mid_lo <= mid_hi; mid_lo == mid_hi when no
+    # tile is seen by every row (a row with an empty interval: its start >=
+    # its end).  The sweep then goes masked over [lo, mid_lo) and [mid_hi, hi)
+    # and unmasked over [mid_lo, mid_hi): a sliding window or a long document
+    # puts most of its tiles there.  mid_lo stays within the tile that holds
+    # hi, so the first masked sweep never runs past the others' end.
+    tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK)
+    every_lo = tl.max(tl.where(mask, start, lo), 0)
+    every_hi = tl.minimum(tl.min(tl.where(mask, end, hi), 0), hi)
+    first = tl.minimum(tl.cdiv(tl.maximum(every_lo - lo, 0), BLOCK), tiles)
+    last = tl.maximum(every_hi - lo, 0) // BLOCK
+    return lo + first * BLOCK, lo + tl.maximum(first, last) * BLOCK
+
+
+@triton.jit
+def _softcapped(qk, softcap_qk, softcap_log2e):
+    # The soft-capped score in base-2 units, softcap * tanh(x) * log2(e) with
+    # x = softmax_scale * qk / softcap, and r = 1 / (1 + exp(2x)), from which
+    # tanh(x) = 1 - 2r and its derivative 1 - tanh(x)^2 = 4r(1 - r) follow.
+    # softcap_qk = 2 * log2(e) * softmax_scale / softcap, softcap_log2e =
+    # softcap * log2(e).  exp2 and rsqrt rather than a tanh: the interpreter
+    # and every Triton release have them, and r gives the backward's
+    # derivative without cancellation near tanh = +-1.  r as rsqrt(x)^2: one
+    # MUFU.RSQ and a multiply, where 1 / x is div.full.f32 (MUFU.RCP and four
+    # instructions of range handling; 1075 against 885 SASS instructions per
+    # iteration of the sm_90 bf16 d128 forward).  tanh is exact to a few fp32
+    # ulps of 1 everywhere; exp2 overflowing to inf gives r = 0, tanh = 1, as
+    # it should.
+    root = tl.math.rsqrt(1.0 + tl.exp2(qk * softcap_qk))
+    r = root * root
+    return softcap_log2e - (2.0 * softcap_log2e) * r, r
 
 
 @triton.jit
@@ -173,9 +229,12 @@ def _attention_fwd_sweep(
     row_start,
     row_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -187,9 +246,10 @@ def _attention_fwd_sweep(
     # attended.  MASKED=False: every key of every tile is valid for every row,
     # so no key mask and no causal or interval test.  row_start/row_end: the
     # rows' key intervals (INTERVALS only).  The running max m_i is in scaled
-    # base-2 units (of qk * qk_scale).  TENSOR_DESCRIPTORS: K and V come
-    # through k_desc/v_desc (TMA), whose rows end at seqlen_k and columns at
-    # the head dim: what lies past either loads as 0, no mask needed.
+    # base-2 units (of qk * qk_scale, or of the soft-capped score with
+    # SOFTCAP: _softcapped).  TENSOR_DESCRIPTORS: K and V come through
+    # k_desc/v_desc (TMA), whose rows end at seqlen_k and columns at the head
+    # dim: what lies past either loads as 0, no mask needed.
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             cols = start_n + offs_n
@@ -207,13 +267,23 @@ def _attention_fwd_sweep(
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             if INTERVALS:
                 valid = valid & (cols[None, :] >= row_start[:, None]) & (cols[None, :] < row_end[:, None])
-            s = tl.where(valid, qk * qk_scale, float("-inf"))
+            if SOFTCAP:
+                s, _ = _softcapped(qk, softcap_qk, softcap_log2e)
+            else:
+                s = qk * qk_scale
+            s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no valid key so far has m_new == -inf; subtracting it
             # would give (-inf) - (-inf) = NaN.  Use 0 instead: every exp2
             # below then sees -inf and yields exactly 0.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
+        elif SOFTCAP:
+            # Every row has a valid key here: m_new is finite (|s| <= softcap).
+            s, _ = _softcapped(qk, softcap_qk, softcap_log2e)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+            p = tl.exp2(s - m_new[:, None])
         else:
             # Every row has a valid key here, so m_new is finite.  qk_scale >= 0
             # (the launcher turns a negative scale into a negated q), and x * c
@@ -276,8 +346,11 @@ def attention_step_fwd_kernel(
     seqlen_k,
     kv_group,
     qk_scale,  # softmax_scale * log2(e)
+    softcap_qk,  # with SOFTCAP 2 * log2(e) * softmax_scale / softcap, otherwise None
+    softcap_log2e,  # with SOFTCAP softcap * log2(e), otherwise None
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -327,9 +400,9 @@ def attention_step_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if INTERVALS:
-        # Packed documents: only the hull [lo, hi) of the rows' key intervals,
-        # all of it masked (no k tile is known to be seen by every row).  The
-        # keys end at hi: the last tile neither reads nor attends keys past it.
+        # Packed documents, windows, chunks: only the hull [lo, hi) of the rows'
+        # key intervals.  The keys end at hi: the last tile neither reads nor
+        # attends keys past it.
         row_start, row_end, lo, hi = _load_intervals(RowStart, RowEnd, offs_m, mask_m, seqlen_k)
         key_end = hi
     else:
@@ -360,14 +433,53 @@ def attention_step_fwd_kernel(
         )
     else:
         k_desc, v_desc = None, None
+    # SPLIT_SWEEP, as in the Triton fused-attention tutorial: the whole k tiles
+    # that every row sees go through a sweep without a key mask or a causal or
+    # interval test, the rest (the diagonal tiles, a partial last tile, the
+    # edges of the intervals) through masked ones.
     if INTERVALS:
         k_ptrs += _offset64(lo, stride_kn)
         v_ptrs += _offset64(lo, stride_vn)
+        if SPLIT_SWEEP:
+            # Masked [lo, unmasked_lo), unmasked [unmasked_lo, unmasked_hi),
+            # masked [unmasked_hi, hi).
+            unmasked_lo, unmasked_hi = _seen_by_every_row(row_start, row_end, mask_m, lo, hi, BLOCK_N)
+            acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_ptrs,
+                v_ptrs,
+                k_desc,
+                v_desc,
+                stride_kn,
+                stride_vn,
+                lo,
+                unmasked_lo,
+                offs_m,
+                offs_n,
+                mask_d,
+                key_end,
+                row_start,
+                row_end,
+                qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                True,
+                False,
+                True,
+                SOFTCAP,
+                BLOCK_N,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
     elif SPLIT_SWEEP:
-        # Two sweeps, as in the Triton fused-attention tutorial: the whole k
-        # tiles that every row sees go without a key mask or a causal test, the
-        # rest (the diagonal tiles, a partial last tile) with them.
-        lo = (all_visible // BLOCK_N) * BLOCK_N
+        unmasked_lo, unmasked_hi = 0, (all_visible // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    if SPLIT_SWEEP:
         acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
             acc,
             l_i,
@@ -379,8 +491,8 @@ def attention_step_fwd_kernel(
             v_desc,
             stride_kn,
             stride_vn,
-            0,
-            lo,
+            unmasked_lo,
+            unmasked_hi,
             offs_m,
             offs_n,
             mask_d,
@@ -388,16 +500,18 @@ def attention_step_fwd_kernel(
             row_start,
             row_end,
             qk_scale,
+            softcap_qk,
+            softcap_log2e,
             False,
             CAUSAL,
             False,
+            SOFTCAP,
             BLOCK_N,
             DOT_PRECISION,
             DOT_UPCAST,
             TENSOR_DESCRIPTORS,
         )
-    else:
-        lo = 0
+        lo = unmasked_hi
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
         acc,
         l_i,
@@ -418,9 +532,12 @@ def attention_step_fwd_kernel(
         row_start,
         row_end,
         qk_scale,
+        softcap_qk,
+        softcap_log2e,
         True,
         CAUSAL,
         INTERVALS,
+        SOFTCAP,
         BLOCK_N,
         DOT_PRECISION,
         DOT_UPCAST,
@@ -547,9 +664,12 @@ def _attention_dq_sweep(
     row_start,
     row_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -576,7 +696,13 @@ def _attention_dq_sweep(
             kt = tl.load(kt_ptrs, mask=mask_d[:, None], other=0.0)
         qk = _dot(q, kt, None, DOT_PRECISION, DOT_UPCAST)
         # Recompute P from the final lse (base 2, scale folded into the exponent).
-        p = tl.exp2(qk * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            # dS/d(softmax_scale * qk) = 1 - tanh^2 = 4r(1 - r) goes into p
+            # at once: p is read by ds only, and so one tile stays live.
+            s, r = _softcapped(qk, softcap_qk, softcap_log2e)
+            p = tl.exp2(s - lse2[:, None]) * (4.0 * r * (1.0 - r))
+        else:
+            p = tl.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             valid = mask_n[None, :]
             if CAUSAL:
@@ -647,8 +773,11 @@ def attention_step_bwd_dq_kernel(
     kv_group,
     softmax_scale,
     qk_scale,
+    softcap_qk,  # with SOFTCAP as in the forward, otherwise None
+    softcap_log2e,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -741,13 +870,13 @@ def attention_step_bwd_dq_kernel(
         )
     else:
         k_desc, v_desc = None, None
-    if not INTERVALS:
+    # The whole k tiles every row sees without a mask, the diagonal tiles, a
+    # partial last tile and the edges of the intervals with it (as in the
+    # forward).  A key past seqlen_k is not harmless here even though its K and
+    # V load as 0: p = exp2(-lse) may overflow for rows of very negative lse.
+    if INTERVALS:
         if SPLIT_SWEEP:
-            # The whole k tiles every row sees without a mask, the diagonal
-            # tiles and a partial last tile with it (as in the forward).  A key
-            # past seqlen_k is not harmless here even though its K and V load
-            # as 0: p = exp2(-lse) may overflow for rows of very negative lse.
-            lo = (all_visible // BLOCK_N) * BLOCK_N
+            unmasked_lo, unmasked_hi = _seen_by_every_row(row_start, row_end, mask_m, lo, hi, BLOCK_N)
             dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
                 dq,
                 q,
@@ -761,8 +890,8 @@ def attention_step_bwd_dq_kernel(
                 v_desc,
                 stride_kn,
                 stride_vn,
-                0,
                 lo,
+                unmasked_lo,
                 offs_m,
                 offs_n,
                 mask_d,
@@ -770,16 +899,56 @@ def attention_step_bwd_dq_kernel(
                 row_start,
                 row_end,
                 qk_scale,
+                softcap_qk,
+                softcap_log2e,
+                True,
                 False,
-                CAUSAL,
-                False,
+                True,
+                SOFTCAP,
                 BLOCK_N,
                 DOT_PRECISION,
                 DOT_UPCAST,
                 TENSOR_DESCRIPTORS,
             )
-        else:
-            lo = 0
+    elif SPLIT_SWEEP:
+        unmasked_lo, unmasked_hi = 0, (all_visible // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    if SPLIT_SWEEP:
+        dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            kt_ptrs,
+            k_ptrs,
+            vt_ptrs,
+            k_desc,
+            v_desc,
+            stride_kn,
+            stride_vn,
+            unmasked_lo,
+            unmasked_hi,
+            offs_m,
+            offs_n,
+            mask_d,
+            key_end,
+            row_start,
+            row_end,
+            qk_scale,
+            softcap_qk,
+            softcap_log2e,
+            False,
+            CAUSAL,
+            False,
+            SOFTCAP,
+            BLOCK_N,
+            DOT_PRECISION,
+            DOT_UPCAST,
+            TENSOR_DESCRIPTORS,
+        )
+        lo = unmasked_hi
     dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
         dq,
         q,
@@ -802,9 +971,12 @@ def attention_step_bwd_dq_kernel(
         row_start,
         row_end,
         qk_scale,
+        softcap_qk,
+        softcap_log2e,
         True,
         CAUSAL,
         INTERVALS,
+        SOFTCAP,
         BLOCK_N,
         DOT_PRECISION,
         DOT_UPCAST,
@@ -850,9 +1022,12 @@ def _attention_dkdv_sweep(
     col_start,
     col_end,
     qk_scale,
+    softcap_qk,
+    softcap_log2e,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -893,13 +1068,20 @@ def _attention_dkdv_sweep(
 
         # Transposed scores (keys x queries) so dk/dv come out row-major.
         st = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
-        pt = tl.exp2(st * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            st, rt = _softcapped(st, softcap_qk, softcap_log2e)
+            pt = tl.exp2(st - lse2[None, :])
+        else:
+            pt = tl.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
             if CAUSAL:
                 pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
             if INTERVALS:
                 pt = tl.where((rows[None, :] >= col_start[:, None]) & (rows[None, :] < col_end[:, None]), pt, 0.0)
         dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
+        if SOFTCAP:
+            # The derivative of the cap, 1 - tanh^2 = 4r(1 - r) (see the dq sweep).
+            pt = pt * (4.0 * rt * (1.0 - rt))
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)
         dst = pt * (dpt - delta[None, :])
         dk = _dot(dst.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
@@ -954,8 +1136,11 @@ def attention_step_bwd_dkdv_kernel(
     heads_per_program,  # q heads of the group one program sweeps: kv_group unless SPLIT_HEADS
     softmax_scale,
     qk_scale,
+    softcap_qk,  # with SOFTCAP as in the forward, otherwise None
+    softcap_log2e,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1083,9 +1268,12 @@ def attention_step_bwd_dkdv_kernel(
                 col_start,
                 col_end,
                 qk_scale,
+                softcap_qk,
+                softcap_log2e,
                 True,
                 CAUSAL,
                 INTERVALS,
+                SOFTCAP,
                 BLOCK_M,
                 DOT_PRECISION,
                 DOT_UPCAST,
@@ -1121,9 +1309,12 @@ def attention_step_bwd_dkdv_kernel(
                     col_start,
                     col_end,
                     qk_scale,
+                    softcap_qk,
+                    softcap_log2e,
                     False,
                     CAUSAL,
                     False,
+                    SOFTCAP,
                     BLOCK_M,
                     DOT_PRECISION,
                     DOT_UPCAST,

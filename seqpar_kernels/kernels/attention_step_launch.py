@@ -43,9 +43,18 @@ Without causality row_end would be 5 for the first document's queries and
 col_start 0 for its keys.  A q tile sweeps only the keys from the smallest
 row_start to the largest row_end of its rows (and a k tile of dk/dv only the
 queries its column intervals span), so a step with short documents costs far
-less than seqlen_q x seqlen_k.
+less than seqlen_q x seqlen_k.  Sliding windows and chunked attention are
+intervals too (query i: the keys of its window or of its chunk): the forward
+and dq kernels sweep the k tiles that every row of a q tile sees without a
+mask.
+
+Every launcher takes ``softcap=0.0``: above 0 each score is
+``softcap * tanh(softmax_scale * q.k / softcap)`` before the mask and the
+softmax (Gemma 2, Grok), forward and backward alike; 0 launches the kernels
+without the cap.
 """
 
+import math
 import os
 
 import torch
@@ -147,9 +156,29 @@ def _interval_args(intervals):
     return tuple(intervals) if intervals is not None else (None,) * 4
 
 
-def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=False, target, interpreted):
+def _softcap_args(scale, softcap):
+    """(softcap_qk, softcap_log2e): the kernels' runtime arguments of the soft
+    cap ``softcap`` > 0 with ``scale`` (attention_step_kernels._softcapped),
+    (None, None) without one: None is a compile-time constant, not a kernel
+    parameter, so the kernels without the cap keep exactly their parameters."""
+    if not softcap:
+        return None, None
+    return 2 * LOG2E * scale / softcap, softcap * LOG2E
+
+
+def _check_softcap(softcap, scale):
+    # 0 turns the cap off.  A negative, infinite or NaN cap, or one so small
+    # that scale / softcap leaves fp32 (the kernels' tanh would see inf * 0),
+    # is the caller's error; the public functions raise ValueError before.
+    assert softcap == 0 or (
+        0 < softcap < math.inf and abs(2 * LOG2E * scale / softcap) < torch.finfo(torch.float32).max
+    ), f"softcap must be 0 (off) or a finite positive float with a finite softmax_scale / softcap, got {softcap}"
+
+
+def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=False, softcap=0.0, target, interpreted):
     """(KernelLaunch, grid, positional arguments) of the forward step kernel;
-    ``intervals``: the 4-tuple of MASK_INTERVALS, else None."""
+    ``intervals``: the 4-tuple of MASK_INTERVALS, else None; ``softcap``: the
+    soft cap of the scores, 0 for none."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     launch = forward_launch(
@@ -158,6 +187,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
         causal,
         intervals=intervals is not None,
         first_step=first_step,
+        softcap=bool(softcap),
         tensor_descriptors=_tensor_descriptors(target, q, k, v),
         target=target,
         interpreted=interpreted,
@@ -181,6 +211,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
         seqlen_k,
         nheads // nheads_kv,
         scale * LOG2E,
+        *_softcap_args(scale, softcap),
     )
     return launch, grid, args
 
@@ -195,11 +226,26 @@ def _backward_preprocess_call(out, dout, delta, *, target):
 
 
 def _backward_call(
-    kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, split_heads=None, target, interpreted
+    kernel,
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    grads,
+    scale,
+    causal,
+    intervals,
+    *,
+    softcap=0.0,
+    split_heads=None,
+    target,
+    interpreted,
 ):
     """(KernelLaunch, grid, positional arguments) of one backward step kernel:
     ``kernel`` "dq" (``grads`` = (dq,)) or "dkdv" (``grads`` = (dk, dv));
-    ``intervals`` as in _forward_call.  dq reads the row intervals, dk/dv the
+    ``intervals`` and ``softcap`` as in _forward_call.  dq reads the row intervals, dk/dv the
     column intervals.  ``split_heads`` (dk/dv): split each GQA group's q heads
     over grid axis 1 (SPLIT_HEADS); None decides by whether the grid fills the
     GPU (attention_step_tiles.dkdv_head_splits)."""
@@ -210,13 +256,21 @@ def _backward_call(
         headdim,
         causal,
         intervals=intervals is not None,
+        softcap=bool(softcap),
         tensor_descriptors=_tensor_descriptors(target, q, k, v, dout),
         target=target,
         interpreted=interpreted,
     )
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * LOG2E)
+    sizes_and_scales = (
+        seqlen_q,
+        seqlen_k,
+        nheads // nheads_kv,
+        scale,
+        scale * LOG2E,
+        *_softcap_args(scale, softcap),
+    )
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     if kernel == "dq":
         grid = (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch)
@@ -264,22 +318,22 @@ def _backward_call(
     )
 
 
-def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
-    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
+def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, **options):
+    """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels;
+    ``options``: the keywords of _backward_call."""
     return [
-        _backward_call(
-            kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, target=target, interpreted=interpreted
-        )
+        _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, **options)
         for kernel, grads in (("dq", (dq,)), ("dkdv", (dk, dv)))
     ]
 
 
-def cuda_kernel_calls(q, k, v, mask_mode, target):
+def cuda_kernel_calls(q, k, v, mask_mode, target, *, softcap=0.0):
     """Every kernel launch that one forward and one backward ring step with
-    ``mask_mode`` run (the forward of the first step and of a later one;
-    with GQA also the dk/dv launch that splits the group's q heads, which a
-    grid too small for the GPU takes) on CUDA tensors shaped and strided like ``q``, ``k``, ``v``
-    (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
+    ``mask_mode`` and ``softcap`` (the scores' soft cap, 0 for none) run (the
+    forward of the first step and of a later one; with GQA also the dk/dv
+    launch that splits the group's q heads, which a grid too small for the GPU
+    takes) on CUDA tensors shaped and strided like ``q``, ``k``, ``v`` (which
+    may live on the meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
     dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
     as the ring allocates them.  tools/ahead_of_time.py compiles these for GPU
@@ -299,35 +353,19 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
     dq = torch.empty_like(out)
     dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
     scale = q.shape[-1] ** -0.5
+    options = dict(softcap=softcap, target=target, interpreted=False)
     calls = [
         *(
-            _forward_call(
-                q, k, v, out, lse, scale, causal, intervals, first_step=first_step, target=target, interpreted=False
-            )
+            _forward_call(q, k, v, out, lse, scale, causal, intervals, first_step=first_step, **options)
             for first_step in (True, False)
         ),
         _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
-        *_backward_calls(
-            q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, target=target, interpreted=False
-        ),
+        *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, **options),
     ]
     if nheads > k.shape[2]:
         calls.append(
             _backward_call(
-                "dkdv",
-                q,
-                k,
-                v,
-                dout,
-                lse,
-                delta,
-                (dk, dv),
-                scale,
-                causal,
-                intervals,
-                split_heads=True,
-                target=target,
-                interpreted=False,
+                "dkdv", q, k, v, dout, lse, delta, (dk, dv), scale, causal, intervals, split_heads=True, **options
             )
         )
     return [(launch, args) for launch, _grid, args in calls]
@@ -364,7 +402,9 @@ def _is_causal(q, k, mask_mode, intervals):
 # ----------------------------------------------------------------------------
 
 
-def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, intervals=None, first_step=False):
+def attention_step_forward(
+    q, k, v, out, lse, *, softmax_scale, mask_mode, intervals=None, first_step=False, softcap=0.0
+):
     """Fold one K/V block into the running attention result, in place.
 
     Args:
@@ -391,6 +431,11 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
             (torch.empty), and every row is written: this block's attention
             and log-sum-exp, or out = 0 and lse = -inf for a row that sees no
             key of the block.
+        softcap: 0 (no cap), or the soft cap of the scores as in Gemma 2
+            and flash-attention: the score of query i and key j is
+            softcap * tanh(softmax_scale * q_i . k_j / softcap) before the
+            softmax (and lse is that of the capped scores).  Pass the same
+            value to every step and to the backward.
 
     Any tensor but the intervals may be non-contiguous.  After the first step,
     rows that see no key of this block are left untouched.  With
@@ -399,6 +444,7 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
     included.  Returns (out, lse), the same tensors.
     """
     causal = _is_causal(q, k, mask_mode, intervals)
+    _check_softcap(softcap, softmax_scale)
     batch, seqlen_q, nheads, _ = q.shape
     if batch == 0 or nheads == 0 or seqlen_q == 0:
         return out, lse
@@ -427,6 +473,7 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
         causal,
         intervals,
         first_step=first_step,
+        softcap=softcap,
         target=cuda_target(q),
         interpreted=_runs_in_interpreter(q),
     )
@@ -456,7 +503,9 @@ def attention_backward_preprocess(out, dout):
     return delta
 
 
-def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode, intervals=None):
+def attention_step_backward(
+    q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode, intervals=None, softcap=0.0
+):
     """Add one K/V block's gradients to dq, dk, dv, in place (+=): the dq kernel
     (attention_step_backward_dq), then the dk/dv kernel
     (attention_step_backward_dkdv).
@@ -473,8 +522,10 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
             attention_backward_preprocess; None computes it here.
         dq: float32 (batch, seqlen_q, nheads, headdim), accumulated in place.
         dk, dv: float32 (batch, seqlen_k, nheads_kv, headdim), accumulated in place.
-        softmax_scale, mask_mode, intervals: as given to attention_step_forward
-            for this block.  dq reads the row intervals, dk/dv the column
+        softmax_scale, mask_mode, intervals, softcap: as given to
+            attention_step_forward for this block (with softcap the gradient
+            of a score goes through the cap: d score / d(q_i . k_j) =
+            softmax_scale * (1 - tanh^2)).  dq reads the row intervals, dk/dv the column
             intervals; dk/dv never read the q, dout, lse and delta rows outside
             [min col_start, max col_end) over the non-empty intervals.
 
@@ -493,19 +544,18 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
     (dq, dk, dv), the same tensors.
     """
     _is_causal(q, k, mask_mode, intervals)
+    _check_softcap(softcap, softmax_scale)
     if delta is None:
         delta = attention_backward_preprocess(out, dout)
-    attention_step_backward_dq(
-        q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale, mask_mode=mask_mode, intervals=intervals
-    )
-    attention_step_backward_dkdv(
-        q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale, mask_mode=mask_mode, intervals=intervals
-    )
+    options = dict(softmax_scale=softmax_scale, mask_mode=mask_mode, intervals=intervals, softcap=softcap)
+    attention_step_backward_dq(q, k, v, dout, lse, delta, dq, **options)
+    attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, **options)
     return dq, dk, dv
 
 
-def _launch_backward(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, mask_mode, intervals):
+def _launch_backward(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, mask_mode, intervals, softcap):
     causal = _is_causal(q, k, mask_mode, intervals)
+    _check_softcap(softcap, softmax_scale)
     batch, seqlen_q, nheads, _ = q.shape
     if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
         return  # an empty block adds nothing
@@ -521,13 +571,14 @@ def _launch_backward(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, ma
         softmax_scale,
         causal,
         intervals,
+        softcap=softcap,
         target=cuda_target(q),
         interpreted=_runs_in_interpreter(q),
     )
     launch(grid, *args)
 
 
-def attention_step_backward_dq(q, k, v, dout, lse, delta, dq, *, softmax_scale, mask_mode, intervals=None):
+def attention_step_backward_dq(q, k, v, dout, lse, delta, dq, *, softmax_scale, mask_mode, intervals=None, softcap=0.0):
     """Add one K/V block's share of the query gradient to dq, in place (+=).
 
     The arguments are those of attention_step_backward; ``delta`` is required
@@ -536,11 +587,13 @@ def attention_step_backward_dq(q, k, v, dout, lse, delta, dq, *, softmax_scale, 
     while dk/dv of the same step are still elsewhere (e.g. on their way round
     the ring).  Deterministic: each dq element has a single writer.  Returns dq.
     """
-    _launch_backward("dq", q, k, v, dout, lse, delta, (dq,), softmax_scale, mask_mode, intervals)
+    _launch_backward("dq", q, k, v, dout, lse, delta, (dq,), softmax_scale, mask_mode, intervals, softcap)
     return dq
 
 
-def attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale, mask_mode, intervals=None):
+def attention_step_backward_dkdv(
+    q, k, v, dout, lse, delta, dk, dv, *, softmax_scale, mask_mode, intervals=None, softcap=0.0
+):
     """Add one K/V block's key and value gradients to dk and dv, in place (+=).
 
     The arguments are those of attention_step_backward; ``delta`` is required.
@@ -550,5 +603,5 @@ def attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_s
     split over programs that add with atomics (see attention_step_backward).
     Returns (dk, dv).
     """
-    _launch_backward("dkdv", q, k, v, dout, lse, delta, (dk, dv), softmax_scale, mask_mode, intervals)
+    _launch_backward("dkdv", q, k, v, dout, lse, delta, (dk, dv), softmax_scale, mask_mode, intervals, softcap)
     return dk, dv

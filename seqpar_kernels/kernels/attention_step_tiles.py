@@ -230,6 +230,18 @@ _TENSOR_DESCRIPTOR_TILES = {
     "dkdv": {(2, 64): (32, 128, 8, 3), (2, 128): (32, 64, 8, 3)},
 }
 
+# The soft-capped scores (SOFTCAP), applied last: (which launches, given the
+# target and whether the mask is the interval one; {kernel: {key: tiles}}).  The
+# cap costs the backward kernels one more score-sized tile in registers; every
+# other soft-capped launch keeps its tile (docs/tuning.md, "Soft-capped
+# scores").  sm_120's interval dq at d128, (128, 32, 8, 2), spills 3 accesses in
+# its loops with the cap; one stage spills none (255 registers, 8-24 B outside
+# the loops), (64, 32, 4, 2) none either but takes 14% more instructions per
+# score and loads K/V for half the rows.
+_SOFTCAP_TILE_OVERRIDES = (
+    (lambda target, intervals: target.capability >= 120 and intervals, {"dq": {(2, 128): (128, 32, 8, 1)}}),
+)
+
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
 # test sequences.
@@ -265,11 +277,17 @@ def dkdv_head_splits(programs, kv_group, multiprocessors):
 
 
 def all_cuda_tiles():
-    """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
+    """Every tile shape (BLOCK_M, BLOCK_N) a CUDA launch can take, as one of its
+    tiles (tests run each in the interpreter, which ignores warps and stages)."""
     tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
-        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()
+        table
+        for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES + _SOFTCAP_TILE_OVERRIDES
+        for table in overrides.values()
     ]
-    return sorted({tiles for table in tables for tiles in table.values()})
+    shapes = {}
+    for tiles in sorted({tiles for table in tables for tiles in table.values()}):
+        shapes.setdefault(tiles[:2], tiles)
+    return list(shapes.values())
 
 
 # Tiles a benchmark tries in place of the shipped ones (tile_override), by kernel.
@@ -294,10 +312,10 @@ def tile_override(kernel, tiles):
             _TRIED_TILES[kernel] = previous
 
 
-def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False):
+def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False, softcap=False):
     # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors;
     # intervals: the tiles of the interval mask; tensor_descriptors: of the
-    # loads through tensor descriptors.
+    # loads through tensor descriptors; softcap: of the soft-capped scores.
     if target is None:
         return _INTERPRETER_TILES
     if kernel in _TRIED_TILES:
@@ -309,6 +327,10 @@ def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=F
             tiles = overrides[kernel][key]
     if tensor_descriptors and key in _TENSOR_DESCRIPTOR_TILES[kernel]:
         tiles = _TENSOR_DESCRIPTOR_TILES[kernel][key]
+    if softcap:
+        for applies, overrides in _SOFTCAP_TILE_OVERRIDES:
+            if applies(target, intervals) and key in overrides.get(kernel, {}):
+                tiles = overrides[kernel][key]
     return tiles
 
 
@@ -402,12 +424,13 @@ def _dot_upcast(dtype, interpreted):
     return dtype == torch.bfloat16 and interpreted
 
 
-def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, **more_constexprs):
+def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, softcap, interpreted, **more_constexprs):
     assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
     constexprs = dict(
         CAUSAL=bool(causal),
         INTERVALS=bool(intervals),
+        SOFTCAP=bool(softcap),
         HEAD_DIM=headdim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -420,30 +443,40 @@ def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, 
 
 
 def forward_launch(
-    dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target, interpreted
+    dtype,
+    headdim,
+    causal,
+    *,
+    intervals=False,
+    first_step=False,
+    softcap=False,
+    tensor_descriptors=False,
+    target,
+    interpreted,
 ):
     """The KernelLaunch of ``attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
-    documents given as index intervals (MASK_INTERVALS; not with ``causal``);
-    ``first_step``: the kernel that neither reads the running (out, lse) nor
-    leaves a row of it unwritten (FIRST_STEP); ``tensor_descriptors``: loads
-    through tensor descriptors (TENSOR_DESCRIPTORS; see uses_tensor_descriptors).
-    ``target`` (a GpuTarget) picks the GPU tiles; None picks the small tiles
-    used on CPU tensors, which only the interpreter runs.  ``interpreted`` says
-    whether the Triton interpreter runs the kernel.
+    documents, windows or chunks given as index intervals (MASK_INTERVALS; not
+    with ``causal``); ``first_step``: the kernel that neither reads the
+    running (out, lse) nor leaves a row of it unwritten (FIRST_STEP);
+    ``softcap``: the kernel of soft-capped scores (SOFTCAP);
+    ``tensor_descriptors``: loads through tensor descriptors
+    (TENSOR_DESCRIPTORS; see uses_tensor_descriptors).  ``target`` (a
+    GpuTarget) picks the GPU tiles; None picks the small tiles used on CPU
+    tensors, which only the interpreter runs.  ``interpreted`` says whether
+    the Triton interpreter runs the kernel.
     """
-    # The interval mask has no k tile that every row of a q tile is known to
-    # see, so nothing to split off: its kernel sweeps once, masked.
     return _step_launch(
         attention_step_fwd_kernel,
-        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
+        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors, softcap),
         dtype,
         headdim,
         causal,
         intervals,
+        softcap,
         interpreted,
-        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals,
+        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP,
         FIRST_STEP=bool(first_step),
         TENSOR_DESCRIPTORS=bool(tensor_descriptors),
     )
@@ -462,37 +495,46 @@ def backward_preprocess_launch(headdim, *, target):
     )
 
 
-def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descriptors=False, target, interpreted):
+def backward_launches(
+    dtype, headdim, causal, *, intervals=False, softcap=False, tensor_descriptors=False, target, interpreted
+):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
-    ``causal``, ``intervals``, ``tensor_descriptors``, ``target`` and
-    ``interpreted`` as in forward_launch."""
+    ``causal``, ``intervals``, ``softcap``, ``tensor_descriptors``, ``target``
+    and ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
         _step_launch(
             attention_step_bwd_dq_kernel,
-            _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
+            _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors, softcap),
             dtype,
             headdim,
             causal,
             intervals,
+            softcap,
             interpreted,
-            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS,
             TENSOR_DESCRIPTORS=bool(tensor_descriptors),
         ),
         # fp32 dk/dv sweeps once, masked: its 16-row tiles save little from
         # the split, and with the split's second loop the fp32 tiles spill in
         # a loop on some target at every head dim (causal GQA d64: 2 accesses
         # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
-        # with (16, 32, 4, 2): 94 on sm_86).
+        # with (16, 32, 4, 2): 94 on sm_86).  The interval mask sweeps once,
+        # masked, in dk/dv: split in three (masked, unmasked, masked) its GQA
+        # kernel spills in the loops at bf16 d128 (sm_90 through descriptors,
+        # (32, 64, 8, 3): 4 accesses, 2 with softcap; the masked edges in one
+        # loop, 2 and 12; sm_100, (16, 64, 8, 2): 25), for 12-16% fewer
+        # instructions per iteration where it does not.
         _step_launch(
             attention_step_bwd_dkdv_kernel,
-            _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
+            _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors, softcap),
             dtype,
             headdim,
             causal,
             intervals,
+            softcap,
             interpreted,
-            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and dtype.itemsize == 2 and not intervals,
             TENSOR_DESCRIPTORS=bool(tensor_descriptors),
             SPLIT_HEADS=False,
         ),

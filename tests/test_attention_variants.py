@@ -185,14 +185,17 @@ def test_low_precision_within_twice_plain_torch_error(dtype):
 
 
 @runs_triton_on("cpu")
-def test_triton_step_kernels_take_windows_and_chunks():
+def test_triton_step_kernels_take_every_variant():
     # The GPU path's kernels in the interpreter: windows and chunks reach them as per-row
-    # key intervals, on a ring that stops where the window ends.
+    # key intervals, on a ring that stops where the window ends; softcap inside the kernels,
+    # sinks at the merge.
     from conftest import pool_for
 
     cases = [
         case("triton-window", "ring", window=(3, -1), per_rank=6, step_kernels="triton"),
         case("triton-chunks-docs", "ring", chunk=4, documents=(0.5,), step_kernels="triton", H=2, H_kv=1),
+        case("triton-softcap-sinks", "ring", softcap=1.5, sinks=True, step_kernels="triton", H=2, H_kv=1),
+        case("triton-cap-zigzag", "ring", softcap=2.0, window=(4, 0), layout="zigzag", step_kernels="triton"),
     ]
     failures = [failure for per_rank in pool_for(2).run(run_cases, cases, torch.float32) for failure in per_rank]
     assert not failures, "\n".join(failures)

@@ -331,8 +331,8 @@ def _positions(runs: Sequence[Run], bounds: Sequence[int]) -> tuple[torch.Tensor
 class StepMask:
     """Which query rows attend which key rows in one step (the module docstring).
     uses_intervals: the step kernels that take per-row intervals run the step in one
-    launch with them (packed documents, windows, chunks); otherwise each pair is a
-    FULL or CAUSAL call."""
+    launch with them (packed documents, windows, chunks: any step of more than one
+    pair); otherwise its one pair is a FULL or CAUSAL call."""
 
     pairs: tuple[BlockPair, ...]
     q_runs: tuple[Run, ...]
@@ -401,7 +401,10 @@ class StepMasks:
         key = (q_slot, k_slot)
         if key not in self._steps:
             pairs = self.mask.block_pairs(self.runs[q_slot], self.runs[k_slot], q_slot == k_slot, self.bounds)
-            uses_intervals = self.mask.has_documents or any(pair.partial for pair in pairs)
+            # One interval launch wherever the step is more than one FULL or CAUSAL call (the
+            # CPU calls may join several pairs into one masked rectangle, which the interval
+            # kernels do not take).
+            uses_intervals = self.mask.has_documents or len(pairs) > 1 or any(pair.partial for pair in pairs)
             self._steps[key] = StepMask(
                 pairs, self.runs[q_slot], self.runs[k_slot], self.mask, self.bounds, uses_intervals
             ) if pairs else None  # fmt: skip

@@ -170,7 +170,7 @@ class TritonSteps:
     def forward(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
         kernels = self._kernels()
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        options = dict(softmax_scale=scale, mask_mode=mode, first_step=first_step, **_cap(softcap))
+        options = dict(softmax_scale=scale, mask_mode=mode, first_step=first_step, softcap=softcap)
         kernels.attention_step_forward(q, k, v, out, lse, **options)
 
     def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows, softcap=0.0):
@@ -178,7 +178,7 @@ class TritonSteps:
 
     def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False, softcap=0.0):
         kernels = self._kernels()
-        options = dict(softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, first_step=first_step, **_cap(softcap))
+        options = dict(softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, first_step=first_step, softcap=softcap)
         kernels.attention_step_forward(q, k, v, out, lse, intervals=intervals, **options)
 
     def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal, softcap=0.0):
@@ -197,14 +197,9 @@ class TritonSteps:
         # The dq kernel first, then the dk/dv kernel into grad_kv()'s (dk, dv), asked for
         # only once dq is launched.
         kernels = self._kernels()
-        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, **_cap(softcap))
+        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, softcap=softcap)
         kernels.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, **options)
         kernels.attention_step_backward_dkdv(q, k, v, dout, lse, delta, *grad_kv(), **options)
-
-
-def _cap(softcap: float) -> dict:
-    # Only when capping: a launch without a cap is the kernels' plain variant.
-    return {"softcap": softcap} if softcap > 0 else {}
 
 
 MATH_BLOCKS = MathBlocks()

@@ -29,6 +29,7 @@ from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ra
 from bench.baselines import heads_to_front, repeat_kv_heads
 from bench.cases import run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, gbps, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
@@ -74,6 +75,14 @@ def cases(ctx: Context) -> list[KernelCase]:
         KernelCase(1, 2048, 16, 2, 128, bf16),
         KernelCase(1, 2048, 16, 16, 64, torch.float32),
     ]
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("2 tiny cases", 3),
+    default=Size("pack and unpack of 4 q/k/v layouts at S_l = 2048, H = 16 (MHA, GQA, fp32)", 10,
+                 gpu_runs="3 layouts at S_l = 8K to 16K, H = 32, D = 128"),
+    full=Size("the default's cases", 10, gpu_runs="the default's cases"),
+)
 
 
 def destinations_for(ctx: Context) -> int:

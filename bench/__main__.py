@@ -2,7 +2,7 @@
 
     python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL:
                                          every family at representative sizes (minutes)
-    python -m bench --full               the largest sizes (about 25 minutes on 2 cores)
+    python -m bench --full               the largest sizes (about 27 minutes on 2 cores)
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
     python -m bench --plan [--full]      what a run would do and about how long it takes
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring

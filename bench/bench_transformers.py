@@ -168,7 +168,7 @@ def cases(ctx: Context) -> list[TransformersCase]:
 SIZES = Sizes(
     quick=Size("a tiny Llama, 64 tokens", 8),
     default=Size(f"Llama of 19.2M parameters, {' and '.join(map(str, DEFAULT_TOKENS))} packed tokens, "
-                 "3 modes against one process", 110),
+                 "3 modes against one process", 120),
     full=Size(f"the same model, {' and '.join(map(str, FULL_TOKENS))} packed tokens", 210),
 )
 

@@ -281,8 +281,8 @@ def varlen_cases(ctx: Context) -> list[VarlenCase]:
 SIZES = Sizes(  # the default is the full list
     quick=Size("N = 256, every function and layout", 7),
     default=Size("N = 2048 forward, 1024 forward + backward, H = 8 / 2 kv, D = 64, 34 documents: ring, "
-                 "Ulysses, USP, layouts; 8 cases", 20, gpu_runs="S_l = 8192 per rank, H = 32 / 8 kv, D = 128"),
-    full=Size("the default's cases", 20, gpu_runs="the default's cases"),
+                 "Ulysses, USP, layouts; 8 cases", 25, gpu_runs="S_l = 8192 per rank, H = 32 / 8 kv, D = 128"),
+    full=Size("the default's cases", 25, gpu_runs="the default's cases"),
 )
 
 

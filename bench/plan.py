@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 SIZE_NAMES = ("quick", "default", "full")
-# The machine the declared CPU seconds were measured on, a CI runner's: 2 cores, the
-# default 4 gloo ranks.
+# The machine the declared CPU seconds are for, a CI runner's: 2 cores, the default 4
+# gloo ranks.
 REFERENCE_CORES, REFERENCE_WORLD_SIZE = 2, 4
 REFERENCE = f"{REFERENCE_WORLD_SIZE} gloo ranks on {REFERENCE_CORES} cores"
 # The default run's whole budget on the reference machine.

@@ -68,9 +68,11 @@ def find_cuda_home() -> Path | None:
     if nvcc:
         candidates.append(str(Path(nvcc).resolve().parent.parent))
     for candidate in candidates:
-        if candidate and (Path(candidate) / "bin" / "nvcc").exists() and (
-            Path(candidate) / "include" / "cuda_runtime.h"
-        ).exists():
+        if (
+            candidate
+            and (Path(candidate) / "bin" / "nvcc").exists()
+            and (Path(candidate) / "include" / "cuda_runtime.h").exists()
+        ):
             return Path(candidate)
     return None
 

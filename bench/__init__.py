@@ -13,7 +13,8 @@ The benchmark families, one module each:
 
     bench/bench_reshard.py     all_to_all_reshard vs tensor_split + cat + all_to_all_single
     bench/bench_ulysses.py     ulysses_attention vs DeepSpeed-Ulysses (whole forward; exchange only)
-    bench/bench_kernels.py     the pack / unpack kernels alone vs permute + contiguous / cat
+    bench/bench_kernels.py     the pack / unpack kernels alone vs permute + contiguous / cat;
+                               the merge kernel vs ring-flash-attention's merge in ATen ops
     bench/bench_ring.py        ring_attention on P ranks vs single-device SDPA (forward; + backward)
     bench/bench_ring_step.py   (GPU) the Triton step kernel vs SDPA's flash and cuDNN backends
     bench/bench_ring_probe.py  (GPU) the single-GPU overlap probe of the ring's exchange
@@ -34,4 +35,7 @@ The harness they share:
     bench/targets.py       every target and target_checks, which judges them
     bench/results.py       progress lines, the summary table, the CSV + JSON writer
     bench/plot.py          the PNG
+    bench/headline.py      python -m bench.headline: a GPU check folder's headline numbers
+    bench/step_table.py    python -m bench.step_table: a run's measured step backend into
+                           this checkout's table
 """

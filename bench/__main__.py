@@ -5,6 +5,8 @@
     python -m bench --full               the largest sizes (about 27 minutes on 2 cores)
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
     python -m bench --plan [--full]      what a run would do and about how long it takes
+    python -m bench --short              the default sizes, fewer timed rounds, no tile sweep
+                                         (the short GPU check: scripts/gpu_check.sh --short)
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
                                          attention, then its GPU step kernel and overlap probe),
                                          usp (every grid U x R of the ranks), varlen (packed
@@ -49,6 +51,11 @@ def parse_options(argv: list[str] | None = None) -> Options:
                        help="the largest sizes (default: representative sizes, minutes in all)")  # fmt: skip
     parser.add_argument("--plan", action="store_true",
                         help="print what the run would do and about how long it takes, and run nothing")  # fmt: skip
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="the default sizes, 10 to 30 timed rounds a case and no tile sweep (the short GPU check)",
+    )
     parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
                         help="run only this benchmark (repeatable; default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -62,6 +69,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         plan_only=args.plan,
         only=tuple(dict.fromkeys(args.only or BENCHES)),  # in order, each once
         out=args.out,
+        short=args.short,
     )
 
 

@@ -7,7 +7,8 @@ into the output layout (cat), one collective per tensor. Ours does each side in 
 kernel and sends q, k and v in one collective.
 
 Ring attention's baseline is torch SDPA over the whole sequence on one device (sdpa);
-the GPU step kernel's is SDPA restricted to one backend (bench_ring_step.py: sdpa_with).
+the GPU step kernel's is SDPA restricted to one backend (bench_ring_step.py: sdpa_with);
+the merge kernel's is ring-flash-attention's merge in ATen ops (unfused_attention_merge_).
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def heads_to_front(x: torch.Tensor, world_size: int) -> torch.Tensor:
     batch, local_len, num_heads, head_dim = x.shape
     split = x.reshape(batch, local_len, world_size, num_heads // world_size, head_dim)
     return split.permute(2, 0, 1, 3, 4).contiguous()
+
+
+def unfused_attention_merge_(out, lse, block_out, block_lse) -> None:
+    """ring-flash-attention's merge of a block into the running result (its
+    _update_out_and_lse), in place on our layouts: out (B, S, H, D) fp32, lse (B, H, S)
+    fp32, block_out (B, S, H, D) any float dtype, block_lse (B, H, S). Elementwise ATen
+    ops, each a pass over memory:
+        out -= sigmoid(block_lse - lse) * (out - block_out);  lse -= logsigmoid(lse - block_lse)"""
+    gap = (block_lse - lse).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    out.sub_(torch.sigmoid(gap) * (out - block_out.float()))
+    lse.sub_(F.logsigmoid(lse - block_lse))
 
 
 def sequence_to_front(x: torch.Tensor, world_size: int) -> torch.Tensor:

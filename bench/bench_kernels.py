@@ -1,4 +1,5 @@
-"""The pack and unpack kernels alone (no collective), in Ulysses' q, k, v layout.
+"""The data-movement kernels alone (no collective): pack and unpack in Ulysses' q, k, v
+layout, and the ring's merge of a block into the running result.
 
     pack    q (B, S_l, H, D), k/v (B, S_l, H_kv, D) -> one flat send buffer, per
             destination j: q heads of j, then the kv heads they read
@@ -7,10 +8,16 @@
     unpack  the receive buffer (per source i: q, k, v blocks (B, S_l, h, D)) -> q
             (B, S, h, D) and k/v (B, S, h_kv, D) in (B, h, S, D) memory for attention
             baseline: cat of the P received pieces along the sequence, per tensor
+    merge   attention_merge_: a block's (out, lse) (out in the block's dtype) into the
+            running fp32 (out, lse), in place, as every ring step does
+            baseline: ring-flash-attention's merge in ATen ops (unfused_attention_merge_)
 
-GB/s counts the bytes each kernel must read plus write (2 x the buffer), for ours and
-the baseline alike, so the two are rates of the same work. On a GPU that is also shown
-as a fraction of the memory bandwidth; on CPU the reference is a measured large copy.
+GB/s counts the bytes each kernel must read plus write (pack/unpack: 2 x the buffer;
+merge: out and lse read and written, the block's out and lse read), for ours and the
+baseline alike, so the two are rates of the same work. Beside them, timed in the same
+rounds, a plain device copy of as many bytes (copy_gbps): the practical ceiling. On a
+GPU the rate is also shown as a fraction of the spec-sheet memory bandwidth; on CPU the
+reference is a measured large copy.
 
 Runs on rank 0 alone while the other ranks wait. On CPU rank 0 keeps its share of the
 cores (cores / P threads), as each rank of a P-rank job on one machine would: giving it
@@ -24,15 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels.comm.plan import interleave, kv_head_ranges, tensor_split_ranges
-
-from bench.baselines import heads_to_front, repeat_kv_heads
+from bench.baselines import heads_to_front, repeat_kv_heads, unfused_attention_merge_
 from bench.cases import run_case, timed_row
 from bench.context import Context
 from bench.plan import Size, Sizes
 from bench.rows import Row, gbps, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges
+from seqpar_kernels.layouts import tensor_split_ranges
+from seqpar_kernels.ops import attention_merge_
 
 # (B, S, h, D) logical, (B, h, S, D) in memory: how ulysses_attention unpacks.
 HEADS_MAJOR = [0, 2, 1, 3]
@@ -79,8 +87,11 @@ def cases(ctx: Context) -> list[KernelCase]:
 
 SIZES = Sizes(  # the default is the full list
     quick=Size("2 tiny cases", 3),
-    default=Size("pack and unpack of 4 q/k/v layouts at S_l = 2048, H = 16 (MHA, GQA, fp32)", 10,
-                 gpu_runs="3 layouts at S_l = 8K to 16K, H = 32, D = 128"),
+    default=Size(
+        "pack and unpack of 4 q/k/v layouts at S_l = 2048, H = 16 (MHA, GQA, fp32)",
+        10,
+        gpu_runs="3 layouts at S_l = 8K to 16K, H = 32, D = 128",
+    ),
     full=Size("the default's cases", 10, gpu_runs="the default's cases"),
 )
 
@@ -153,18 +164,92 @@ def measure_unpack(case: KernelCase, ctx: Context, destinations: int) -> Row:
 
 
 def kernel_row(bench, case, ctx, destinations, candidates, buffer_numel, check) -> Row:
-    timings = time_side_by_side(candidates, ctx, collective=False)
     moved = 2 * buffer_numel * case.dtype.itemsize  # read once, written once
+    return moving_row(ctx, candidates, moved, bench=bench, case=case.label(destinations),
+                      shape=case.shape(destinations), dtype=short_dtype(case.dtype), check=check)  # fmt: skip
+
+
+def moving_row(ctx: Context, candidates: dict, moved: int, **fields) -> Row:
+    """The row of a data-movement kernel that reads plus writes `moved` bytes: ours and
+    the baseline timed side by side with a plain device copy of as many bytes (a copy
+    of moved / 2 bytes reads and writes moved)."""
+    source = torch.empty(moved // 2, dtype=torch.uint8, device=ctx.device)
+    target = torch.empty_like(source)
+    timings = time_side_by_side({**candidates, "copy": lambda: target.copy_(source)}, ctx, collective=False)
     peak, peak_source = ctx.peak_bandwidth
     ours_gbps = gbps(moved, timings["ours"].median_s)
     return timed_row(
         ctx, timings,
-        bench=bench, case=case.label(destinations), shape=case.shape(destinations),
-        dtype=short_dtype(case.dtype), check=check,
         gbps_basis="bytes read + written / time", ours_gbps=ours_gbps,
         baseline_gbps=gbps(moved, timings["baseline"].median_s),
         peak_gbps=peak, peak_source=peak_source, ours_fraction_of_peak=ours_gbps / peak,
+        copy_gbps=gbps(moved, timings["copy"].median_s), **fields,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MergeCase:
+    """One ring step's merge: the running out (B, S, H, D) and lse (B, H, S), fp32, take
+    a block's out in `dtype` and its fp32 lse."""
+
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"H={self.heads} D={self.head_dim} S={self.seqlen} {short_dtype(self.dtype)} block"
+
+    @property
+    def shape(self) -> str:
+        return f"out (B,S,H,D)=({self.batch},{self.seqlen},{self.heads},{self.head_dim}) fp32, lse (B,H,S) fp32"
+
+    @property
+    def bytes_moved(self) -> int:
+        """out read and written (fp32), the block's out read; lse read and written, the
+        block's lse read (fp32)."""
+        elements, rows = self.batch * self.seqlen * self.heads * self.head_dim, self.batch * self.seqlen * self.heads
+        return elements * (2 * 4 + self.dtype.itemsize) + rows * 3 * 4
+
+
+def merge_cases(ctx: Context) -> list[MergeCase]:
+    if ctx.quick:
+        return [MergeCase(1, 64, 8, 16, torch.bfloat16)]
+    if ctx.on_gpu:  # a 16K-row block of 32 heads: 256 MiB of fp32 out
+        return [MergeCase(1, 16384, 32, 128, torch.bfloat16), MergeCase(1, 16384, 32, 128, torch.float32)]
+    return [MergeCase(1, 2048, 16, 128, torch.bfloat16)]
+
+
+# The merge's results against the baseline's: both compute the same weights in fp32, by
+# different formulas (exp/log1p against sigmoid/logsigmoid): a few fp32 roundings of
+# values about 1 apart, where a wrong weight would be off by 0.1 or more.
+MERGE_TOLERANCE = 1e-5
+
+
+def measure_merge(case: MergeCase, ctx: Context) -> Row:
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    lse_shape = (case.batch, case.heads, case.seqlen)
+    out, block_out = ctx.random(shape, torch.float32, 40), ctx.random(shape, case.dtype, 41)
+    lse, block_lse = ctx.random(lse_shape, torch.float32, 42), ctx.random(lse_shape, torch.float32, 43)
+    # Each merges into its own running result, again at every call, as ring steps do.
+    ours_state, baseline_state = [out, lse], [out.clone(), lse.clone()]
+
+    def ours():
+        attention_merge_(*ours_state, block_out, block_lse)
+        return ours_state
+
+    def baseline():
+        unfused_attention_merge_(*baseline_state, block_out, block_lse)
+        return baseline_state
+
+    verdict = agreement(ctx, ours(), baseline(), MERGE_TOLERANCE, collective=False)
+    check = "matches" if not verdict.startswith("MISMATCH") else verdict
+    row = moving_row(ctx, {"ours": ours, "baseline": baseline}, case.bytes_moved, bench="merge",
+                     case=case.label, shape=case.shape, dtype=short_dtype(case.dtype), check=check)  # fmt: skip
+    row.detail = f"against the unfused merge: {verdict} (tolerance {MERGE_TOLERANCE:g})"
+    return row
 
 
 def run(ctx: Context) -> list[Row]:
@@ -177,5 +262,7 @@ def run(ctx: Context) -> list[Row]:
                 continue
             for bench, measure in (("pack", measure_pack), ("unpack", measure_unpack)):
                 rows += run_case(ctx, bench, measure, case, destinations)
+        for case in merge_cases(ctx):
+            rows += run_case(ctx, "merge", measure_merge, case)
     ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
     return rows

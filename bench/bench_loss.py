@@ -45,15 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar_kernels import sequence_parallel_cross_entropy
-from seqpar_kernels.parallel.cross_entropy import default_chunk_size
-from seqpar_kernels.testing import peak_cpu_memory
-
 from bench.cases import run_case, timed_row
 from bench.context import Context
 from bench.plan import Size, Sizes
 from bench.rows import LOSS_BENCH, Row
 from bench.timing import time_side_by_side
+from seqpar_kernels import sequence_parallel_cross_entropy
+from seqpar_kernels.parallel.cross_entropy import default_chunk_size
+from seqpar_kernels.testing import peak_cpu_memory
 
 BASELINE_NOTE = (
     "loss: ours = sequence_parallel_cross_entropy (fused LM head, logits chunk_size tokens at a time) on "
@@ -136,10 +135,14 @@ def loss_cases(ctx: Context) -> list[LossCase]:
 
 SIZES = Sizes(
     quick=Size("vocabulary 8192, 256 and 1024 tokens", 2),
-    default=Size(f"vocabulary 128K, {' and '.join(f'{t // 1024}K' for t in DEFAULT_TOKENS)} tokens, both "
-                 "sides on every core", 70),
-    full=Size(f"vocabulary 128K, {', '.join(f'{t // 1024}K' for t in FULL_TOKENS)} tokens (materialised "
-              "logits where they fit)", 1080),
+    default=Size(
+        f"vocabulary 128K, {' and '.join(f'{t // 1024}K' for t in DEFAULT_TOKENS)} tokens, both sides on every core", 70
+    ),
+    full=Size(
+        f"vocabulary 128K, {', '.join(f'{t // 1024}K' for t in FULL_TOKENS)} tokens (materialised "
+        "logits where they fit)",
+        1080,
+    ),
 )
 
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels import all_to_all_reshard
-
 from bench.baselines import SentBytes, unfused_reshard
 from bench.cases import exchange_row, run_case
 from bench.context import Context
@@ -20,6 +18,7 @@ from bench.plan import Size, Sizes
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
+from seqpar_kernels import all_to_all_reshard
 
 T_DIM, S_DIM = 1, 2
 DIRECTIONS = {"S->T": (T_DIM, S_DIM), "T->S": (S_DIM, T_DIM)}  # (scatter_dim, gather_dim)
@@ -67,8 +66,11 @@ def cases(ctx: Context) -> list[ReshardCase]:
 
 SIZES = Sizes(  # the default is the full list: the family takes under a minute on CPU
     quick=Size("2 tiny cases", 4),
-    default=Size("6 cases of video latents (1, 16, 256 or 1024, 1152): both directions, bf16 and fp32, "
-                 "a sliced input, uneven T", 15, gpu_runs="5 cases up to (2, 32, 4096, 1152)"),
+    default=Size(
+        "6 cases of video latents (1, 16, 256 or 1024, 1152): both directions, bf16 and fp32, a sliced input, uneven T",
+        15,
+        gpu_runs="5 cases up to (2, 32, 4096, 1152)",
+    ),
     full=Size("the default's cases", 15, gpu_runs="the default's cases"),
 )
 

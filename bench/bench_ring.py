@@ -29,7 +29,7 @@ backward adds (P-1) x (K+V bytes + fp32 dK+dV bytes).
 
 check: "matches" when ours is as accurate as torch on one device: against an exact fp64
 result (computed chunk by chunk, never S x S at once), ours is within the tests' accuracy
-rule (tests/reference.py: at most 2x the error of torch in the same dtype, plain
+rule (tools/reference.py: at most 2x the error of torch in the same dtype, plain
 attention or fused SDPA, whichever errs more, plus about a unit of roundoff at the
 tensor's magnitude), for out and, in ring-train, dq, dk and dv; "MISMATCH ..."
 otherwise (bench/verify.py: judge_attention). error_vs_plain: the flash-attention
@@ -47,20 +47,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels import ring_attention
-from seqpar_kernels.comm.groups import resolve_group
-from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
-from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
-from seqpar_kernels.testing import ReplacedExchange
-
 from bench.baselines import leaves, sdpa, single_device_attention
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
 from bench.plan import Size, Sizes
-from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, run_driver
+from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_driver
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, checked_heads, judge_attention, measure_volume
+from seqpar_kernels import ring_attention
+from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
+from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
+from seqpar_kernels.groups import resolve_group
+from seqpar_kernels.testing import ReplacedExchange
 
 REFERENCE_NOTE = (
     "reference = torch SDPA over the whole sequence, run by every rank at once (slowest "
@@ -122,11 +121,17 @@ def in_cpu_default(case: RingCase) -> bool:
 
 SIZES = Sizes(
     quick=Size("S = 64: 2 forward and 2 forward + backward cases", 8),
-    default=Size("S = 2048 forward, 1024 forward + backward, H = 8, D = 64: bf16 MHA in every layout, "
-                 "zigzag GQA and fp32: 10 cases", 90,
-                 gpu_runs="S_l = 4096 per rank, H = 32 (GQA: 8 kv), D = 128, bf16, every layout: 12 cases"),
-    full=Size("the same lengths, every layout of bf16 MHA and GQA and fp32 MHA: 18 cases", 160,
-              gpu_runs="the default's 12 cases"),
+    default=Size(
+        "S = 2048 forward, 1024 forward + backward, H = 8, D = 64: bf16 MHA in every layout, "
+        "zigzag GQA and fp32: 10 cases",
+        90,
+        gpu_runs="S_l = 4096 per rank, H = 32 (GQA: 8 kv), D = 128, bf16, every layout: 12 cases",
+    ),
+    full=Size(
+        "the same lengths, every layout of bf16 MHA and GQA and fp32 MHA: 18 cases",
+        160,
+        gpu_runs="the default's 12 cases",
+    ),
 )
 
 
@@ -235,8 +240,9 @@ def measure_ring(case: RingCase, ctx: Context) -> Row:
         def reference():
             return sdpa(*full[:3], case.causal)
 
-    options = (case.causal, scale, case.layout == "zigzag", resolve_group(None).name,
-               step_kernels_for(AUTO, q))  # fmt: skip
+    group = resolve_group(None)
+    options = driver_options(q, case.causal, case.layout == "zigzag", group.name, group.world_size,
+                             step_kernels_for(AUTO, q))  # fmt: skip
 
     def compute_only():
         return run_driver(q, k, v, dout, options, ReplacedExchange("none"), case.backward)

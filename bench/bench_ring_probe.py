@@ -16,23 +16,21 @@ Rank 0 runs the cases on its GPU while the other ranks wait; on CPU nothing runs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels.comm.groups import SINGLE_PROCESS
-from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
-from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
-from seqpar_kernels.testing import ReplacedExchange
-
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
 from bench.plan import Size, Sizes
-from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, run_driver
+from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_driver
 from bench.rows import PROBE_BENCH, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
+from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
+from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
+from seqpar_kernels.groups import SINGLE_PROCESS
+from seqpar_kernels.testing import ReplacedExchange
 
 
 @dataclass(frozen=True)
@@ -93,10 +91,9 @@ def measure_probe(case: ProbeCase, ctx: Context) -> Row:
     kv_shape = (1, case.local_len, case.kv_heads, case.head_dim)
     shapes = {30: q_shape, 31: kv_shape, 32: kv_shape, 33: q_shape}
     q, k, v, dout = (ctx.random(shape, case.dtype, seed) for seed, shape in shapes.items())
-    scale = 1.0 / math.sqrt(case.head_dim)
     steps = case.steps
     # One process: a group of one rank acting as a ring of case.steps.
-    options = (case.causal, scale, case.layout == "zigzag", SINGLE_PROCESS, step_kernels_for(AUTO, q))
+    options = driver_options(q, case.causal, case.layout == "zigzag", SINGLE_PROCESS, steps, step_kernels_for(AUTO, q))
 
     def ring_with(mode):
         return lambda: run_driver(q, k, v, dout, options, ReplacedExchange(mode, steps), case.backward)

@@ -14,13 +14,16 @@ accuracy rule with the trusted baseline's error in the yardstick (bench/verify.p
 accuracy_verdict).
 
 The "aten" step backend (torch's library kernel per block, then the merge kernel:
-seqpar_kernels/parallel/ring_steps.py AtenSteps) is timed in the same run; its TFLOP/s
+seqpar_kernels/engine/step_backends.py AtenSteps) is timed in the same run; its TFLOP/s
 and accuracy are in each row's detail. After the cases, the backend with the shorter
 total time over them (forward + backward) becomes this GPU family's entry of the table
-step_backend="auto" reads (seqpar_kernels/parallel/step_backends.json: commit it with
-the results), unless either failed its accuracy check somewhere.
+step_backend="auto" reads, unless either failed its accuracy check somewhere: written
+into the results JSON ("step_backend", with every case's TFLOP/s of each candidate)
+and into this checkout's table (seqpar_kernels/engine/step_backends.json: commit it
+with the results). A run elsewhere brings its JSON back; python -m bench.step_table
+writes its entry into the checkout's table from there.
 
-Tile sweep (rows ring-step-tiles, not with --quick): for the first forward and backward
+Tile sweep (rows ring-step-tiles, not with --quick or --short): for the first forward and backward
 case, each candidate tile of each step kernel (SWEEP_TILES: forward, dq, dk/dv) timed
 against the shipped one side by side (ours = the candidate, baseline = the shipped
 tile; speedup > 1: the candidate is faster), its result checked by the same accuracy
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench import hardware, step_table
 from bench.baselines import leaves, sdpa
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
@@ -44,7 +48,7 @@ from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import accuracy_verdict, chunked_attention, within_error_rule
-from tests.reference import ERROR_FACTOR, max_error
+from tools.reference import ERROR_FACTOR, max_error
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
         return [dq, dk, dv]
 
     # The aten backend's step, with running results of its own.
-    from seqpar_kernels.parallel.ring_steps import STEP_KERNELS
+    from seqpar_kernels.engine.step_backends import STEP_KERNELS
 
     aten = STEP_KERNELS["aten"]
     aten_out, aten_lse = torch.zeros(q.shape, **fp32), torch.full(lse.shape, float("-inf"), **fp32)
@@ -199,11 +203,11 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
 def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, list[str], list[str]]:
     """Every candidate against the exact result on the first head.
 
-    Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend) (accuracy_verdict's rule, SDPA error from the first trusted
-    backend), the SDPA backends trusted as baselines, and a note for each one that is
-    not: a backend outside the accuracy rule with plain torch as the yardstick
-    (within_error_rule) is not timed against, so a broken baseline cannot make ours
-    look slow or fast."""
+    Returns {"ours": verdict, "aten": verdict} (the Triton and the aten step backend)
+    (accuracy_verdict's rule, SDPA error from the first trusted backend), the SDPA
+    backends trusted as baselines, and a note for each one that is not: a backend
+    outside the accuracy rule with plain torch as the yardstick (within_error_rule) is
+    not timed against, so a broken baseline cannot make ours look slow or fast."""
     head = slice(0, 1)
     results = {name: [t[:, :, head] for t in fn()] for name, fn in candidates.items()}
     names = ["dq", "dk", "dv"] if case.backward else ["out"]
@@ -215,11 +219,15 @@ def check_step(case: StepCase, candidates: dict, q, k, v, dout) -> tuple[dict, l
         exact, plains = exact[1:], plains[1:]
     trusted, untrusted = [], []
     for backend in (name for name in candidates if name in sdpa_backends()):
-        errors = [(name, max_error(theirs, truth), max_error(plain, truth), truth)
-                  for name, theirs, plain, truth in zip(names, results[backend], plains, exact)]
-        wrong = [f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
-                 for name, error, plain_error, truth in errors
-                 if not within_error_rule(error, plain_error, truth, lse_magnitude, case.dtype)]
+        errors = [
+            (name, max_error(theirs, truth), max_error(plain, truth), truth)
+            for name, theirs, plain, truth in zip(names, results[backend], plains, exact)
+        ]
+        wrong = [
+            f"{name} err {error:.1e} > {ERROR_FACTOR:g}x plain {plain_error:.1e}"
+            for name, error, plain_error, truth in errors
+            if not within_error_rule(error, plain_error, truth, lse_magnitude, case.dtype)
+        ]
         if wrong:
             untrusted.append(f"{backend} not used as a baseline: {', '.join(wrong)}")
         else:
@@ -249,6 +257,10 @@ def measure_step(case: StepCase, ctx: Context) -> Row:
     best = max(trusted, key=lambda name: tflops[name])
     BACKEND_TIMES.append((case, timings["ours"].median_s, timings["aten"].median_s,
                           accuracy["ours"].check, accuracy["aten"].check))  # fmt: skip
+    STEP_RATES.append({"bench": case.bench, "case": case.label, "shape": case.shape,
+                       "tflops": {"triton" if name == "ours" else name: rate for name, rate in tflops.items()},
+                       "checks": {"triton": accuracy["ours"].check, "aten": accuracy["aten"].check},
+                       "sdpa_baselines": trusted})  # fmt: skip
     timings = {name: timing for name, timing in timings.items() if name != "aten"}
     timings["baseline"] = timings[best]
     peak, peak_source = ctx.peak_flops
@@ -301,7 +313,7 @@ class TileCase:
 
 
 def tile_cases(ctx: Context) -> list[TileCase]:
-    if ctx.quick:
+    if ctx.quick or ctx.short:
         return []
     forward = next(case for case in step_cases(ctx) if not case.backward)
     backward = next(case for case in step_cases(ctx) if case.backward)
@@ -340,6 +352,9 @@ def measure_tiles(case: TileCase, ctx: Context) -> Row:
 
 # (case, triton seconds, aten seconds, triton check, aten check) of every case measured.
 BACKEND_TIMES: list = []
+# Every case measured: its TFLOP/s by candidate (triton, aten, the SDPA backends that
+# ran it) and both step backends' checks, for the results JSON.
+STEP_RATES: list = []
 
 
 def choose_step_backend(times) -> tuple[str | None, str]:
@@ -350,27 +365,50 @@ def choose_step_backend(times) -> tuple[str | None, str]:
     failed = [f"{backend} {case.bench} {case.label}" for case, _, _, *checks in times
               for backend, check in zip(("triton", "aten"), checks) if check != "matches"]  # fmt: skip
     triton_total, aten_total = sum(t[1] for t in times), sum(t[2] for t in times)
-    summary = (f"triton {triton_total * 1e3:.3g} ms, aten {aten_total * 1e3:.3g} ms over {len(times)} cases "
-               f"(ring-step-fwd/bwd)")
+    summary = (
+        f"triton {triton_total * 1e3:.3g} ms, aten {aten_total * 1e3:.3g} ms over {len(times)} cases "
+        f"(ring-step-fwd/bwd)"
+    )
     if failed:
         return None, f"{summary}; not recorded, accuracy check failed: {', '.join(failed)}"
     return ("triton" if triton_total < aten_total else "aten"), summary
 
 
+def record_step_backend(ctx: Context, family: str) -> None:
+    """This family's measured entry (choose_step_backend over BACKEND_TIMES) into the
+    results JSON, with every case's rates, and into this checkout's table. Nothing is
+    recorded unless every case was measured (a case that raised counts against)."""
+    backend, summary = choose_step_backend(BACKEND_TIMES)
+    unmeasured = len(step_cases(ctx)) - len(BACKEND_TIMES)
+    if unmeasured and backend is not None:
+        backend, summary = None, f"{summary}; not recorded: {unmeasured} cases raised"
+    ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
+    entry = None
+    if backend is not None:
+        basis = (f"measured on {ctx.device_name}, torch {torch.__version__}, triton {hardware.triton_version()}, "
+                 f"commit {hardware.git_commit()}: {summary}")  # fmt: skip
+        entry = {"backend": backend, "measured": True, "basis": basis}
+    if ctx.record_metadata is not None:
+        ctx.record_metadata({step_table.RESULTS_KEY: {"family": family, "entry": entry, "summary": summary,
+                                                      "cases": list(STEP_RATES)}})  # fmt: skip
+    if entry is None:
+        return
+    if step_table.SOURCE_TABLE.exists():
+        step_table.write_entry(family, entry)
+        ctx.log(f'step_backend="auto" on {family}: {backend}, written to {step_table.SOURCE_TABLE}')
+    else:
+        ctx.log(f"step_backend=\"auto\" on {family}: {backend} (no source table at {step_table.SOURCE_TABLE}: "
+                "python -m bench.step_table RESULTS in a checkout writes it there)")  # fmt: skip
+
+
 def run(ctx: Context) -> list[Row]:
     BACKEND_TIMES.clear()
+    STEP_RATES.clear()
     rows = run_on_one_gpu(ctx, "ring-step-fwd/bwd", None, measure_step, step_cases)
     rows += run_on_one_gpu(ctx, "ring-step-tiles", None, measure_tiles, tile_cases)
     if ctx.is_root and ctx.on_gpu and not ctx.quick:
-        from seqpar_kernels.parallel.ring_steps import gpu_family, record_measured_step_backend
+        from seqpar_kernels.engine.step_backends import gpu_family
 
         major, minor = torch.cuda.get_device_capability(ctx.device)
-        family = gpu_family(10 * major + minor)
-        backend, summary = choose_step_backend(BACKEND_TIMES)
-        ctx.log(f"step backends on {ctx.device_name} ({family}): {summary}")
-        if backend is not None:
-            record_measured_step_backend(
-                family, backend, f"measured on {ctx.device_name}, torch {torch.__version__}: {summary}"
-            )  # fmt: skip
-            ctx.log(f"step_backend=\"auto\" on {family}: {backend} (seqpar_kernels/parallel/step_backends.json)")
+        record_step_backend(ctx, gpu_family(10 * major + minor))
     return rows

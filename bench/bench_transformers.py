@@ -71,13 +71,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.testing import peak_cpu_memory
-
 from bench.cases import run_case, timed_row
 from bench.context import Context, machine_threads
 from bench.plan import Size, Sizes
 from bench.rows import TRANSFORMERS_BENCH, Row
 from bench.timing import time_side_by_side
+from seqpar_kernels.testing import peak_cpu_memory
 
 BASELINE_NOTE = (
     "transformers: a training step (zero_grad, forward, loss, backward; optimizer excluded) of a small "
@@ -167,8 +166,11 @@ def cases(ctx: Context) -> list[TransformersCase]:
 
 SIZES = Sizes(
     quick=Size("a tiny Llama, 64 tokens", 8),
-    default=Size(f"Llama of 19.2M parameters, {' and '.join(map(str, DEFAULT_TOKENS))} packed tokens, "
-                 "3 modes against one process", 120),
+    default=Size(
+        f"Llama of 19.2M parameters, {' and '.join(map(str, DEFAULT_TOKENS))} packed tokens, "
+        "3 modes against one process",
+        120,
+    ),
     full=Size(f"the same model, {' and '.join(map(str, FULL_TOKENS))} packed tokens", 210),
 )
 
@@ -299,8 +301,8 @@ def check_modes(ctx: Context, single: Candidate, modes: list[Candidate]) -> dict
             continue
         loss_error = abs(loss - expected_loss.item()) / abs(expected_loss.item())
         grad_error = gradient_error(gradients(candidate.model), expected_grads)
-        failed = [name for name, error, tolerance in (("loss", loss_error, LOSS_RTOL), ("gradients", grad_error, GRAD_RTOL))
-                  if not error <= tolerance]  # fmt: skip
+        checks = (("loss", loss_error, LOSS_RTOL), ("gradients", grad_error, GRAD_RTOL))
+        failed = [name for name, error, tolerance in checks if not error <= tolerance]
         check = "matches" if not failed else f"MISMATCH {', '.join(failed)}"
         detail = (f"loss {loss:.7f} vs single process {expected_loss.item():.7f}: relative error {loss_error:.1e} "
                   f"(tolerance {LOSS_RTOL:g}); gradients after all_reduce_gradients: {grad_error:.1e} of the "

@@ -16,8 +16,6 @@ from unittest import mock
 import torch
 
 import seqpar_kernels.parallel.ulysses as ulysses_module
-from seqpar_kernels import ulysses_attention
-
 from bench.baselines import SentBytes, unfused_ulysses_attention
 from bench.cases import exchange_row, run_case, timed_row
 from bench.context import Context
@@ -25,6 +23,7 @@ from bench.plan import Size, Sizes
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
+from seqpar_kernels import ulysses_attention
 
 # Largest |ours - baseline| accepted: both run SDPA on the same values, but on
 # different memory layouts and head groupings, so the last bits may differ.
@@ -90,8 +89,11 @@ def exchange_cases(ctx: Context) -> list[UlyssesCase]:
 
 SIZES = Sizes(  # the default is the full list
     quick=Size("3 tiny cases", 10),
-    default=Size("4 attention cases at S = 2048 (fp32: 1024), H = 16, D = 64, MHA and GQA; 4 exchange-only "
-                 "cases up to S = 8192", 40, gpu_runs="S = 32K attention, 128K exchange-only, H = 32, D = 128"),
+    default=Size(
+        "4 attention cases at S = 2048 (fp32: 1024), H = 16, D = 64, MHA and GQA; 4 exchange-only cases up to S = 8192",
+        40,
+        gpu_runs="S = 32K attention, 128K exchange-only, H = 32, D = 128",
+    ),
     full=Size("the default's cases", 40, gpu_runs="the default's cases"),
 )
 
@@ -187,9 +189,7 @@ def measure_exchange(case: UlyssesCase, ctx: Context) -> Row:
     check = agreement(ctx, round_trip, [q, q])
     with ours_attention_replaced_by(empty_attention):
         volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
-        timings = time_side_by_side(
-            {"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx
-        )
+        timings = time_side_by_side({"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx)
     return exchange_row(
         ctx, timings, volume, counter.bytes_sent,
         bench="ulysses-exchange", case=case.label, shape=case.shape,

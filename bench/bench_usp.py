@@ -43,8 +43,6 @@ import torch
 import torch.distributed as dist
 
 import seqpar_kernels.comm.ring as ring_module
-from seqpar_kernels import comm_stats, make_usp_groups, usp_attention
-
 from bench.baselines import leaves, single_device_attention
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
@@ -52,6 +50,7 @@ from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype, usp_grid_label
 from bench.timing import time_side_by_side
 from bench.verify import checked_heads, judge_attention
+from seqpar_kernels import comm_stats, make_usp_groups, usp_attention
 
 BASELINE_NOTE = (
     "one row per grid U x R (U=1: pure ring, R=1: pure Ulysses), all grids of a case timed "
@@ -120,8 +119,12 @@ def usp_cases(ctx: Context) -> list[UspCase]:
 
 SIZES = Sizes(  # the default is the full list
     quick=Size("S = 64, 2 cases", 3),
-    default=Size("S = 2048 forward, 1024 forward + backward, D = 64: MHA H = 8 full and zigzag, GQA 8/2, "
-                 "H = 2 zigzag; 8 cases, every grid", 55, gpu_runs="S_l = 4096 per rank, H = 32, D = 128"),
+    default=Size(
+        "S = 2048 forward, 1024 forward + backward, D = 64: MHA H = 8 full and zigzag, GQA 8/2, "
+        "H = 2 zigzag; 8 cases, every grid",
+        55,
+        gpu_runs="S_l = 4096 per rank, H = 32, D = 128",
+    ),
     full=Size("the default's cases", 55, gpu_runs="the default's cases"),
 )
 

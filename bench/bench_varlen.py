@@ -63,10 +63,6 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar_kernels import make_usp_groups, ring_attention, ulysses_attention, usp_attention, varlen_plan
-from seqpar_kernels.parallel.documents import DocumentLayout
-from seqpar_kernels.parallel.varlen import VarlenLayout
-
 from bench.baselines import leaves, single_device_attention
 from bench.bench_usp import Candidate, Grid, gather_pieces, measure_group_bytes, piece_positions, theory_bytes
 from bench.cases import AttentionCase, run_case, timed_row
@@ -75,6 +71,8 @@ from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, accuracy_verdict, checked_heads, chunked_attention
+from seqpar_kernels import make_usp_groups, ring_attention, ulysses_attention, usp_attention, varlen_plan
+from seqpar_kernels.layouts import VarlenLayout, segments_causal_work
 
 BASELINE_NOTE = (
     "varlen-ring/-ulysses/-usp: ours = the varlen call with the balanced plan on a long-tailed "
@@ -123,7 +121,7 @@ def bounds_of(lengths: list[int]) -> tuple[int, ...]:
 
 
 def causal_work(length: int) -> int:
-    """Query-key pairs of one document under a causal mask (DocumentLayout.work's unit)."""
+    """Query-key pairs of one document under a causal mask."""
     return length * (length + 1) // 2
 
 
@@ -132,10 +130,11 @@ def causal_work(length: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> DocumentLayout:
+def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> tuple[tuple[int, ...], list]:
     """The peers' layout: every document padded to a multiple of 2 x degree, cut into
-    2 x degree equal chunks, rank r holding chunks r and 2 x degree - 1 - r of each. A
-    DocumentLayout of the padded sequence (padding tokens are tokens there)."""
+    2 x degree equal chunks, rank r holding chunks r and 2 x degree - 1 - r of each.
+    (The padded sequence's bounds, every rank's ranges of it: padding tokens are tokens
+    there.)"""
     chunks = 2 * degree
     padded = [-(-(end - start) // chunks) * chunks for start, end in itertools.pairwise(cu_seqlens)]
     padded_bounds = bounds_of(padded)
@@ -146,7 +145,7 @@ def per_document_zigzag(cu_seqlens: tuple[int, ...], degree: int) -> DocumentLay
             chunk = length // chunks
             segments += [(start + rank * chunk, chunk), (start + (chunks - 1 - rank) * chunk, chunk)]
         slots.append([segment for segment in segments if segment[1]])
-    return DocumentLayout(padded_bounds, slots)
+    return padded_bounds, slots
 
 
 @dataclass(frozen=True)
@@ -172,12 +171,13 @@ def layout_lines(mix: str, lengths: list[int], degree: int) -> list[LayoutLine]:
         layout = VarlenLayout(cu_seqlens, ring_size=degree, layout=name)
         lines.append(LayoutLine(mix, documents, total, degree, name, layout.work_imbalance,
                                 layout.token_imbalance, 0))  # fmt: skip
-    padded = per_document_zigzag(cu_seqlens, degree)
+    padded_bounds, padded_slots = per_document_zigzag(cu_seqlens, degree)
+    padded_lengths = [sum(length for _, length in slot) for slot in padded_slots]
     padding = VarlenLayout(cu_seqlens, ring_size=degree).padding_of_per_document_zigzag()
-    assert sum(padded.lengths) - total == padding, (sum(padded.lengths), total, padding)
+    assert sum(padded_lengths) - total == padding, (sum(padded_lengths), total, padding)
     even_work = sum(causal_work(length) for length in lengths) / degree
-    work = max(padded.work(rank) for rank in range(degree)) / even_work
-    tokens = max(padded.lengths) / (total / degree)
+    work = max(segments_causal_work(slot, padded_bounds) for slot in padded_slots) / even_work
+    tokens = max(padded_lengths) / (total / degree)
     lines.append(LayoutLine(mix, documents, total, degree, f"per-document zigzag (padded to {2 * degree})",
                             work, tokens, padding))  # fmt: skip
     return lines
@@ -194,9 +194,11 @@ def layout_table() -> tuple[LayoutLine, ...]:
 
 def layout_table_text() -> str:
     lines = [
-        (f"varlen layouts of {TABLE_TOKENS} tokens (VarlenLayout alone, no ranks); imbalance = the most "
-         "loaded rank / an even share of the documents' own tokens or causal work (padding counts as "
-         "tokens and work):"),
+        (
+            f"varlen layouts of {TABLE_TOKENS} tokens (VarlenLayout alone, no ranks); imbalance = the most "
+            "loaded rank / an even share of the documents' own tokens or causal work (padding counts as "
+            "tokens and work):"
+        ),
         f"  {'mix':<22} {'P':>2}  {'layout':<34} {'work imb':>8}  {'token imb':>9}  {'padding tokens':>14}",
     ]
     for line in layout_table():
@@ -280,8 +282,12 @@ def varlen_cases(ctx: Context) -> list[VarlenCase]:
 
 SIZES = Sizes(  # the default is the full list
     quick=Size("N = 256, every function and layout", 7),
-    default=Size("N = 2048 forward, 1024 forward + backward, H = 8 / 2 kv, D = 64, 34 documents: ring, "
-                 "Ulysses, USP, layouts; 8 cases", 25, gpu_runs="S_l = 8192 per rank, H = 32 / 8 kv, D = 128"),
+    default=Size(
+        "N = 2048 forward, 1024 forward + backward, H = 8 / 2 kv, D = 64, 34 documents: ring, "
+        "Ulysses, USP, layouts; 8 cases",
+        25,
+        gpu_runs="S_l = 8192 per rank, H = 32 / 8 kv, D = 128",
+    ),
     full=Size("the default's cases", 25, gpu_runs="the default's cases"),
 )
 

@@ -34,10 +34,15 @@ class Context:
     # results files at once).
     record_row: Callable[[Row], None] | None = None
     full: bool = False  # the suite's largest sizes (--full); neither this nor quick: the default
+    # The default sizes with fewer timed rounds and no tile sweep: the short GPU check
+    # (scripts/gpu_check.sh --short).
+    short: bool = False
+    # Takes entries for the run's JSON (bench/suite.py: written at once; rank 0's count).
+    record_metadata: Callable[[dict], None] | None = None
 
     @property
     def size(self) -> str:
-        """"quick", "default" or "full": the sizes a family runs (bench/plan.py)."""
+        """ "quick", "default" or "full": the sizes a family runs (bench/plan.py)."""
         return size_name(self.quick, self.full)
 
     @property

@@ -1,8 +1,9 @@
 """What machine the benchmark ran on: device names, peak memory bandwidth and bf16
-TFLOP/s, git commit."""
+TFLOP/s, the Triton release, git commit."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import re
@@ -115,6 +116,14 @@ def peak_memory_bandwidth(device: torch.device, name: str) -> tuple[float, str]:
         return spec, "spec sheet"
     num_bytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     return measured_copy_bandwidth_gbps(device, num_bytes), "measured large copy"
+
+
+def triton_version() -> str:
+    """The installed Triton's release, from its metadata (no import), or "not installed"."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def git_commit() -> str:

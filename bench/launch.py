@@ -1,10 +1,10 @@
 """Starting the ranks: under torchrun, as spawned local processes, or as one process.
 
-    torchrun (RANK and WORLD_SIZE set)   this process is one rank; env:// rendezvous
-    world size 1                         this process is the only rank
-    otherwise                            P local ranks started by torch.multiprocessing
-                                         (fork on CPU-only machines, else spawn),
-                                         rendezvous through a file in a temporary dir
+torchrun (RANK and WORLD_SIZE set)   this process is one rank; env:// rendezvous
+world size 1                         this process is the only rank
+otherwise                            P local ranks started by torch.multiprocessing
+                                     (fork on CPU-only machines, else spawn),
+                                     rendezvous through a file in a temporary dir
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ DEFAULT_CPU_WORLD_SIZE = 4
 # that everything runs.
 REPETITIONS = dict(warmup=3, reps=15, max_reps=75, seconds_per_case=3.0)
 QUICK_REPETITIONS = dict(warmup=1, reps=3, max_reps=3, seconds_per_case=0.0)
+# --short (the short GPU check): the full shapes in a third of the time per case; GPU
+# events time a kernel to a microsecond, so 10 rounds settle a median there.
+SHORT_REPETITIONS = dict(warmup=2, reps=10, max_reps=30, seconds_per_case=1.0)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Options:
     out: Path
     full: bool = False  # the suite's largest sizes (bench/plan.py); neither: the default sizes
     plan_only: bool = False  # print the plan (sizes, estimates) and run nothing
+    short: bool = False  # the default sizes with SHORT_REPETITIONS and no tile sweep (the GPU check)
 
     @property
     def size(self) -> str:
@@ -74,6 +78,8 @@ def check_options(options: Options) -> None:
         raise SystemExit(f"--world-size must be at least 1, got {world_size}")
     if options.quick and options.full:
         raise SystemExit("--quick and --full exclude each other")
+    if options.quick and options.short:
+        raise SystemExit("--quick and --short exclude each other")
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -104,8 +110,8 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
     )  # fmt: skip
     ctx = Context(
         rank=rank, world_size=world_size, backend=backend, device=device,
-        device_name=hardware.device_name(device), quick=options.quick, full=options.full,
-        **(QUICK_REPETITIONS if options.quick else REPETITIONS),
+        device_name=hardware.device_name(device), quick=options.quick, full=options.full, short=options.short,
+        **(QUICK_REPETITIONS if options.quick else SHORT_REPETITIONS if options.short else REPETITIONS),
     )  # fmt: skip
     try:
         run_suite(ctx, list(options.only), options.out)

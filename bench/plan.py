@@ -117,8 +117,12 @@ class RunPlan:
     _family_started: float = 0.0
 
     def __post_init__(self) -> None:
-        self.estimates = {name: family_estimate(modules, self.size, self.on_gpu)
-                          for name, modules in self.families.items()}  # fmt: skip
+        # A module shared by two families (the ring's probe) runs once: counted at its first.
+        seen: set[ModuleType] = set()
+        self.estimates = {}
+        for name, modules in self.families.items():
+            self.estimates[name] = family_estimate(tuple(m for m in modules if m not in seen), self.size, self.on_gpu)
+            seen.update(modules)
 
     @property
     def total_estimate(self) -> float | None:
@@ -137,7 +141,12 @@ class RunPlan:
             lines = [f"plan: {self.size} sizes, about {self._total_text(self.size)} in all ({others}; "
                      f"{machine_note(world_size, backend, self.on_gpu)})"]  # fmt: skip
         width = max(len(name) for name in self.families)
+        seen: dict[ModuleType, str] = {}
         for name, modules in self.families.items():
+            if all(module in seen for module in modules):
+                lines.append(f"  {name:<{width}}  {duration(0):>10}  (runs with {seen[modules[0]]})")
+                continue
+            seen.update({module: name for module in modules if module not in seen})
             declared = [size for module in modules if (size := module_size(module, self.size)) is not None]
             runs = "; ".join(text for size in declared if (text := (self.on_gpu and size.gpu_runs) or size.runs))
             lines.append(f"  {name:<{width}}  {duration(self.estimates[name]):>10}  {runs or '(no sizes declared)'}")

@@ -1,8 +1,10 @@
-"""The PNG: speedup per case, and the pack/unpack kernels' GB/s against the peak; for ring
+"""The PNG: speedup per case, and the pack/unpack/merge kernels' GB/s against the peak; for ring
 attention, each case's share of the ideal and overlap efficiency, and (GPU) the step
 kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; for the
 LM loss, the peak memory and time of ours and of materialised logits per token count; for
-the transformers training step, each mode's time and per-rank peak against one process's."""
+the transformers training step, each mode's time and per-rank peak against one process's;
+for the video transformers, each mode's time against its baseline and its bytes; for memory,
+each configuration's peak per rank against the sequence's length."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ import matplotlib.ticker  # noqa: E402
 from bench.rows import (  # noqa: E402
     KERNEL_BENCHES,
     LOSS_BENCH,
+    MEMORY_BENCH,
     RING_ALL,
     STEP_BENCHES,
     STEP_TILES_BENCH,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
+    VIDEO_BENCH,
     Row,
     usp_grid_label,
 )
@@ -38,6 +42,7 @@ BENCH_COLORS = {
     "ulysses-exchange": "tab:green",
     "pack": "tab:purple",
     "unpack": "tab:brown",
+    "merge": "tab:pink",
 }
 # Ring panels: the legend goes between the title and the plot, where it hides no bar.
 PAD_FOR_LEGEND = 34
@@ -69,7 +74,7 @@ def _plot_speedups(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.axvline(1.0, color="black", linewidth=1, label="1.0: as fast as unfused")
     if on_gpu:
         axis.axvline(GPU_SPEEDUP_TARGET, color="red", linestyle="--", linewidth=1,
-                     label=f"{GPU_SPEEDUP_TARGET}x: GPU pack/unpack target")  # fmt: skip
+                     label=f"{GPU_SPEEDUP_TARGET}x: GPU pack/unpack/merge target")  # fmt: skip
     axis.set_yticks(list(positions), labels, fontsize=8)
     axis.invert_yaxis()
     # Log scale: 0.5x and 2x are equally far from 1, and a 20x case does not squash the rest.
@@ -85,7 +90,7 @@ def _plot_speedups(axis, rows: list[Row], on_gpu: bool) -> None:
 def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
     kernels = [row for row in rows if row.bench in KERNEL_BENCHES]
     if not kernels:
-        axis.text(0.5, 0.5, "pack/unpack kernels not run", ha="center", va="center")
+        axis.text(0.5, 0.5, "pack/unpack/merge kernels not run", ha="center", va="center")
         axis.set_axis_off()
         return
     positions = range(len(kernels))
@@ -94,6 +99,10 @@ def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
               label="ours (fused kernel)", color="tab:purple")  # fmt: skip
     axis.barh([p + height / 2 for p in positions], [row.baseline_gbps for row in kernels], height,
               label="unfused", color="lightgray")  # fmt: skip
+    copies = [(p, row.copy_gbps) for p, row in zip(positions, kernels) if row.copy_gbps is not None]
+    if copies:
+        axis.scatter([gbps for _, gbps in copies], [p for p, _ in copies], marker="|", s=300, color="black",
+                     zorder=3, label="plain device copy of as many bytes")  # fmt: skip
     peak = kernels[0].peak_gbps
     if peak:
         source = kernels[0].peak_source
@@ -104,11 +113,12 @@ def _plot_kernel_bandwidth(axis, rows: list[Row], on_gpu: bool) -> None:
     axis.set_yticks(list(positions), [f"{row.bench}: {row.case}" for row in kernels], fontsize=8)
     axis.invert_yaxis()
     # Room right of the peak line for the legend, so that it hides no bar.
-    widest = max([row.ours_gbps or 0 for row in kernels] + [row.baseline_gbps or 0 for row in kernels])
+    widest = max([row.ours_gbps or 0 for row in kernels] + [row.baseline_gbps or 0 for row in kernels]
+                 + [row.copy_gbps or 0 for row in kernels])  # fmt: skip
     axis.set_xlim(0, max(widest, peak or 0) * 1.5)
     axis.set_xlabel("GB/s (bytes read + written / time)")
     axis.legend(loc="lower right", fontsize=8)
-    axis.set_title("pack/unpack bandwidth" + (" vs peak" if on_gpu else " vs measured copy (CPU)"))
+    axis.set_title("pack/unpack/merge bandwidth" + (" vs peak" if on_gpu else " vs measured copy (CPU)"))
 
 
 def _plot_ring_efficiency(axis, rows: list[Row]) -> None:
@@ -305,7 +315,11 @@ def _plot_loss(left, right, rows: list[Row]) -> None:
         left.plot([row.peak_bound_bytes / 2**20] * 2, [position - 0.4, position], color="red", linewidth=1,
                   label="ours' bound" if position == 0 else None)  # fmt: skip
     _legend_on_top(left)
-    _loss_bars(right, rows, lambda row: row.ours_s, lambda row: None if row.baseline_peak_bytes is None else row.baseline_s,
+
+    def baseline_seconds(row):
+        return None if row.baseline_peak_bytes is None else row.baseline_s
+
+    _loss_bars(right, rows, lambda row: row.ours_s, baseline_seconds,
                1.0, "seconds per forward + backward (median; log scale)", "LM loss, one rank: time")  # fmt: skip
 
 
@@ -350,25 +364,86 @@ def _plot_transformers(left, right, rows: list[Row], on_gpu: bool) -> None:
     right.set_title("transformers training step: peak memory per rank")
 
 
+def _plot_video(left, right, rows: list[Row]) -> None:
+    """Each mode's time beside its baseline's (named in the case), and the bytes rank 0
+    sent per call: DSP against the token-sharding modes on Latte."""
+    positions = list(range(len(rows)))
+    labels = [row.case for row in rows]
+    left.barh([p - 0.2 for p in positions], [row.ours_s * 1e3 for row in rows], 0.4, color="tab:green", label="ours")
+    left.barh([p + 0.2 for p in positions], [row.baseline_s * 1e3 for row in rows], 0.4, color="lightgray",
+              label="baseline (named after 'vs')")  # fmt: skip
+    for position, row in zip(positions, rows):
+        left.text(row.ours_s * 1e3, position - 0.2, f" {row.ours_s * 1e3:.1f} ms x{row.speedup:.2f}", va="center",
+                  fontsize=6)  # fmt: skip
+    left.set_xlim(0, max(max(row.ours_s, row.baseline_s) for row in rows) * 1e3 * 1.35)
+    left.set_yticks(positions, labels, fontsize=7)
+    left.invert_yaxis()
+    left.set_xlabel("ms per transformer call (median); x = baseline / ours")
+    left.set_title("video transformers (diffusers): each mode against its baseline")
+    left.legend(loc="lower right", fontsize=7)
+    largest = max(row.bytes_sent_ours or 0 for row in rows)
+    unit, scale = ("MiB", 2**20) if largest >= 2**20 else ("KiB", 2**10)
+    right.barh(positions, [(row.bytes_sent_ours or 0) / scale for row in rows], 0.8, color="tab:orange")
+    for position, row in zip(positions, rows):
+        verdict = "" if row.volume_at_theory else " != theory"
+        right.text((row.bytes_sent_ours or 0) / scale, position, f" {(row.bytes_sent_ours or 0) / scale:.3g}{verdict}",
+                   va="center", fontsize=6)  # fmt: skip
+    right.set_xlim(0, max(largest / scale, 1e-9) * 1.35)
+    right.set_yticks(positions, labels, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel(f"{unit} sent by rank 0 per call (comm_stats; marked where not at the formula)")
+    right.set_title("video transformers: bytes per call")
+
+
+def _plot_memory(left, right, rows: list[Row]) -> None:
+    """Peak per rank against tokens, one line per configuration (left); each
+    configuration's peak at the longest length (right)."""
+    measured = [row for row in rows if row.ours_peak_bytes is not None]
+    names = list(dict.fromkeys(row.case.rsplit(" T=", 1)[0] for row in measured))
+    longest = {}
+    for name in names:
+        points = sorted((int(row.case.rsplit("T=", 1)[1]), row.ours_peak_bytes / 2**20) for row in measured
+                        if row.case.rsplit(" T=", 1)[0] == name)  # fmt: skip
+        left.plot([t for t, _ in points], [peak for _, peak in points], marker="o", label=name)
+        longest[name] = points[-1]
+    left.set_xlabel("tokens in the sequence")
+    left.set_ylabel("MiB held by the allocator in one step (largest rank)")
+    left.set_title("memory: peak per rank of a training step")
+    left.legend(fontsize=8, loc="upper left")
+    positions = list(range(len(names)))
+    right.barh(positions, [longest[name][1] for name in names], 0.8, color="tab:blue")
+    right.set_yticks(positions, [f"{name} (T={longest[name][0]})" for name in names], fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("MiB per rank at the longest measured length")
+    right.set_title("memory: configurations side by side")
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
-    general = [row for row in rows if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH)]
+    general = [
+        row
+        for row in rows
+        if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
+    ]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
     tiles = [row for row in rows if row.bench == STEP_TILES_BENCH]
     usp = [row for row in rows if row.bench in USP_BENCHES]
     loss = [row for row in rows if row.bench == LOSS_BENCH]
     hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
+    video = [row for row in rows if row.bench == VIDEO_BENCH]
+    memory = [row for row in rows if row.bench == MEMORY_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP; the LM loss; the transformers training step.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf) if panel] or [0]
+    # the step kernels; USP; the LM loss; the transformers training step; video
+    # transformers; memory.
+    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf, video, memory) if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp or loss or hf):
+    if general or not (ring or steps or usp or loss or hf or video or memory):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -390,10 +465,16 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if hf:
         left, right = next(line)
         _plot_transformers(left, right, hf, on_gpu)
+    if video:
+        left, right = next(line)
+        _plot_video(left, right, video)
+    if memory:
+        left, right = next(line)
+        _plot_memory(left, right, memory)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "
-        f"commit {metadata['git_commit']}, {metadata['date']}",
+        f"triton {metadata.get('triton', 'unknown')}, commit {metadata['git_commit']}, {metadata['date']}",
         fontsize=10,
     )
     figure.tight_layout()

@@ -13,11 +13,13 @@ from bench.rows import (
     CSV_COLUMNS,
     FAILED,
     LOSS_BENCH,
+    MEMORY_BENCH,
     PROBE_BENCH,
     RING_ALL,
     STEP_BENCHES,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
+    VIDEO_BENCH,
     Row,
     is_failed,
     usp_grid_label,
@@ -69,6 +71,14 @@ def ring_line(row: Row) -> str:
     if row.error_vs_plain is not None:
         parts.append(f"err {row.error_vs_plain:.1f}x plain torch's")
     return ", ".join(parts)
+
+
+def video_line(row: Row) -> str:
+    """The part of a video row's line that says how it went (progress and summary): the
+    mode's time against its baseline (named in the case), the grid, the bytes."""
+    return (f"{usp_grid_label(row.ulysses_degree, row.ring_degree)}: {_ms(row.ours_s)} vs {_ms(row.baseline_s)}: "
+            f"x{row.speedup:.2f} (won {row.ours_faster_share:.0%} of {row.reps} rounds, noise {row.noise:.0%}); "
+            f"{_sent(row)}")  # fmt: skip
 
 
 def _ring_progress_line(row: Row) -> str:
@@ -130,6 +140,15 @@ def transformers_line(row: Row) -> str:
             f"process {_bytes(row.baseline_peak_bytes)}")  # fmt: skip
 
 
+def memory_line(row: Row) -> str:
+    """The part of a memory row's line that says how it went (progress and summary):
+    the peak against one rank's, or a configuration's fitted bytes per token."""
+    if row.ours_peak_bytes is None:
+        return row.detail
+    return (f"peak {_bytes(row.ours_peak_bytes)} per rank at most, 1 rank {_bytes(row.baseline_peak_bytes)} "
+            f"(/{row.baseline_peak_bytes / max(row.ours_peak_bytes, 1):.2f})")  # fmt: skip
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
@@ -140,6 +159,10 @@ def progress_line(row: Row) -> str:
         return f"{row.bench:<16} {row.case:<32} {loss_line(row)} | {row.check}"
     if row.bench == TRANSFORMERS_BENCH:
         return f"{row.bench:<16} {row.case:<32} {transformers_line(row)} | {row.check}"
+    if row.bench == VIDEO_BENCH:
+        return f"{row.bench:<16} {row.case:<40} {video_line(row)} | {row.check}"
+    if row.bench == MEMORY_BENCH:
+        return f"{row.bench:<16} {row.case:<32} {memory_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -157,6 +180,8 @@ def progress_line(row: Row) -> str:
         text = f"{row.ours_gbps:.2f} vs {row.baseline_gbps:.2f} GB/s"
         if row.ours_fraction_of_peak is not None:
             text += f" ({row.ours_fraction_of_peak:.0%} of {row.peak_gbps:.0f})"
+        if row.copy_gbps is not None:
+            text += f", plain copy {row.copy_gbps:.2f}"
         parts.append(text)
     parts.append(row.check)
     return " | ".join(parts)
@@ -184,6 +209,12 @@ SUMMARY_SECTIONS = (
     ((TRANSFORMERS_BENCH,), "transformers training step (x = single-process step time / the mode's on every "
      "rank; on CPU ranks sharing cores: total work, not a parallel speedup; check: loss and gradients "
      "against the single process)", transformers_line, 32),
+    ((VIDEO_BENCH,), "video transformer call (x = baseline time / the mode's, the baseline named in the case: "
+     "diffusers' context parallelism where it ran, else the single process; check: the output against the "
+     "single process)", video_line, 40),
+    ((MEMORY_BENCH,), "Memory per rank of a training step (peak = the allocator's most bytes held; /n = one rank's "
+     "peak / this configuration's; fit: bytes per token and the longest sequence within the budget)", memory_line,
+     32),
 )  # fmt: skip
 
 
@@ -193,7 +224,11 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
     failed = [row for row in rows if is_failed(row)]
     rows = [row for row in rows if not is_failed(row)]
     for row in rows:
-        if row.bench in RING_ALL or row.bench in USP_BENCHES or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH):
+        if (
+            row.bench in RING_ALL
+            or row.bench in USP_BENCHES
+            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
+        ):
             continue
         won = f"{row.ours_faster_share:4.0%}"
         lines.append(f"  {row.bench:<16} {row.case:<32} x{row.speedup:5.2f}  won {won}  {row.check}")
@@ -221,17 +256,24 @@ def _replace_atomically(path: Path, text: str) -> None:
     staging.replace(path)
 
 
+# The run's metadata repeated on every CSV row, after the row's own columns: a CSV read
+# alone still says what software and commit it measured.
+RUN_COLUMNS = ("torch", "triton", "git_commit")
+
+
 def write_results(rows: list[Row], checks: list[Check], metadata: dict, stem: Path) -> list[Path]:
-    """Writes <stem>.csv (one row per case) and <stem>.json (run metadata: device, torch,
-    git commit, world size, backend; and the targets). Returns the paths written. Called
-    again after every case (bench/suite.py): each call replaces both files whole."""
+    """Writes <stem>.csv (one row per case, then RUN_COLUMNS) and <stem>.json (run
+    metadata: device, torch, Triton, git commit, world size, backend; and the targets).
+    Returns the paths written. Called again after every case (bench/suite.py): each call
+    replaces both files whole."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = stem.with_suffix(".csv"), stem.with_suffix(".json")
     table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS)
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS + list(RUN_COLUMNS))
     writer.writeheader()
+    run = {key: metadata.get(key, "") for key in RUN_COLUMNS}
     for row in rows:
-        writer.writerow({key: _csv_value(value) for key, value in dataclasses.asdict(row).items()})
+        writer.writerow({**{key: _csv_value(value) for key, value in dataclasses.asdict(row).items()}, **run})
     _replace_atomically(csv_path, table.getvalue())
     document = dict(metadata, csv=csv_path.name, targets=[dataclasses.asdict(check) for check in checks])
     _replace_atomically(json_path, json.dumps(document, indent=2) + "\n")

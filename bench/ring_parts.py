@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
+from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward
 
 # Timing candidates beside "ours" and "baseline": the ring with its exchange removed, and
 # its exchanges with no compute.
@@ -17,10 +17,16 @@ EXCHANGE_ONLY = "exchange only"
 
 def run_driver(q, k, v, dout, options, exchange, backward: bool) -> list[torch.Tensor]:
     """The ring driver's forward (and backward) called directly, its rings made by
-    `exchange`: out [, dq, dk, dv]. options: (causal, scale, zigzag, group name, step
-    kernels), as seqpar_kernels.parallel.ring_driver.ring_forward takes them."""
+    `exchange`: out [, dq, dk, dv]. options: (scale, group name, step backend, step
+    masks), as seqpar_kernels.engine.ring_driver.ring_forward takes them."""
     with torch.no_grad():
         out, lse = ring_forward(q, k, v, *options, exchange=exchange)
         if not backward:
             return [out]
         return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
+
+
+def driver_options(q, causal: bool, zigzag: bool, group_name: str, world_size: int, steps) -> tuple:
+    """run_driver's options for a dense sequence of world_size pieces of q's length."""
+    masks = dense_step_masks(causal, [q.shape[1]] * world_size, zigzag)
+    return (1.0 / q.shape[-1] ** 0.5, group_name, steps, masks)

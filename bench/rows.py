@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 # Row.bench of the families whose rows read differently from a fused-vs-unfused row
 # (progress lines, the summary, the targets, the plot).
-KERNEL_BENCHES = ("pack", "unpack")  # bench_kernels.py: the kernels alone, no collective
+# bench_kernels.py: the kernels alone, no collective (attention_merge_: the ring's merge)
+KERNEL_BENCHES = ("pack", "unpack", "merge")
 RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single-device SDPA
 STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
 STEP_TILES_BENCH = "ring-step-tiles"  # bench_ring_step.py (GPU): candidate tiles vs the shipped ones
@@ -19,6 +20,12 @@ USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid 
 LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
 # bench_transformers.py: a transformers model's training step, one process against each mode
 TRANSFORMERS_BENCH = "transformers"
+# bench_video.py: a diffusers video transformer's call under each mode of the diffusers integration
+VIDEO_BENCH = "video"
+# bench_memory.py: peak memory per rank of a training step at growing lengths, one rank
+# against P ranks, tiled MLPs and activation offload; "<configuration> fit" rows hold a
+# configuration's bytes per token
+MEMORY_BENCH = "memory"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -58,6 +65,9 @@ class Row:
     peak_gbps: float | None = None  # memory bandwidth reference (kernels rows)
     peak_source: str = ""  # "spec sheet" or "measured large copy"
     ours_fraction_of_peak: float | None = None
+    # A plain device copy of as many bytes (read + written) as ours moves, timed side by
+    # side with it (kernels rows): the practical ceiling of a data-movement kernel.
+    copy_gbps: float | None = None
     # Ring attention (bench_ring.py, bench_ring_step.py, bench_ring_probe.py); empty
     # elsewhere. In ring / ring-train rows ours is the ring on P ranks and the baseline
     # single-device SDPA of the whole sequence.
@@ -89,7 +99,8 @@ class Row:
     # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
     # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
     # A transformers row (bench_transformers.py): the largest over the ranks of a mode's
-    # step, and the single process's; no bound.
+    # step, and the single process's; no bound. A memory row (bench_memory.py): the
+    # configuration's largest over the ranks, and one rank's.
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 import seqpar_kernels
-from seqpar_kernels._extension import build_info
-
 from bench import (
     bench_kernels,
     bench_loss,
+    bench_memory,
     bench_reshard,
     bench_ring,
     bench_ring_probe,
@@ -33,6 +32,7 @@ from bench import (
     bench_ulysses,
     bench_usp,
     bench_varlen,
+    bench_video,
     hardware,
 )
 from bench.cases import failed_row
@@ -42,6 +42,7 @@ from bench.plot import plot_results
 from bench.results import progress_line, summary_table, write_results
 from bench.rows import Row, is_failed
 from bench.targets import target_checks
+from seqpar_kernels.extension import build_info
 
 # The benchmark families, one module each, under the names --only selects them by: each
 # name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
@@ -51,18 +52,25 @@ from bench.targets import target_checks
 # "loss" the fused LM loss against materialised logits (one process: rank 0);
 # "transformers" a transformers model's training step, one process against each mode of
 # the integration (skipped, with the reason, where transformers is not installed);
+# "memory" the peak memory per rank of a training step at growing lengths (one rank
+# against P ranks, tiled MLPs, activation offload) and the bytes per token;
 # "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
-# table of step_backend="auto".
+# table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone.
+# table of step_backend="auto"; "video" a diffusers video transformer (Latte, Wan) under each
+# mode of the diffusers integration against diffusers' own context parallelism where it runs.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
     "kernels": (bench_kernels,),
     "ring": (bench_ring, bench_ring_probe),
     "ring-step": (bench_ring_step,),
+    "ring-probe": (bench_ring_probe,),
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
     "loss": (bench_loss,),
     "transformers": (bench_transformers,),
+    "video": (bench_video,),
+    "memory": (bench_memory,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -91,6 +99,7 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "torch": torch.__version__,
+        "triton": hardware.triton_version(),
         "cuda": torch.version.cuda,
         "seqpar_kernels": seqpar_kernels.__version__,
         "seqpar_build": build_info(),
@@ -105,6 +114,7 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         "threads_per_rank": torch.get_num_threads(),
         "quick": ctx.quick,
         "size": ctx.size,
+        "short": ctx.short,
         "warmup_rounds": ctx.warmup,
         "timed_rounds": f"{timed_rounds(ctx)} per case (column reps)",
         "timing": "median over timed rounds of the slowest rank's time per call, candidates "
@@ -119,18 +129,25 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
     if "loss" in only:
         metadata["loss_baseline"] = bench_loss.BASELINE_NOTE
+    if "memory" in only:
+        metadata["memory_baseline"] = bench_memory.BASELINE_NOTE
     if "transformers" in only:
         metadata["transformers_baseline"] = bench_transformers.BASELINE_NOTE
         skipped = bench_transformers.transformers_unavailable()
         if skipped is not None:
             metadata["transformers_skipped"] = skipped
+    if "video" in only:
+        metadata["video_baseline"] = bench_video.BASELINE_NOTE
+        skipped = bench_video.diffusers_unavailable()
+        if skipped is not None:
+            metadata["video_skipped"] = skipped
     return metadata
 
 
 def results_stem(ctx: Context, out_dir: Path, started: datetime.datetime) -> Path:
-    """<out>/<device>-<backend><P>-<YYYYMMDD-HHMM>[-quick|-full]: sorts by device, then date."""
+    """<out>/<device>-<backend><P>-<YYYYMMDD-HHMM>[-quick|-full][-short]: sorts by device, then date."""
     name = f"{hardware.device_slug(ctx.device_name)}-{ctx.backend}{ctx.world_size}-{started:%Y%m%d-%H%M}"
-    return out_dir / (name + ("" if ctx.size == "default" else f"-{ctx.size}"))
+    return out_dir / (name + ("" if ctx.size == "default" else f"-{ctx.size}") + ("-short" if ctx.short else ""))
 
 
 @dataclass
@@ -144,6 +161,12 @@ class ResultsFiles:
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
+        self.write(complete=False)
+
+    def add_metadata(self, entries: dict) -> None:
+        """What a bench adds to the JSON (ring-step: the step backend it measured),
+        written at once."""
+        self.metadata.update(entries)
         self.write(complete=False)
 
     def write(self, complete: bool) -> list[Path]:
@@ -160,14 +183,17 @@ class ResultsFiles:
         return write_results(self.rows, target_checks(self.rows, self.ctx.on_gpu), self.metadata, self.stem)
 
 
-def run_bench(ctx: Context, name: str, results: ResultsFiles) -> None:
+def run_bench(ctx: Context, name: str, results: ResultsFiles, done: set) -> None:
     """One bench, its rows into results as they are made (a case that raises is a FAILED
     row: bench/cases.py's run_case); an error outside its cases stops only this bench
-    (all of its modules' remaining cases)."""
+    (all of its modules' remaining cases). done: the modules this run has already run
+    ("ring" and "ring-probe" share one), each run once."""
     ctx.record_row = results.add
     try:
         for family in BENCHES[name]:
-            family.run(ctx)
+            if family not in done:
+                done.add(family)
+                family.run(ctx)
         return
     except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
         row = failed_row(ctx, name, BENCH_STOPPED, error)
@@ -205,10 +231,12 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     results.metadata["plan"] = plan.record()  # per family: the estimate, then the time taken
+    ctx.record_metadata = results.add_metadata
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")
+    done = set()
     for name in only:
         ctx.log(plan.start(name))
-        run_bench(ctx, name, results)
+        run_bench(ctx, name, results, done)
         ctx.log(plan.finish(name))
         results.metadata["plan"] = plan.record()
     rows = results.rows

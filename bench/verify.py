@@ -13,10 +13,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels import comm_stats
-
 from bench.context import Context
-from tests.reference import ERROR_FACTOR, error_bound, magnitude, max_error
+from seqpar_kernels import comm_stats
+from tools.reference import ERROR_FACTOR, error_bound, magnitude, max_error
 
 # Query rows per chunk of the exact reference (memory: chunk x S fp64 per head).
 REFERENCE_CHUNK = 1024
@@ -30,7 +29,7 @@ def agreement(
     *,
     collective: bool = True,
 ) -> str:
-    """"identical", "max err <e>" (within atol) or "MISMATCH ...": values compared, not
+    """ "identical", "max err <e>" (within atol) or "MISMATCH ...": values compared, not
     layouts. atol = 0 asks for bit-for-bit equality (pure data movement must be exact).
     collective: every rank calls this and the verdict covers all ranks' tensors;
     otherwise only this rank's."""
@@ -187,7 +186,7 @@ def judge_attention(ours, sdpas, full, causal: bool, scale: float, heads: tuple[
 
 def within_error_rule(error: float, yardstick: float, truth: torch.Tensor, lse_magnitude: float,
                       dtype: torch.dtype) -> bool:  # fmt: skip
-    """The tests' accuracy rule (tests/reference.py: error_bound): at most ERROR_FACTOR x
+    """The tests' accuracy rule (tools/reference.py: error_bound): at most ERROR_FACTOR x
     the yardstick's error plus a unit of roundoff or so at the exact tensor's magnitude
     and the rounding of an fp32 log-sum-exp as large as lse_magnitude; NaN is not."""
     return error <= error_bound(dtype, yardstick, magnitude(truth), lse_magnitude)

@@ -1,4 +1,5 @@
-"""Dynamic Sequence Parallelism (DSP, arXiv:2403.10266) on a small video-DiT-like model.
+"""Dynamic Sequence Parallelism (DSP, arXiv:2403.10266) on a small video-DiT-like model
+(one file, over 500 lines: an example a reader runs and reads whole).
 
 The model is a spatial-temporal transformer on latent videos x of shape
 (B, T, S, C): batch, frames, patches per frame, channels. Each layer is a pair of
@@ -239,9 +240,7 @@ class Block(nn.Module):
         """x: (B, T', S', C), this rank's piece (the attended dim whole, except under
         Ulysses); cond: (B, C). Returns the same shape."""
         # (B, 6C) -> (B, 1, 1, 6C) -> six (B, 1, 1, C), broadcast over the local tokens.
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (
-            self.modulation(cond)[:, None, None, :].chunk(6, dim=-1)
-        )
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(cond)[:, None, None, :].chunk(6, dim=-1)
         x = x + gate_a * self._attention(modulate(self.norm1(x), shift_a, scale_a), plan)
         x = x + gate_m * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
         return x
@@ -283,9 +282,7 @@ class VideoDiT(nn.Module):
         self.embed = nn.Linear(config.in_channels, channels)
         self.frame_pos = nn.Parameter(torch.randn(config.frames, channels) * 0.02)
         self.patch_pos = nn.Parameter(torch.randn(config.patches, channels) * 0.02)
-        self.cond_mlp = nn.Sequential(
-            nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels)
-        )
+        self.cond_mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels))
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.layers))
         self.final_norm = nn.LayerNorm(channels)
         self.head = nn.Linear(channels, config.in_channels)
@@ -354,9 +351,7 @@ def run_parallel(model, plan, video, cond, dout, group):
     return out.detach(), grads, layer_bytes, backward.bytes_sent
 
 
-def run_check(
-    config: Config, group=None, device: torch.device | str = "cpu", verbose: bool = True
-) -> dict:
+def run_check(config: Config, group=None, device: torch.device | str = "cpu", verbose: bool = True) -> dict:
     """Runs the single-process model, DSP and Ulysses on this rank of an initialised
     process group, and compares. Returns a summary: ok and the per-plan max errors (in
     units of the tolerance) agree on every rank; bytes_per_layer and backward_bytes are
@@ -384,8 +379,10 @@ def run_check(
         # Ulysses splits the heads across ranks: the ranks beyond the head count get none
         # and idle during attention (they still take part in the exchanges).
         idle = world_size - config.heads
-        print(f"Ulysses: {config.heads} heads on {world_size} ranks, {idle} "
-              f"rank{'s' if idle > 1 else ''} idle during attention")
+        print(
+            f"Ulysses: {config.heads} heads on {world_size} ranks, {idle} "
+            f"rank{'s' if idle > 1 else ''} idle during attention"
+        )
 
     summary = {"ok": True, "world_size": world_size, "plans": {}}
     activation_bytes = config.batch * config.frames * config.patches * config.channels * 4
@@ -470,9 +467,7 @@ def _spawned_rank(rank: int, world_size: int, init_file: str, config: Config, th
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--world-size", type=int, default=4, help="gloo ranks to spawn (ignored under torchrun)"
-    )
+    parser.add_argument("--world-size", type=int, default=4, help="gloo ranks to spawn (ignored under torchrun)")
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=type(field.default), default=field.default)
@@ -480,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Config)})
 
     if "RANK" in os.environ:  # under torchrun
-        from seqpar_kernels._extension import build_info
+        from seqpar_kernels.extension import build_info
 
         use_cuda = torch.cuda.is_available() and build_info()["cuda"]
         dist.init_process_group("nccl" if use_cuda else "gloo")

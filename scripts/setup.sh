@@ -5,60 +5,119 @@
 #   - builds the extension in place (pip install --no-build-isolation -e .): CPU kernels
 #     always, CUDA kernels when a CUDA toolkit and a CUDA build of torch are present
 #     (setup.py finds the toolkit and decides; its lines are in build/install.log)
+# Without a package index (scripts/package_index.sh decides in about 2 s; SEQPAR_OFFLINE=1
+# says so at once) it installs nothing: it names what is missing, the optional parts
+# (transformers, its oldest supported release) are skipped and their tests skip.
+#
+#   bash scripts/setup.sh [--dry-run]
+#   --dry-run  prints what it would install, skip and build; installs and builds nothing.
 # Environment: PYTHON (default python3), SEQPAR_TORCH (default torch==2.14.1),
-# CUDA_HOME, SEQPAR_CUDA_ARCHS, SEQPAR_FORCE_CPU=1 (see setup.py).
+# SEQPAR_OFFLINE, CUDA_HOME, SEQPAR_CUDA_ARCHS, MAX_JOBS, SEQPAR_FORCE_CPU=1 (see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 SEQPAR_TORCH=${SEQPAR_TORCH:-torch==2.14.1}
+# shellcheck source=scripts/package_index.sh
+source scripts/package_index.sh
+
+dry_run=0
+case ${1:-} in
+  --dry-run) dry_run=1 ;;
+  "") ;;
+  *) echo "usage: bash scripts/setup.sh [--dry-run]" >&2; exit 2 ;;
+esac
 
 say() { echo "[setup] $*"; }
 
+# pip_install WHAT PIP-ARGS...: `pip install PIP-ARGS` from the package index; offline it
+# says what it leaves out and returns 1 (the caller says what that costs).
+pip_install() {
+  local what=$1
+  shift
+  if package_index_offline; then
+    say "offline ($SEQPAR_OFFLINE_REASON): not installing $what"
+    return 1
+  fi
+  if [ $dry_run = 1 ]; then
+    say "would install $what: $PYTHON -m pip install $*"
+    return 0
+  fi
+  say "installing $what"
+  "$PYTHON" -m pip install "$@"
+}
+
+# The modules (of module:package pairs) that cannot be imported, as their packages; found
+# without importing them (torch and transformers take seconds to import).
+missing_packages() {
+  "$PYTHON" - "$@" <<'PY'
+import importlib.util
+import sys
+
+for pair in sys.argv[1:]:
+    module, package = pair.split(":", 1)
+    if importlib.util.find_spec(module) is None:
+        print(package)
+PY
+}
+
+# The installed torch's release, read from its metadata (importing it takes seconds).
 if ! "$PYTHON" - <<'PY' 2>/dev/null
-import torch
-major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+from importlib.metadata import version
+major, minor = (int(part) for part in version("torch").split(".")[:2])
 raise SystemExit(0 if (major, minor) >= (2, 6) else 1)
 PY
 then
-  say "installing $SEQPAR_TORCH"
-  "$PYTHON" -m pip install -q "$SEQPAR_TORCH"
+  pip_install "$SEQPAR_TORCH" -q "$SEQPAR_TORCH" || say "no torch 2.6 or newer: the build will fail"
 fi
 
 # Python modules the build, tests and benchmarks import; install only what is missing
 # (the GPU machines reach no package index, and have most of these already).
-missing=()
-for module_and_package in pybind11:pybind11 pytest:pytest matplotlib:matplotlib numpy:numpy; do
-  module=${module_and_package%%:*}
-  "$PYTHON" -c "import $module" 2>/dev/null || missing+=("${module_and_package##*:}")
-done
+mapfile -t missing < <(missing_packages pybind11:pybind11 pytest:pytest matplotlib:matplotlib numpy:numpy ruff:ruff \
+    importlinter:import-linter)
 command -v cmake >/dev/null || missing+=("cmake>=3.18")
-command -v ninja >/dev/null || "$PYTHON" -c "import ninja" 2>/dev/null || missing+=(ninja)
+command -v ninja >/dev/null || [ -z "$(missing_packages ninja:ninja)" ] || missing+=(ninja)
 if [ ${#missing[@]} -gt 0 ]; then
-  say "installing ${missing[*]}"
-  "$PYTHON" -m pip install -q "${missing[@]}"
+  pip_install "${missing[*]}" -q "${missing[@]}" || say "missing ${missing[*]}: the build or some tests may fail"
 fi
 
-# The transformers integration's tests: the newest release in the environment, and the
-# oldest supported one (the README says which) in build/, where its tests put it first on
-# PYTHONPATH; its own pins of huggingface_hub and tokenizers go beside it. Without a
-# package index (the GPU machines) both are skipped, and so are those tests.
-TRANSFORMERS_OLDEST=4.56.2
-if ! "$PYTHON" -c "import transformers" 2>/dev/null; then
-  say "installing transformers (optional: the integration's tests)"
-  "$PYTHON" -m pip install -q "transformers>=$TRANSFORMERS_OLDEST" || say "could not install transformers; its tests will skip"
-fi
-oldest_dir="build/transformers-$TRANSFORMERS_OLDEST"
-if [ ! -d "$oldest_dir/transformers" ]; then
-  say "installing transformers==$TRANSFORMERS_OLDEST into $oldest_dir (the oldest supported release)"
-  mkdir -p build
-  "$PYTHON" -m pip install -q --no-deps --target "$oldest_dir.partial" "transformers==$TRANSFORMERS_OLDEST" \
-      "huggingface_hub==0.36.0" "tokenizers==0.22.1" && mv "$oldest_dir.partial" "$oldest_dir" \
-    || { rm -rf "$oldest_dir.partial"; say "could not install it; its test will skip"; }
+# An optional dependency of an integration: the newest release in the environment for its
+# tests, and the oldest supported one in build/NAME-VERSION, which its tests put first on
+# PYTHONPATH (with the pins given after the version beside it). Skipped offline.
+optional_dependency() {
+  local name=$1 oldest=$2
+  shift 2
+  if [ -n "$(missing_packages "$name:$name")" ]; then
+    pip_install "$name (optional: the integration's tests)" -q "$name>=$oldest" || say "no $name: its tests will skip"
+  fi
+  local oldest_dir="build/$name-$oldest"
+  if [ ! -d "$oldest_dir/$name" ]; then
+    if [ $dry_run = 0 ]; then mkdir -p build; fi
+    if pip_install "$name==$oldest into $oldest_dir (the oldest supported release)" -q \
+      --no-deps --target "$oldest_dir.partial" "$name==$oldest" "$@"; then
+      if [ $dry_run = 0 ]; then mv "$oldest_dir.partial" "$oldest_dir"; fi
+    else
+      if [ $dry_run = 0 ]; then rm -rf "$oldest_dir.partial"; fi
+      say "no $name $oldest: its test will skip"
+    fi
+  fi
+}
+optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1"
+optional_dependency diffusers 0.35.2
+# The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
+if [ -n "$(missing_packages accelerate:accelerate)" ]; then
+  pip_install "accelerate (optional: the Trainer's tests)" -q "accelerate>=1.0" || say "no accelerate: the Trainer's tests will skip"
 fi
 
+# The build needs no index (no build isolation, no dependencies): --no-index keeps pip
+# from asking one anyway.
+build=("$PYTHON" -m pip install -v --no-build-isolation --no-deps --no-index --disable-pip-version-check -e .)
+if [ $dry_run = 1 ]; then
+  say "would build the extension: ${build[*]} > build/install.log; then $PYTHON -m seqpar_kernels.info"
+  exit 0
+fi
 say "building the extension (log: build/install.log)"
 mkdir -p build
-if ! "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >build/install.log 2>&1; then
+if ! "${build[@]}" >build/install.log 2>&1; then
   tail -40 build/install.log
   say "build failed; full log in build/install.log"
   exit 1

@@ -13,19 +13,21 @@ Public API:
     comm_stats                                             (bytes sent, for tests and benchmarks)
 """
 
-from seqpar_kernels import _extension  # noqa: F401  (loads the compiled ops)
-from seqpar_kernels import ops  # noqa: F401  (registers fake kernels and autograd)
-from seqpar_kernels.comm.stats import comm_stats
-from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
-from seqpar_kernels.parallel.ulysses import ulysses_attention
-from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
-from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
-from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
-from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
+from seqpar_kernels import (
+    extension,  # noqa: F401  (loads the compiled ops)
+    ops,  # noqa: F401  (registers fake kernels and autograd)
+)
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
 )
+from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
+from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
+from seqpar_kernels.parallel.ulysses import ulysses_attention
+from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
+from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
+from seqpar_kernels.traffic import comm_stats
 
 __version__ = "0.1.0"
 __all__ = [

@@ -11,7 +11,7 @@ def collect() -> dict:
     import torch.distributed as dist
 
     import seqpar_kernels
-    from seqpar_kernels._extension import build_info
+    from seqpar_kernels.extension import build_info
 
     built = build_info()
     try:

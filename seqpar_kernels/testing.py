@@ -1,24 +1,23 @@
 """What tests and benchmarks swap in: not used by the library itself.
 
-    ring_attention_with_step_kernels(q, k, v, step_kernels, ...)
-        ring_attention with the step kernels chosen by name (seqpar_kernels.parallel.
-        ring_steps.STEP_KERNELS): "triton" runs the GPU path's kernels on CPU tensors in
-        the Triton interpreter (TRITON_INTERPRET=1), so that its schedule is checked on
-        gloo ranks without a GPU.
-    ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
-        a ring factory for the ring driver (seqpar_kernels.parallel.ring_driver's
-        `exchange` argument) whose rings move nothing, or copy on one GPU instead of
-        sending: the compute alone, or one GPU running every step of a P-rank ring.
-    peak_cpu_memory(fn, *args, **kwargs)
-        (fn's result, the most bytes the CPU allocator held during the call beyond what
-        it held before), from the allocator's own reports to torch.profiler (torch has
-        no torch.cpu.max_memory_allocated), without the profiler's routine stderr lines.
+ring_attention_with_step_kernels(q, k, v, step_kernels, ...)
+    ring_attention with the step backend chosen by name (seqpar_kernels.engine.
+    step_backends.STEP_KERNELS): "triton" runs the GPU path's kernels on CPU tensors
+    in the Triton interpreter (TRITON_INTERPRET=1), so that its schedule is checked
+    on gloo ranks without a GPU.
+ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
+    a ring factory for the ring driver (seqpar_kernels.engine.ring_driver's
+    `exchange` argument) whose rings move nothing, or copy on one GPU instead of
+    sending: the compute alone, or one GPU running every step of a P-rank ring.
+peak_cpu_memory(fn, *args, **kwargs)
+    (fn's result, the most bytes the CPU allocator held during the call beyond what
+    it held before), from the allocator's own reports to torch.profiler (torch has
+    no torch.cpu.max_memory_allocated), without the profiler's routine stderr lines.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import re
 import sys
@@ -29,15 +28,15 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from seqpar_kernels.comm.ring import Ring, RingWork
-from seqpar_kernels.parallel.ring import _ring_attention, ring_attention
+from seqpar_kernels.parallel.ring import ring_attention_with_step_kernels
 
-
-def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
-    """seqpar_kernels.ring_attention(q, k, v, **options), each step computed by the step
-    kernels named `step_kernels` ("aten", "aten-repeated-kv" or "triton")."""
-    arguments = inspect.signature(ring_attention).bind(q, k, v, **options)
-    arguments.apply_defaults()  # ring_attention's own defaults
-    return _ring_attention(**{**arguments.arguments, "step_backend": step_kernels})
+__all__ = [
+    "ring_attention_with_step_kernels",
+    "ReplacedExchange",
+    "EXCHANGE_MODES",
+    "peak_cpu_memory",
+    "without_profiler_chatter",
+]
 
 
 EXCHANGE_MODES = ("none", "copy", "serial_copy")

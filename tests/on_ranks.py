@@ -1,16 +1,19 @@
 """Helpers that run inside the gloo ranks of the rank pool (tests/rank_pool.py).
 
-    rank_and_world()             this rank and the world size
-    timeout_group()              the world as a gloo group whose collectives time out
-    on_every_rank                decorator for rank functions that use timeout_group
-    all_ranks_agree(flag)        True iff flag is true on every rank
-    backward_on_every_rank(out, dout)   out.backward(dout), raising on every rank alike
-                                 when some rank's out is cut from the graph
+rank_and_world()             this rank and the world size
+timeout_group()              the world as a gloo group whose collectives time out
+on_every_rank                decorator for rank functions that use timeout_group
+all_ranks_agree(flag)        True iff flag is true on every rank
+backward_on_every_rank(out, dout)   out.backward(dout), raising on every rank alike
+                             when some rank's out is cut from the graph
+raises(call, match)          None when call() raises the expected ValueError,
+                             else what went wrong (a rank function's report)
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from datetime import timedelta
 
 import torch
@@ -85,3 +88,13 @@ def backward_on_every_rank(out, dout):
         )
     out.backward(dout)
 
+
+def raises(call, match: str) -> str | None:
+    """None when call() raises ValueError matching `match` (a regex), else what went
+    wrong: a rank function collects these instead of asserting, so that every rank
+    reaches the same collectives whatever one rank's check finds."""
+    try:
+        call()
+    except ValueError as error:
+        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
+    return f"no ValueError (expected {match!r})"

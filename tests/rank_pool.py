@@ -36,9 +36,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
 
     # Ranks share 2 cores: one thread each keeps them from fighting.
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     import seqpar_kernels  # noqa: F401  (load the ops once)
 
     while True:

@@ -69,11 +69,16 @@ def reshard_all_dim_pairs(dtype, layout):
 
 @pytest.mark.parametrize(
     "dtype,layout",
-    [(torch.float32, "contiguous"), (torch.bfloat16, "channels_first"),
-     (torch.float16, "negative_dims"), (torch.int64, "contiguous"),
-     # gloo has no all_to_all of its own for these: the exchange moves bytes.
-     (torch.int16, "channels_first"), (torch.uint16, "negative_dims"),
-     (torch.float8_e4m3fn, "contiguous")],
+    [
+        (torch.float32, "contiguous"),
+        (torch.bfloat16, "channels_first"),
+        (torch.float16, "negative_dims"),
+        (torch.int64, "contiguous"),
+        # gloo has no all_to_all of its own for these: the exchange moves bytes.
+        (torch.int16, "channels_first"),
+        (torch.uint16, "negative_dims"),
+        (torch.float8_e4m3fn, "contiguous"),
+    ],
 )
 def test_reshard_matches_tensor_split(ranks, dtype, layout):
     assert ranks.run(reshard_all_dim_pairs, dtype, layout) == [[]] * ranks.world_size
@@ -146,8 +151,10 @@ def batch_one_switch_copies_once():
         results = {}
         full = full_tensor((1, 9, 7, 4), torch.bfloat16, 16)  # T=9: every rank keeps 2+ frames
         full_grad = full_tensor((1, 9, 7, 4), torch.bfloat16, 17)
-        for name, scatter_dim, gather_dim, kernels in [("S->T", 1, 2, ["unpack_blocks"]),
-                                                       ("T->S", 2, 1, ["pack_blocks"])]:
+        for name, scatter_dim, gather_dim, kernels in [
+            ("S->T", 1, 2, ["unpack_blocks"]),
+            ("T->S", 2, 1, ["pack_blocks"]),
+        ]:
             calls.clear()
             local = piece(full, gather_dim).contiguous().requires_grad_()  # a rank's own tensor
             out = sp.all_to_all_reshard(local, scatter_dim, gather_dim)
@@ -189,11 +196,15 @@ def split_and_gather(dtype, shape, dim, layout):
 
 @pytest.mark.parametrize(
     "dtype,shape,dim,layout",
-    [(torch.float32, (2, 11, 3), 1, "contiguous"), (torch.float16, (2, 11, 3), 1, "contiguous"),
-     (torch.bfloat16, (2, 11, 3), 1, "channels_first"),
-     # Pieces along dims smaller than the world are empty on some ranks.
-     (torch.bfloat16, (5, 3, 2), -1, "sliced"), (torch.float16, (3, 4, 6), 0, "channels_first"),
-     (torch.float32, (4, 2, 5), -2, "sliced")],
+    [
+        (torch.float32, (2, 11, 3), 1, "contiguous"),
+        (torch.float16, (2, 11, 3), 1, "contiguous"),
+        (torch.bfloat16, (2, 11, 3), 1, "channels_first"),
+        # Pieces along dims smaller than the world are empty on some ranks.
+        (torch.bfloat16, (5, 3, 2), -1, "sliced"),
+        (torch.float16, (3, 4, 6), 0, "channels_first"),
+        (torch.float32, (4, 2, 5), -2, "sliced"),
+    ],
 )
 def test_split_and_gather_sequence(ranks, dtype, shape, dim, layout):
     for results in ranks.run(split_and_gather, dtype, shape, dim, layout):
@@ -245,9 +256,8 @@ def strided_input_read_in_place():
         seqpar_ops = [op.split(".")[1] for op in ops if op.startswith("seqpar.")]
         packed = [tensors[0] for op, tensors in recorder.ops if op.startswith("seqpar.pack_blocks")]
         results[f"{name}: input is strided"] = not local.is_contiguous()
-        results[f"{name}: ops {ops}"] = (
-            seqpar_ops == ["pack_blocks", "all_to_all_single", "unpack_blocks"]
-            and not any(COPY_OPS.search(op) for op in ops)
+        results[f"{name}: ops {ops}"] = seqpar_ops == ["pack_blocks", "all_to_all_single", "unpack_blocks"] and not any(
+            COPY_OPS.search(op) for op in ops
         )
         results[f"{name}: the pack reads the input's memory"] = (
             len(packed) == 1

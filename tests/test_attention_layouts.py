@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import reference
-import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
+
+import seqpar_kernels as sp
+from seqpar_kernels.testing import ring_attention_with_step_kernels
+from tools import reference
 
 
 def _same(x):
@@ -106,7 +106,8 @@ def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tup
             consumer(out, local[3]).backward()
             got = [out.detach(), *(leaf.grad for leaf in leaves)]
             errors[f"{layout_name}/{consumer_name}"] = max(
-                reference.max_error(g, reference.contiguous_piece(e, [S_LOCAL] * world_size, rank)) / max(1.0, reference.magnitude(e))
+                reference.max_error(g, reference.contiguous_piece(e, [S_LOCAL] * world_size, rank))
+                / max(1.0, reference.magnitude(e))
                 for g, e in zip(got, exact)
             )
     return errors

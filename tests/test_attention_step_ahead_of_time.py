@@ -4,7 +4,7 @@ Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
 64/128/256, full or causal, MHA or GQA; the interval mask of packed documents
 for bf16 and fp32 at head dim 128; on sm_90 the pointer loads that a q layout
 TMA cannot take falls back to, bf16 at head dim 128) is compiled by
-seqpar_kernels.kernels.ahead_of_time for one GPU of each family the tile choice
+tools.ahead_of_time for one GPU of each family the tile choice
 tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
 99 KiB of shared memory), sm_100 (B200) and sm_120 (RTX 50xx), with the same
 tiles and the same argument specialization as a real launch.  Without a GPU this is how CI
@@ -41,25 +41,28 @@ pytest.importorskip("triton.backends.nvidia")
 from triton.compiler import ASTSource  # noqa: E402
 
 if "constexprs" not in inspect.signature(ASTSource).parameters:
-    pytest.skip("ahead-of-time compiles need triton 3.3 or newer (ASTSource(constexprs=...))",
-                allow_module_level=True)
+    pytest.skip("ahead-of-time compiles need triton 3.3 or newer (ASTSource(constexprs=...))", allow_module_level=True)
 
-from seqpar_kernels.kernels.ahead_of_time import (  # noqa: E402
+from seqpar_kernels.kernels.attention_step_tiles import (  # noqa: E402
+    SHARED_MEMORY_PER_BLOCK,
+    TENSOR_DESCRIPTORS_AVAILABLE,
+)
+from tools.ahead_of_time import (  # noqa: E402
     DEFAULT_CAPABILITIES,
     block_copy_report,
     is_serialization_warning,
     read_record,
 )
-from seqpar_kernels.kernels.attention_step_tiles import (  # noqa: E402
-    SHARED_MEMORY_PER_BLOCK,
-    TENSOR_DESCRIPTORS_AVAILABLE,
-)
 
-KERNELS = {"_attention_step_fwd_kernel", "_attention_bwd_preprocess_kernel",
-           "_attention_step_bwd_dq_kernel", "_attention_step_bwd_dkdv_kernel"}
+KERNELS = {
+    "attention_step_fwd_kernel",
+    "attention_bwd_preprocess_kernel",
+    "attention_step_bwd_dq_kernel",
+    "attention_step_bwd_dkdv_kernel",
+}
 
 
-# The reference kernels (reference_attention.py) are compiled for this target
+# The reference kernels (reference_kernels.py) are compiled for this target
 # only: on every target they would add 38% to the compile (sm_90: 364 s of CPU
 # time with them, 264 s without), and the comparison is for the tile choices of
 # the H100 family.
@@ -73,8 +76,11 @@ REFERENCE_CAPABILITY = 90
 # the Triton release or the module's compile and SASS reading changes the key), and
 # test_the_record_holds_every_kernel says when to write it again.
 RECORD = os.path.join(os.path.dirname(__file__), "data", "attention_step_ahead_of_time.json")
-UPDATE_RECORD = ("python -m seqpar_kernels.kernels.ahead_of_time --record tests/data/attention_step_ahead_of_time.json "
-                 f"--update-record --reference-capability {REFERENCE_CAPABILITY}")
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # python -m tools.ahead_of_time runs there
+UPDATE_RECORD = (
+    "python -m tools.ahead_of_time --record tests/data/attention_step_ahead_of_time.json "
+    f"--update-record --reference-capability {REFERENCE_CAPABILITY}"
+)
 
 
 def _without_interpreter():
@@ -86,9 +92,23 @@ def _without_interpreter():
 @pytest.fixture(scope="module")
 def compiled():
     result = subprocess.run(
-        [sys.executable, "-m", "seqpar_kernels.kernels.ahead_of_time", "--json", "--record", RECORD,
-         "--capability", *map(str, DEFAULT_CAPABILITIES), "--reference-capability", str(REFERENCE_CAPABILITY)],
-        capture_output=True, text=True, env=_without_interpreter(), timeout=2400,
+        [
+            sys.executable,
+            "-m",
+            "tools.ahead_of_time",
+            "--json",
+            "--record",
+            RECORD,
+            "--capability",
+            *map(str, DEFAULT_CAPABILITIES),
+            "--reference-capability",
+            str(REFERENCE_CAPABILITY),
+        ],
+        capture_output=True,
+        text=True,
+        env=_without_interpreter(),
+        timeout=2400,
+        cwd=REPOSITORY,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)
@@ -96,10 +116,15 @@ def compiled():
 
 def test_the_record_holds_every_kernel(compiled):
     missing = [_describe(row) for row in compiled if not row["recorded"]]
-    missing += [f"the reference kernel of {_describe(row)}" for row in compiled
-                if row["reference"] and not row["reference"]["recorded"]]
-    assert not missing, (f"{len(missing)} kernels are not in the record (compiled by this run instead): write it "
-                         f"again with\n  {UPDATE_RECORD}\n" + "\n".join(missing[:20]))
+    missing += [
+        f"the reference kernel of {_describe(row)}"
+        for row in compiled
+        if row["reference"] and not row["reference"]["recorded"]
+    ]
+    assert not missing, (
+        f"{len(missing)} kernels are not in the record (compiled by this run instead): write it "
+        f"again with\n  {UPDATE_RECORD}\n" + "\n".join(missing[:20])
+    )
 
 
 def test_the_recorded_kernels_compile_as_recorded():
@@ -108,12 +133,20 @@ def test_the_recorded_kernels_compile_as_recorded():
     # on every target: TMA and pointer loads, one program per group and split)
     # must give the recorded rows.
     recorded = read_record(RECORD)
-    script = ("import json, sys\n"
-              "from seqpar_kernels.kernels.ahead_of_time import recompile\n"
-              "json.dump([row for capability in json.loads(sys.argv[1]) for row in recompile(capability, "
-              "['_attention_step_bwd_dkdv_kernel bfloat16 d128 causal GQA'])], sys.stdout)")
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(list(DEFAULT_CAPABILITIES))],
-                            capture_output=True, text=True, env=_without_interpreter(), timeout=1200)
+    script = (
+        "import json, sys\n"
+        "from tools.ahead_of_time import recompile\n"
+        "json.dump([row for capability in json.loads(sys.argv[1]) for row in recompile(capability, "
+        "['attention_step_bwd_dkdv_kernel bfloat16 d128 causal GQA'])], sys.stdout)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(list(DEFAULT_CAPABILITIES))],
+        capture_output=True,
+        text=True,
+        env=_without_interpreter(),
+        timeout=1200,
+        cwd=REPOSITORY,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     fresh = json.loads(result.stdout)
     assert len(fresh) >= 2 * len(DEFAULT_CAPABILITIES), [row["description"] for row in fresh]
@@ -124,8 +157,10 @@ def test_the_recorded_kernels_compile_as_recorded():
 
 
 def _describe(row):
-    return (f"sm_{row['capability']} {row['description']} {row['constexprs']} warps {row['num_warps']} "
-            f"stages {row['num_stages']}")
+    return (
+        f"sm_{row['capability']} {row['description']} {row['constexprs']} warps {row['num_warps']} "
+        f"stages {row['num_stages']}"
+    )
 
 
 def test_every_kernel_compiles_for_every_target(compiled):
@@ -139,25 +174,39 @@ def test_every_kernel_compiles_for_every_target(compiled):
         # The interval mask: each step kernel, MHA and GQA, bf16 and fp32 at d128
         # (and the launch variants of each, e.g. a first step's forward).
         intervals = {tuple(row["description"].split()[:5]) for row in rows if " intervals " in row["description"]}
-        assert intervals == {(kernel, dtype, "d128", "intervals", heads)
-                             for kernel in KERNELS - {"_attention_bwd_preprocess_kernel"}
-                             for dtype in ("bfloat16", "float32") for heads in ("MHA", "GQA")}, (
-            capability, sorted(intervals))
+        assert intervals == {
+            (kernel, dtype, "d128", "intervals", heads)
+            for kernel in KERNELS - {"attention_bwd_preprocess_kernel"}
+            for dtype in ("bfloat16", "float32")
+            for heads in ("MHA", "GQA")
+        }, (capability, sorted(intervals))
     # sm_90: bf16 d128 through tensor descriptors and, for a q TMA cannot take,
     # through pointers; each step kernel, full and causal, MHA and GQA.
     if not TENSOR_DESCRIPTORS_AVAILABLE:
         return
-    loads = {(*row["description"].split()[:5], "tensor_descriptors" in row["description"].split())
-             for row in compiled if row["capability"] == 90 and " bfloat16 d128 " in row["description"]
-             and row["kernel"] != "_attention_bwd_preprocess_kernel" and " intervals " not in row["description"]}
-    assert loads == {(kernel, "bfloat16", "d128", mask, heads, descriptors)
-                     for kernel in KERNELS - {"_attention_bwd_preprocess_kernel"} for mask in ("full", "causal")
-                     for heads in ("MHA", "GQA") for descriptors in (False, True)}, sorted(loads)
+    loads = {
+        (*row["description"].split()[:5], "tensor_descriptors" in row["description"].split())
+        for row in compiled
+        if row["capability"] == 90
+        and " bfloat16 d128 " in row["description"]
+        and row["kernel"] != "attention_bwd_preprocess_kernel"
+        and " intervals " not in row["description"]
+    }
+    assert loads == {
+        (kernel, "bfloat16", "d128", mask, heads, descriptors)
+        for kernel in KERNELS - {"attention_bwd_preprocess_kernel"}
+        for mask in ("full", "causal")
+        for heads in ("MHA", "GQA")
+        for descriptors in (False, True)
+    }, sorted(loads)
 
 
 def test_shared_memory_fits_the_target(compiled):
-    too_big = [f"{_describe(row)}: {row['shared_memory_bytes']} B > {SHARED_MEMORY_PER_BLOCK[row['capability']]} B"
-               for row in compiled if row["shared_memory_bytes"] > SHARED_MEMORY_PER_BLOCK[row["capability"]]]
+    too_big = [
+        f"{_describe(row)}: {row['shared_memory_bytes']} B > {SHARED_MEMORY_PER_BLOCK[row['capability']]} B"
+        for row in compiled
+        if row["shared_memory_bytes"] > SHARED_MEMORY_PER_BLOCK[row["capability"]]
+    ]
     assert not too_big, "\n".join(too_big)
 
 
@@ -168,7 +217,7 @@ def test_the_sass_parse_finds_the_loops(compiled):
     # are fp16/bf16 (fp32 multiplies with FMAs).
     missing = []
     for row in compiled:
-        if row["kernel"] == "_attention_bwd_preprocess_kernel":
+        if row["kernel"] == "attention_bwd_preprocess_kernel":
             continue
         if row["loops"] == 0 or row["loop_instructions"] == 0:
             missing.append(f"{_describe(row)}: {row['loops']} loops, hot loop {row['loop_instructions']} instructions")
@@ -180,11 +229,13 @@ def test_the_sass_parse_finds_the_loops(compiled):
 def test_the_reference_kernels_compile_with_every_tile(compiled):
     # Forward, dq and dk/dv each have a reference with their tiles, and the
     # parse finds its hot loop.
-    rows = [row for row in compiled if row["capability"] == REFERENCE_CAPABILITY
-            and row["kernel"] != "_attention_bwd_preprocess_kernel"]
+    rows = [
+        row
+        for row in compiled
+        if row["capability"] == REFERENCE_CAPABILITY and row["kernel"] != "attention_bwd_preprocess_kernel"
+    ]
     assert rows
-    missing = [_describe(row) for row in rows
-               if not row.get("reference") or row["reference"]["loop_instructions"] == 0]
+    missing = [_describe(row) for row in rows if not row.get("reference") or row["reference"]["loop_instructions"] == 0]
     assert not missing, "\n".join(missing)
 
 
@@ -192,16 +243,22 @@ def test_no_ptxas_serialization_warnings(compiled):
     # C7515 on sm_90: ptxas found instructions other than wgmma defining a
     # wgmma's accumulator inside its pipeline stage and made every wgmma wait for
     # the one before it.  Listed per launch, with ptxas's words.
-    serialized = [f"{_describe(row)}: " + " | ".join(warning for warning in row["ptxas_warnings"]
-                                                     if is_serialization_warning(warning))
-                  for row in compiled if any(is_serialization_warning(w) for w in row["ptxas_warnings"])]
+    serialized = [
+        f"{_describe(row)}: "
+        + " | ".join(warning for warning in row["ptxas_warnings"] if is_serialization_warning(warning))
+        for row in compiled
+        if any(is_serialization_warning(w) for w in row["ptxas_warnings"])
+    ]
     assert not serialized, f"{len(serialized)} launches:\n" + "\n".join(serialized)
 
 
 def test_no_register_spills_inside_loops(compiled):
-    spilling = [f"{_describe(row)}: {row['spills_in_loops']} spill accesses in loops "
-                f"({row['registers']} registers, {row['spill_bytes']} B spilled)"
-                for row in compiled if row["spills_in_loops"] > 0]
+    spilling = [
+        f"{_describe(row)}: {row['spills_in_loops']} spill accesses in loops "
+        f"({row['registers']} registers, {row['spill_bytes']} B spilled)"
+        for row in compiled
+        if row["spills_in_loops"] > 0
+    ]
     assert not spilling, "\n".join(spilling)
 
 
@@ -222,12 +279,16 @@ def test_the_block_copy_parse_finds_the_copy_loops():
     for architecture in architectures:
         # The 16-byte unit kernels (Unit16: every layout 16-byte aligned and
         # contiguous inside) must show a loop with at least one 16-byte load.
-        wide = [kernel for kernel in report["kernels"]
-                if kernel["architecture"] == architecture and "Unit16" in kernel["kernel"]]
+        wide = [
+            kernel
+            for kernel in report["kernels"]
+            if kernel["architecture"] == architecture and "Unit16" in kernel["kernel"]
+        ]
         assert wide, (architecture, [kernel["kernel"] for kernel in report["kernels"]])
         for kernel in wide:
-            assert kernel["loops"] and all(loop["units"] >= 1 and loop["instructions"] > loop["units"]
-                                           for loop in kernel["loops"]), kernel
+            assert kernel["loops"] and all(
+                loop["units"] >= 1 and loop["instructions"] > loop["units"] for loop in kernel["loops"]
+            ), kernel
 
 
 def test_the_reference_kernels_compute_attention():
@@ -237,10 +298,10 @@ def test_the_reference_kernels_compute_attention():
     import torch
     from triton_interpreter import INTERPRETER_LOOPS_FAIL
 
-    from seqpar_kernels.kernels.reference_attention import (
-        _reference_attention_bwd_dkdv_kernel,
-        _reference_attention_bwd_dq_kernel,
-        _reference_attention_fwd_kernel,
+    from tools.reference_kernels import (
+        reference_attention_bwd_dkdv_kernel,
+        reference_attention_bwd_dq_kernel,
+        reference_attention_fwd_kernel,
     )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -248,14 +309,15 @@ def test_the_reference_kernels_compute_attention():
         pytest.skip("the Triton interpreter here cannot run a loop with a runtime bound")
     torch.manual_seed(0)
     batch, seqlen, heads, headdim = 2, 64, 2, 16
-    scale = headdim ** -0.5
+    scale = headdim**-0.5
     q, k, v, dout = (torch.randn(batch, seqlen, heads, headdim, device=device) for _ in range(4))
     for causal in (False, True):
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         scores = torch.einsum("bmhd,bnhd->bhmn", qr, kr) * scale
         if causal:
-            scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).triu(1),
-                                        float("-inf"))
+            scores = scores.masked_fill(
+                torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).triu(1), float("-inf")
+            )
         expected = torch.einsum("bhmn,bnhd->bmhd", scores.softmax(-1), vr)
         expected.backward(dout)
         expected_lse = scores.logsumexp(-1).detach()
@@ -264,18 +326,40 @@ def test_the_reference_kernels_compute_attention():
             tiles = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=headdim, DOT_PRECISION="ieee")
             out = torch.empty_like(q)
             lse = torch.empty(batch, heads, seqlen, device=device)
-            _reference_attention_fwd_kernel[(seqlen // block_m, heads, batch)](
-                q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                seqlen, scale * 1.4426950408889634, **tiles)
+            reference_attention_fwd_kernel[(seqlen // block_m, heads, batch)](
+                q,
+                k,
+                v,
+                out,
+                lse,
+                *q.stride(),
+                *k.stride(),
+                *v.stride(),
+                *out.stride(),
+                *lse.stride(),
+                seqlen,
+                scale * 1.4426950408889634,
+                **tiles,
+            )
             torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
             inputs = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
             dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-            _reference_attention_bwd_dq_kernel[(seqlen // block_m, heads, batch)](
-                *inputs, dq, *strides, *dq.stride(), seqlen, scale, scale * 1.4426950408889634, **tiles)
-            _reference_attention_bwd_dkdv_kernel[(seqlen // block_n, heads, batch)](
-                *inputs, dk, dv, *strides, *dk.stride(), *dv.stride(), seqlen, scale, scale * 1.4426950408889634,
-                **tiles)
+            reference_attention_bwd_dq_kernel[(seqlen // block_m, heads, batch)](
+                *inputs, dq, *strides, *dq.stride(), seqlen, scale, scale * 1.4426950408889634, **tiles
+            )
+            reference_attention_bwd_dkdv_kernel[(seqlen // block_n, heads, batch)](
+                *inputs,
+                dk,
+                dv,
+                *strides,
+                *dk.stride(),
+                *dv.stride(),
+                seqlen,
+                scale,
+                scale * 1.4426950408889634,
+                **tiles,
+            )
             for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -14,9 +14,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import pool_for
 
 import seqpar_kernels as sp
-from conftest import pool_for
 
 _group = None
 
@@ -75,7 +75,10 @@ def bad_input_calls(world_size: int) -> dict:
             ),
         },
         "split_sequence": {
-            "wrong dims": (lambda: sp.split_sequence(_tensor(2, 6), 1, _group), lambda: sp.split_sequence(_tensor(2, 6), 2, _group)),
+            "wrong dims": (
+                lambda: sp.split_sequence(_tensor(2, 6), 1, _group),
+                lambda: sp.split_sequence(_tensor(2, 6), 2, _group),
+            ),
             "wrong number of dims": (
                 lambda: sp.split_sequence(_tensor(2, 6), 1, _group),
                 lambda: sp.split_sequence(torch.tensor(1.0), 1, _group),
@@ -86,7 +89,10 @@ def bad_input_calls(world_size: int) -> dict:
             ),
         },
         "gather_sequence": {
-            "wrong dims": (lambda: sp.gather_sequence(_tensor(2, 3), 1, _group), lambda: sp.gather_sequence(_tensor(2, 3), -3, _group)),
+            "wrong dims": (
+                lambda: sp.gather_sequence(_tensor(2, 3), 1, _group),
+                lambda: sp.gather_sequence(_tensor(2, 3), -3, _group),
+            ),
             "wrong dtype": (
                 lambda: sp.gather_sequence(_tensor(2, 3), 1, _group),
                 lambda: sp.gather_sequence(_tensor(2, 3, dtype=torch.bfloat16), 1, _group),
@@ -97,7 +103,10 @@ def bad_input_calls(world_size: int) -> dict:
                 lambda: sp.zigzag_split(_tensor(2, even), 1, _group),
                 lambda: sp.zigzag_split(_tensor(2, even + 1), 1, _group),
             ),
-            "wrong dims": (lambda: sp.zigzag_split(_tensor(2, even), 1, _group), lambda: sp.zigzag_split(_tensor(2, even), 3, _group)),
+            "wrong dims": (
+                lambda: sp.zigzag_split(_tensor(2, even), 1, _group),
+                lambda: sp.zigzag_split(_tensor(2, even), 3, _group),
+            ),
         },
         "zigzag_gather": {
             "mismatched lengths": (
@@ -105,7 +114,10 @@ def bad_input_calls(world_size: int) -> dict:
                 lambda: sp.zigzag_gather(_tensor(2, 4), 1, _group),
                 lambda: sp.zigzag_gather(_tensor(2, 1), 1, _group),
             ),
-            "wrong dims": (lambda: sp.zigzag_gather(_tensor(2, 4), 1, _group), lambda: sp.zigzag_gather(_tensor(2, 4), 2, _group)),
+            "wrong dims": (
+                lambda: sp.zigzag_gather(_tensor(2, 4), 1, _group),
+                lambda: sp.zigzag_gather(_tensor(2, 4), 2, _group),
+            ),
         },
     }
 

@@ -13,8 +13,16 @@ import seqpar_kernels  # noqa: F401
 from seqpar_kernels.ops import pack_blocks, unpack_blocks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8,
-          torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def make(shape, dtype, device, seed=0):
@@ -107,8 +115,7 @@ def test_unpack_is_inverse_of_pack(device, dtype):
         (out,) = unpack_blocks(buffer, [shape], [split_dim], starts, sizes, [order])
         assert torch.equal(out, tensor), (split_dim, order)
         # The memory order is the one asked for.
-        expected_strides = torch.empty([shape[d] for d in order]).permute(
-            [order.index(d) for d in range(4)]).stride()
+        expected_strides = torch.empty([shape[d] for d in order]).permute([order.index(d) for d in range(4)]).stride()
         assert out.stride() == expected_strides
 
 
@@ -177,8 +184,9 @@ def test_gradients_are_adjoint():
     assert torch.autograd.gradcheck(lambda a, b: pack_blocks([a, b], [2, 2], starts, lengths), (q, k))
     buffer = pack_blocks([q, k], [2, 2], starts, lengths).detach().requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda flat: unpack_blocks(flat, [(2, 3, 6, 4), (2, 3, 2, 4)], [2, 2], starts, lengths,
-                                   [(0, 2, 1, 3), (0, 1, 2, 3)]),
+        lambda flat: unpack_blocks(
+            flat, [(2, 3, 6, 4), (2, 3, 2, 4)], [2, 2], starts, lengths, [(0, 2, 1, 3), (0, 1, 2, 3)]
+        ),
         (buffer,),
     )
 
@@ -278,21 +286,28 @@ def test_cuda_pack_replays_in_a_cuda_graph():
 
 def cuda_loop_pack(tensors, split_dims, starts, lengths, **options):
     return torch.ops.seqpar_testing.pack_blocks_cuda_loop(
-        list(tensors), list(split_dims), list(starts), list(lengths), **options)
+        list(tensors), list(split_dims), list(starts), list(lengths), **options
+    )
 
 
 def cuda_loop_unpack(buffer, out_shapes, split_dims, starts, lengths, out_dim_orders=None, **options):
     ndim = len(out_shapes[0])
     orders = out_dim_orders or [list(range(ndim))] * len(out_shapes)
     return torch.ops.seqpar_testing.unpack_blocks_cuda_loop(
-        buffer, [size for shape in out_shapes for size in shape], [dim for order in orders for dim in order],
-        list(split_dims), list(starts), list(lengths), **options)
+        buffer,
+        [size for shape in out_shapes for size in shape],
+        [dim for order in orders for dim in order],
+        list(split_dims),
+        list(starts),
+        list(lengths),
+        **options,
+    )
 
 
 def padded(tensor, width):
     """The same values in the first columns of a wider tensor: rows of exactly
     tensor.shape[-1] contiguous elements that do not merge with the next dim."""
-    wide = torch.zeros(*tensor.shape[:-1], width, dtype=tensor.dtype)
+    wide = torch.zeros(*tensor.shape[:-1], width, dtype=tensor.dtype, device=tensor.device)
     wide[..., : tensor.shape[-1]] = tensor
     return wide[..., : tensor.shape[-1]]
 
@@ -344,9 +359,9 @@ CUDA_LOOP_OPTIONS = {
 }
 
 
-def cuda_loop_case_tensor(name, seed=0):
+def cuda_loop_case_tensor(name, seed=0, device="cpu"):
     shape, dtype, layout, _, _ = CUDA_LOOP_CASES[name]
-    tensor = make(shape, dtype, "cpu", seed)
+    tensor = make(shape, dtype, device, seed)
     if isinstance(layout, tuple):
         return padded(tensor, layout[1])
     return views(tensor, layout)
@@ -368,11 +383,32 @@ def test_cuda_loop_on_host_packs_and_unpacks_like_cpu_kernel(case, options):
         assert torch.equal(out, tensor)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("case", CUDA_LOOP_CASES.keys())
+def test_cuda_kernels_match_cpu_kernels_in_every_layout_family(case):
+    # Each layout family of the CUDA launch above (unit widths of 16 to 1 bytes, rows
+    # shorter and longer than a thread's loads, strided and transposed rows, the split
+    # dim innermost), laid out alike on the GPU: the CUDA kernels against the CPU
+    # kernels, bit for bit, both ways, and the unpacked strides.
+    shape, _, _, split_dim, world_size = CUDA_LOOP_CASES[case]
+    tensor, on_gpu = cuda_loop_case_tensor(case), cuda_loop_case_tensor(case, device="cuda")
+    assert on_gpu.stride() == tensor.stride()
+    starts, lengths = even_ranges(shape[split_dim], world_size)
+    packed = pack_blocks([tensor], [split_dim], starts, lengths)
+    packed_on_gpu = pack_blocks([on_gpu], [split_dim], starts, lengths)
+    assert packed_on_gpu.is_cuda and torch.equal(packed_on_gpu.cpu(), packed)
+    for order in (list(range(len(shape))), list(reversed(range(len(shape))))):
+        (out,) = unpack_blocks(packed, [shape], [split_dim], starts, lengths, [order])
+        (out_on_gpu,) = unpack_blocks(packed_on_gpu, [shape], [split_dim], starts, lengths, [order])
+        assert out_on_gpu.stride() == out.stride() and torch.equal(out_on_gpu.cpu(), out), order
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_loop_on_host_over_layouts_split_dims_and_world_sizes(dtype):
     shape = (2, 7, 5, 8)
     for split_dim, layout, world_size, options in itertools.product(
-            range(4), ["contiguous", "transposed", "sliced"], [1, 3, 4], [{}, {"ctas": 1, "index_bits": 64}]):
+        range(4), ["contiguous", "transposed", "sliced"], [1, 3, 4], [{}, {"ctas": 1, "index_bits": 64}]
+    ):
         tensor = views(make(shape, dtype, "cpu"), layout)
         starts, lengths = even_ranges(shape[split_dim], world_size)
         packed = cuda_loop_pack([tensor], [split_dim], starts, lengths, **options)

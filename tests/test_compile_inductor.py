@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
 
 import seqpar_kernels as sp
-from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
-from reference import max_error
+from tools.reference import max_error
 
 HEAD_DIM = 16
 LOCAL_LENGTH = 3

@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import reference
-import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group
+
+import seqpar_kernels as sp
 from seqpar_kernels.parallel.cross_entropy import DEFAULT_CHUNK_ELEMENTS, default_chunk_size
 from seqpar_kernels.testing import peak_cpu_memory, without_profiler_chatter
+from tools import reference
 
 FP32_LOSS_TOLERANCE = 1e-6
 FP32_GRAD_TOLERANCE = 1e-5
@@ -164,7 +164,7 @@ def check_cases_on_ranks(cases: list[Case]) -> list[str]:
         lengths = lengths_of(case, world_size)
         if case.split == "all ignored on the last rank":
             labels = labels.clone()
-            labels[:, sum(lengths[:-1]):] = case.ignore_index
+            labels[:, sum(lengths[:-1]) :] = case.ignore_index
         piece = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
         loss, hidden_grad, weight_grad = ours(case, hidden[:, piece], weight, labels[:, piece], group=timeout_group())
         # Every rank returns the same loss, to the bit.
@@ -172,9 +172,13 @@ def check_cases_on_ranks(cases: list[Case]) -> list[str]:
         dist.all_gather(losses, loss, group=timeout_group())
         if any(not torch.equal(other, loss) for other in losses):
             failures.append(f"{case.name}: ranks returned different losses {losses}")
-        exact = single_process(case, hidden, weight, labels, torch.float64 if case.dtype != torch.float32 else case.dtype)
+        exact = single_process(
+            case, hidden, weight, labels, torch.float64 if case.dtype != torch.float32 else case.dtype
+        )
         plain = single_process(case, hidden, weight, labels, case.dtype) if case.dtype != torch.float32 else None
-        for index, (name, mine) in enumerate((("loss", loss), ("hidden grad", hidden_grad), ("weight grad", weight_grad))):
+        for index, (name, mine) in enumerate(
+            (("loss", loss), ("hidden grad", hidden_grad), ("weight grad", weight_grad))
+        ):
             expected = exact[index][:, piece] if name == "hidden grad" else exact[index]
             yardstick = None
             if plain is not None:
@@ -182,7 +186,9 @@ def check_cases_on_ranks(cases: list[Case]) -> list[str]:
             failure = compare(case, name, mine, expected, yardstick)
             if failure:
                 failures.append(f"rank {rank}: {failure}")
-        if case.split == "none real" and (loss.item() != 0.0 or hidden_grad.abs().max() > 0 or weight_grad.abs().max() > 0):
+        if case.split == "none real" and (
+            loss.item() != 0.0 or hidden_grad.abs().max() > 0 or weight_grad.abs().max() > 0
+        ):
             failures.append(f"{case.name}: loss {loss.item()} and gradients must be exactly 0")
     return failures
 
@@ -201,7 +207,9 @@ def test_without_torch_distributed_is_one_process():
         loss, hidden_grad, weight_grad = ours(case, hidden, weight, labels)
         exact = single_process(case, hidden, weight, labels, torch.float64)
         plain = single_process(case, hidden, weight, labels, case.dtype)
-        for index, (name, mine) in enumerate((("loss", loss), ("hidden grad", hidden_grad), ("weight grad", weight_grad))):
+        for index, (name, mine) in enumerate(
+            (("loss", loss), ("hidden grad", hidden_grad), ("weight grad", weight_grad))
+        ):
             reference_result = plain if case.dtype == torch.float32 else exact
             assert compare(case, name, mine, reference_result[index], plain[index]) is None, name
 
@@ -306,7 +314,10 @@ def _bad_calls():
     negative = labels.clone()
     negative[0, 0] = -1
     return {
-        "leading shapes differ": (lambda: ce(hidden, weight, labels[:, :-1]), r"shift_labels must have shape \(2, 29\)"),
+        "leading shapes differ": (
+            lambda: ce(hidden, weight, labels[:, :-1]),
+            r"shift_labels must have shape \(2, 29\)",
+        ),
         "hidden size vs weight": (lambda: ce(hidden, weight[:, :8], labels), r"lm_head_weight \(50, 8\)"),
         "weight not 2-D": (lambda: ce(hidden, weight[0], labels), r"\(vocab, hidden\)"),
         "float labels": (lambda: ce(hidden, weight, labels.float()), "must hold integers"),
@@ -380,6 +391,7 @@ def test_peak_cpu_memory_measures_a_known_allocation():
 QUIET_PROFILER = """
 import os, torch
 from seqpar_kernels.testing import peak_cpu_memory, without_profiler_chatter
+from tools import reference
 
 def allocate():
     os.write(2, b"the measured function's own line\\n")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from seqpar_kernels import info
-from seqpar_kernels._extension import build_info
+from seqpar_kernels.extension import build_info
 
 
 def test_info_reports_this_install():

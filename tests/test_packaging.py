@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # finders (setuptools-scm, where installed) list nothing, and without an old *.egg-info
 # its SOURCES.txt is not read back into the new sdist. The sdist then holds what
 # MANIFEST.in and pyproject.toml select, as it does for anyone who builds one.
-COPY_IGNORE = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"
-)
+COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so")
 
 # Measured on 2 busy cores: the CPU-only compile takes 1-3 minutes.
 INSTALL_TIMEOUT_S = 1800
@@ -113,7 +111,7 @@ def test_sdist_builds_and_installs_cpu_only_in_a_fresh_venv(tmp_path):
     assert location.is_relative_to(venv.resolve()), info.stdout
     # The data the package reads at run time came along: step_backend="auto"'s table.
     table = subprocess.run(
-        [str(python), "-c", "from seqpar_kernels.parallel.ring_steps import step_backend_table as t; print(len(t()))"],
+        [str(python), "-c", "from seqpar_kernels.engine.step_backends import step_backend_table as t; print(len(t()))"],
         cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=300,
     )  # fmt: skip
     assert table.returncode == 0 and table.stdout.strip() == "5", table.stdout + table.stderr

@@ -8,7 +8,7 @@ storage, a last dim that is not contiguous, expanded views), causal or not, the
 softmax scale (zero and negative ones too), and now and then torch.compile. Every rank
 draws the same cases, runs its piece, and compares forward and backward with a
 single-process fp64 answer: data movement bit for bit, attention by the accuracy rule
-(tests/reference.py).
+(tools/reference.py).
 
 Two seeds run: a fixed one, and one that changes every day (SEQPAR_FUZZ_SEED sets it).
 A failure prints one line per failing case that replays it alone:
@@ -26,12 +26,12 @@ import traceback
 
 import pytest
 import torch
-
-import reference
-import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
+
+import seqpar_kernels as sp
+from seqpar_kernels.layouts import zigzag_piece_lengths
+from tools import reference
 
 FIXED_SEED = 20261123
 WORLD_SIZES = (1, 2, 3, 4, 5)
@@ -198,19 +198,31 @@ def run_attention_case(case: dict, rank: int) -> dict:
     dtype = getattr(torch, case["dtype"])
     generator = torch.Generator().manual_seed(case["seed"])
     batch, total, head_dim = case["batch"], sum(case["lengths"]), case["head_dim"]
-    layouts = case["layouts"] if not case["fused_qkv"] else dict(case["layouts"], q="contiguous", k="contiguous", v="contiguous")
+    layouts = (
+        case["layouts"]
+        if not case["fused_qkv"]
+        else dict(case["layouts"], q="contiguous", k="contiguous", v="contiguous")
+    )
     leaves = [
         _draw(generator, (leaf_batch(layouts[name], batch), total, heads, head_dim))
         for name, heads in (("q", case["heads"]), ("k", case["kv_heads"]), ("v", case["kv_heads"]))
     ]
-    dout_full = tensor_layout(layouts["dout"], _draw(generator, (leaf_batch(layouts["dout"], batch), total, case["heads"], head_dim)), batch)
+    dout_full = tensor_layout(
+        layouts["dout"], _draw(generator, (leaf_batch(layouts["dout"], batch), total, case["heads"], head_dim)), batch
+    )
     causal, scale = case["causal"], case["scale"]
     make_inputs = lambda q, k, v: attention_inputs(case, q, k, v)  # noqa: E731
 
-    exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, dout_full, make_inputs)
+    exact = reference.with_grads(
+        lambda q, k, v: reference.attention(q, k, v, causal, scale), leaves, dout_full, make_inputs
+    )
     low = [t.to(dtype) for t in leaves]
-    plain = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs)
-    fused = reference.with_grads(lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs)
+    plain = reference.with_grads(
+        lambda q, k, v: reference.attention(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs
+    )
+    fused = reference.with_grads(
+        lambda q, k, v: reference.sdpa(q, k, v, causal, scale), low, dout_full.to(dtype), make_inputs
+    )
 
     group = timeout_group()
 
@@ -218,8 +230,9 @@ def run_attention_case(case: dict, rank: int) -> dict:
         if case["function"] == "ring":
             # Compiled code cannot gather the lengths: it is given them.
             seq_lens = case["lengths"] if case.get("pass_seq_lens") or case.get("compile") else None
-            return sp.ring_attention(q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group,
-                                     seq_lens=seq_lens)
+            return sp.ring_attention(
+                q, k, v, causal=causal, softmax_scale=scale, layout=case["layout"], group=group, seq_lens=seq_lens
+            )
         return sp.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=case["lengths"], group=group)
 
     local_leaves = [_rows(case, t, rank).to(dtype) for t in leaves]
@@ -227,10 +240,17 @@ def run_attention_case(case: dict, rank: int) -> dict:
     ours = reference.with_grads(ours_fn, local_leaves, dout_local, make_inputs)
     if case.get("compile"):
         torch._dynamo.reset()  # a fresh compile, as a model's: not a recompile of the last case's ours_fn
-        compiled = reference.with_grads(torch.compile(ours_fn, fullgraph=True, backend=_compile_backend(case)), local_leaves, dout_local, make_inputs)
+        compiled = reference.with_grads(
+            torch.compile(ours_fn, fullgraph=True, backend=_compile_backend(case)),
+            local_leaves,
+            dout_local,
+            make_inputs,
+        )
         for c, e in zip(compiled[:1] + compiled[2:], ours[:1] + ours[2:]):
             mismatch = reference.max_error(c, e)
-            assert mismatch <= 1e-6 * max(1.0, reference.magnitude(e)), f"torch.compile differs from eager by {mismatch:.3g}"
+            assert mismatch <= 1e-6 * max(1.0, reference.magnitude(e)), (
+                f"torch.compile differs from eager by {mismatch:.3g}"
+            )
 
     q_full, k_full, v_full = leaves
     effective_scale = 1.0 if scale == 0 else head_dim**-0.5 if scale is None else scale
@@ -245,10 +265,17 @@ def run_attention_case(case: dict, rank: int) -> dict:
         assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         assert got.dtype == dtype, f"{name}: dtype {got.dtype}"
         error = reference.max_error(got, expected)
-        yardstick = max(reference.max_error(_rows(case, plain[index], rank), expected),
-                        reference.max_error(_rows(case, fused[index], rank), expected))
-        results[name] = (error, yardstick, reference.magnitude(expected), reference.magnitude(exact[1]),
-                         backward_rounding if name in ("dq", "dk") else 0.0)
+        yardstick = max(
+            reference.max_error(_rows(case, plain[index], rank), expected),
+            reference.max_error(_rows(case, fused[index], rank), expected),
+        )
+        results[name] = (
+            error,
+            yardstick,
+            reference.magnitude(expected),
+            reference.magnitude(exact[1]),
+            backward_rounding if name in ("dq", "dk") else 0.0,
+        )
     return results
 
 
@@ -388,9 +415,11 @@ def attention_failures(per_rank: list) -> list[str]:
         results = [outcomes[index][2] for outcomes in per_rank]
         for name in ("out", "dq", "dk", "dv"):
             error, yardstick, exact_magnitude, lse_magnitude, backward_rounding = (
-                max(result[name][i] for result in results) for i in range(5))
+                max(result[name][i] for result in results) for i in range(5)
+            )
             bound = reference.error_bound(
-                getattr(torch, case["dtype"]), yardstick, exact_magnitude, lse_magnitude, backward_rounding)
+                getattr(torch, case["dtype"]), yardstick, exact_magnitude, lse_magnitude, backward_rounding
+            )
             if not error <= bound:  # NaN fails too
                 failures.append(
                     f"{case['function']} {name}: error {error:.3g} > bound {bound:.3g} "

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import pool_for
 from rank_pool import FAILURE_GRACE_SECONDS, RankFailure
 

@@ -61,5 +61,5 @@ def test_transformers_training_example_matches_one_process():
     stdout = run_example("train_transformers_sp.py", 3)  # 3 ranks: USP on a 3 x 1 grid
     rows = re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.e+-]+)$", stdout, re.M)
     assert len(rows) == 9, stdout  # 3 steps x 3 modes
-    for step, single, parallel, difference in rows:
+    for _step, single, parallel, _difference in rows:
         assert abs(float(single) - float(parallel)) <= 1e-5 * float(single), stdout

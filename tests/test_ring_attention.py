@@ -1,11 +1,12 @@
 """ring_attention's accuracy on 1-4 gloo ranks (seqpar_kernels/parallel/ring.py, the ring
-driver in seqpar_kernels/parallel/ring_driver.py).
+driver in seqpar_kernels/engine/ring_driver.py; one file, over 500 lines: the case table
+the other ring tests reuse lives here).
 
 Every rank builds the same full q/k/v/dout (B, N, H, D) from a fixed seed, takes its
 piece in the layout under test (contiguous: rows [r*S, (r+1)*S); zigzag: chunks r and
 2P-1-r of 2P), runs ring_attention with autograd, and compares its piece of out, lse and
 of the gradients with a reference on the same rank: attention with the score matrix
-materialized, in fp64 (tests/reference.py).
+materialized, in fp64 (tools/reference.py).
 
 fp32 must match to reference.FP32_TOLERANCE; fp16/bf16 follow flash-attention's rule
 (reference.error_bound): at most twice the error of plain PyTorch attention computed in
@@ -25,13 +26,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
-import reference
-import seqpar_kernels as sp
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import CPU_FLASH_READS_GQA, AUTO, STEP_KERNELS
-from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine.step_backends import AUTO, CPU_FLASH_READS_GQA, STEP_KERNELS
+from seqpar_kernels.layouts import zigzag_piece_lengths
+from seqpar_kernels.testing import ring_attention_with_step_kernels
+from tools import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -67,16 +68,19 @@ def run_case(case, dtype, seed=0, group=None, step_kernels=AUTO):
     reference.error_bound for an fp32 log-sum-exp and for dp - delta. group: the ring's
     group (default the world); the whole sequence is that group's, cut by the rank
     within it. step_kernels: which
-    kernels compute each ring step (seqpar_kernels.parallel.ring_steps)."""
+    kernels compute each ring step (seqpar_kernels.engine.step_backends)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     causal, layout = case["causal"], case["layout"]
     scale = case.get("scale", 1.0 / math.sqrt(case["D"]))
     inputs = full_inputs(case, world_size, dtype, seed)
     lengths = local_lengths(case, world_size)
     piece = lambda x, name: reference.ring_piece(  # noqa: E731
-        x, layout, rank, world_size, dim=2 if name == "lse" else 1, lengths=lengths)
+        x, layout, rank, world_size, dim=2 if name == "lse" else 1, lengths=lengths
+    )
     exact = reference.with_grads(
-        lambda q, k, v: reference.attention(q, k, v, causal, scale), [t.double() for t in inputs[:3]], inputs[3].double()
+        lambda q, k, v: reference.attention(q, k, v, causal, scale),
+        [t.double() for t in inputs[:3]],
+        inputs[3].double(),
     )
     local = [piece(t, "") for t in inputs]
     ours = reference.with_grads(
@@ -140,6 +144,8 @@ def _short_total(world_size):
 
 # Local lengths (S) are per rank and the full sequence S x P, unless "lengths" (every
 # rank's, contiguous) or "total" (the full length, zigzag) says otherwise.
+# A table: one case a line.
+# fmt: off
 CASE_GROUPS = {
     "mha": [
         _case("contig-full", H=4, H_kv=4, D=64, S=8, causal=False, layout="contiguous", B=2),
@@ -173,6 +179,8 @@ CASE_GROUPS = {
               total=_short_total, pass_seq_lens=True),
     ],
 }
+# fmt: on
+
 
 def failures_of(per_rank, limit_for):
     failures = []
@@ -204,8 +212,11 @@ def test_gqa_with_kv_heads_repeated_for_the_cpu_kernel(ranks):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.skipif(not CPU_FLASH_READS_GQA, reason="this torch's CPU flash kernel misreads GQA (its backward "
-                    "corrupts the heap): the CPU ring repeats kv heads, tested above")
+@pytest.mark.skipif(
+    not CPU_FLASH_READS_GQA,
+    reason="this torch's CPU flash kernel misreads GQA (its backward "
+    "corrupts the heap): the CPU ring repeats kv heads, tested above",
+)
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cpu_flash_kernel_reads_gqa_where_the_guard_says_so(kv_heads, causal):
@@ -238,7 +249,7 @@ LOW_PRECISION_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def low_precision_bound(dtype, name, yardsticks):
-    """The accuracy rule against plain attention in dtype (tests/reference.py)."""
+    """The accuracy rule against plain attention in dtype (tools/reference.py)."""
     return reference.error_bound(dtype, yardsticks["plain"][name], yardsticks["magnitude"][name])
 
 
@@ -259,6 +270,7 @@ def test_large_logits_stay_finite_and_accurate(ranks):
         _case("extreme", H=4, H_kv=1, D=4, S=4, causal=True, layout="contiguous", B=3, q_mult=100.0, scale=50.0),
     ]
     per_rank = ranks.run(run_cases, cases, torch.float32)  # run_case asserts finiteness
+
     # With scores in the hundreds, fp32 rounding costs single-device attention itself more
     # than reference.FP32_TOLERANCE, so these cases take the accuracy rule in fp32
     # (reference.error_bound, as tests/test_randomized.py): 2x the error of plain PyTorch
@@ -299,6 +311,8 @@ def test_large_logits_stay_finite_and_accurate(ranks):
 # The Triton step kernels (the CUDA path) under the interpreter on CPU tensors: the same
 # schedule and views, so the ring logic of the GPU path is tested without a GPU. Small:
 # the interpreter is slow.
+# A table: one case a line.
+# fmt: off
 TRITON_CASES = [
     _case("triton-zigzag-gqa", H=2, H_kv=1, D=64, S=4, causal=True, layout="zigzag"),
     _case("triton-contig-causal", H=1, H_kv=1, D=80, S=3, causal=True, layout="contiguous"),
@@ -308,6 +322,7 @@ TRITON_CASES = [
     _case("triton-uneven-zigzag-causal", H=2, H_kv=2, D=64, S=None, causal=True, layout="zigzag",
           total=_indivisible_total),
 ]
+# fmt: on
 
 
 @runs_triton_on("cpu")
@@ -393,8 +408,10 @@ def run_cases_on_sub_group(cases):
     which = dist.get_rank() % 2
     group = sub_groups()[which]
     assert dist.get_world_size(group) == 2 and dist.get_rank(group) == dist.get_rank() // 2
-    return [(case["id"], *run_case(case, torch.float32, seed=10 * index + which, group=group))
-            for index, case in enumerate(cases)]
+    return [
+        (case["id"], *run_case(case, torch.float32, seed=10 * index + which, group=group))
+        for index, case in enumerate(cases)
+    ]
 
 
 SUB_GROUP_CASES = [
@@ -412,7 +429,6 @@ def test_sub_group_rings_match_their_own_sequence(ranks):
     assert not failures, "\n".join(failures)
 
 
-
 # ----------------------------------------------------------------------------------
 # on one GPU (skipped without one): the CUDA ring driver, its streams and the step
 # kernels at the GPU tiles, which the gloo ranks above never run
@@ -428,14 +444,19 @@ def test_one_gpu_matches_reference(dtype, causal):
     # A world of one on CUDA, at lengths that give the GPU tiles several whole tiles.
     # Plain attention in dtype (the yardstick of the 2x rule) runs on the CPU.
     gen = torch.Generator().manual_seed(21)
-    inputs = [torch.randn(2, 1000, heads, 128, generator=gen, dtype=torch.float64).to(dtype)
-              for heads in (8, 2, 2, 8)]
+    inputs = [torch.randn(2, 1000, heads, 128, generator=gen, dtype=torch.float64).to(dtype) for heads in (8, 2, 2, 8)]
     scale = 128**-0.5
-    exact = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale),
-                                 [t.double() for t in inputs[:3]], inputs[3].double())
+    exact = reference.with_grads(
+        lambda q, k, v: reference.attention(q, k, v, causal, scale),
+        [t.double() for t in inputs[:3]],
+        inputs[3].double(),
+    )
     plain = reference.with_grads(lambda q, k, v: reference.attention(q, k, v, causal, scale), inputs[:3], inputs[3])
-    ours = reference.with_grads(lambda q, k, v: sp.ring_attention(q, k, v, causal=causal, return_lse=True),
-                                [t.cuda() for t in inputs[:3]], inputs[3].cuda())
+    ours = reference.with_grads(
+        lambda q, k, v: sp.ring_attention(q, k, v, causal=causal, return_lse=True),
+        [t.cuda() for t in inputs[:3]],
+        inputs[3].cuda(),
+    )
     for name, got, want, yardstick in zip(NAMES, ours, exact, plain):
         assert got.is_cuda and torch.isfinite(got).all(), name
         err, plain_err = reference.max_error(got.cpu(), want), reference.max_error(yardstick, want)

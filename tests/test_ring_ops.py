@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
-import reference
-import seqpar_kernels as sp
 from on_ranks import rank_and_world
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.layouts import zigzag_piece_lengths
 from seqpar_kernels.parallel import checks as checks_module
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import AUTO
+from tools import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -38,8 +38,9 @@ def compiled_ring_matches_eager():
     causal, return_lse) vs eager: {name: max abs difference} of out, lse and grads."""
     rank, world_size = rank_and_world()
     torch._dynamo.reset()
-    q, k, v, dout = (reference.ring_piece(t, "zigzag", rank, world_size)
-                     for t in _full_inputs(4, 2, 16, 4, world_size, seed=5))
+    q, k, v, dout = (
+        reference.ring_piece(t, "zigzag", rank, world_size) for t in _full_inputs(4, 2, 16, 4, world_size, seed=5)
+    )
 
     def block(q, k, v):
         # Something before and after, so the graph is more than the op alone.
@@ -96,7 +97,9 @@ def opcheck_ops():
     results = []
     for causal, zigzag in ((True, True), (False, False), (True, False)):
         # Zigzag: the pieces of 4P + 1 rows; contiguous: lengths that differ by rank.
-        seq_lens = zigzag_piece_lengths(4 * world_size + 1, world_size) if zigzag else [2 + r % 3 for r in range(world_size)]
+        seq_lens = (
+            zigzag_piece_lengths(4 * world_size + 1, world_size) if zigzag else [2 + r % 3 for r in range(world_size)]
+        )
         q = torch.randn(1, seq_lens[rank], 2, 16, generator=gen, requires_grad=True)
         k = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
         v = torch.randn(1, seq_lens[rank], 1, 16, generator=gen, requires_grad=True)
@@ -104,8 +107,20 @@ def opcheck_ops():
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
         out, lse = torch.ops.seqpar.ring_attention_forward(*(t.detach() if torch.is_tensor(t) else t for t in args))
         dout = torch.randn(out.shape, generator=gen)
-        backward_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, zigzag, group_name,
-                         AUTO, seq_lens)
+        backward_args = (
+            dout,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out,
+            lse,
+            causal,
+            0.25,
+            zigzag,
+            group_name,
+            AUTO,
+            seq_lens,
+        )
         torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
         results.append(True)
     return results
@@ -123,7 +138,10 @@ def test_opcheck_single_process():
     torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, (q, k, v, True, 0.2, True, "", AUTO, [6]))
     out, lse = sp.ring_attention(q, k, v, causal=True, return_lse=True)
     expected, expected_lse = reference.attention(q.double(), k.double(), v.double(), True, 32**-0.5)
-    assert reference.max_error(out, expected) <= reference.FP32_TOLERANCE and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
+    assert (
+        reference.max_error(out, expected) <= reference.FP32_TOLERANCE
+        and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
+    )
 
 
 def test_cpu_paths_need_no_triton():
@@ -183,7 +201,9 @@ def bad_inputs_raise_everywhere():
         # Each rank alone is fine; together they disagree. The metadata all_gather makes
         # every rank raise.
         length = 1 if rank == 0 else 6  # never the zigzag pieces of their sum
-        bad["zigzag lengths"] = lambda: sp.ring_attention(*_qkv((1, length, 2, 16), (1, length, 2, 16)), layout="zigzag")
+        bad["zigzag lengths"] = lambda: sp.ring_attention(
+            *_qkv((1, length, 2, 16), (1, length, 2, 16)), layout="zigzag"
+        )
         bad["ranks disagree on causal"] = lambda: sp.ring_attention(q, k, v, causal=rank == 0)
         bad["ranks disagree on step_backend"] = lambda: sp.ring_attention(
             q, k, v, step_backend="aten" if rank == 0 else "auto"
@@ -260,7 +280,9 @@ def zigzag_round_trip():
         gathered = sp.zigzag_gather(leaf, dim)
         results[f"gather {case}"] = torch.equal(gathered, full)
         (gathered * weights).sum().backward()
-        results[f"gather grad {case}"] = torch.equal(leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size))
+        results[f"gather grad {case}"] = torch.equal(
+            leaf.grad, reference.ring_piece(weights, "zigzag", rank, world_size)
+        )
         sizes = zigzag_piece_lengths(total, world_size)
         results[f"gather with sizes {case}"] = torch.equal(sp.zigzag_gather(piece.detach(), dim, sizes=sizes), full)
     # End to end: zigzag pieces of full q/k/v -> causal ring attention -> gathered out

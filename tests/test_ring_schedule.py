@@ -1,18 +1,20 @@
 """The ring's schedule and traffic: which scores each rank computes at each step
 (zigzag balances causal work), the bytes each rank sends (comm_stats), and on one GPU
-the driver's overlapped copies (seqpar_kernels/parallel/ring_driver.py)."""
+the driver's overlapped copies (seqpar_kernels/engine/ring_driver.py)."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
+from on_ranks import rank_and_world
 
 import seqpar_kernels as sp
-from on_ranks import rank_and_world
-from seqpar_kernels.parallel.ring_driver import RingPieces, step_block, zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import AUTO
+from seqpar_kernels.engine.ring_driver import dense_step_masks
+from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -22,31 +24,40 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 # ----------------------------------------------------------------------------------
 
 
-def _global_positions(rank, pieces):
+@dataclass(frozen=True)
+class RingPieces:
+    """Ranks holding `lengths` rows of one sequence, contiguous or in the zigzag layout."""
+
+    lengths: tuple[int, ...]
+    zigzag: bool
+
+    @classmethod
+    def of(cls, lengths, zigzag: bool):
+        return cls(tuple(lengths), zigzag)
+
+
+def global_positions(rank, pieces):
     """Global sequence positions of a rank's local rows (its K/V block's too)."""
-    world_size = len(pieces.lengths)
-    if not pieces.zigzag:
-        start = sum(pieces.lengths[:rank])
-        return list(range(start, start + pieces.lengths[rank]))
-    chunks = zigzag_chunk_lengths(sum(pieces.lengths), world_size)
-    starts = [sum(chunks[:chunk]) for chunk in range(2 * world_size)]
-    return [starts[chunk] + i for chunk in (rank, 2 * world_size - 1 - rank) for i in range(chunks[chunk])]
+    segments = dense_slot_segments(pieces.lengths, pieces.zigzag)[rank]
+    return [start + i for start, length in segments for i in range(length)]
 
 
 def _step_scores(step, rank, pieces):
     """The (query position, key position) pairs whose scores `rank` computes at causal
-    ring step `step`, as ring_driver.step_block says: its rows x the block's first
-    kv_len keys, a causal block masked by local index (the diagonal's exact count)."""
-    block = step_block(step, rank, pieces, True)
-    if block is None:
-        return []
+    ring step `step`, as the driver's step mask says: each block pair's rows x keys, a
+    causal pair masked by local index (the diagonal's exact count)."""
     src = (rank - step) % len(pieces.lengths)
-    rows = _global_positions(rank, pieces)[block.q_start : block.q_start + block.q_len]
-    keys = _global_positions(src, pieces)[: block.kv_len]
-    return [(q, k) for i, q in enumerate(rows) for j, k in enumerate(keys) if not block.causal or j <= i]
+    mask = dense_step_masks(True, pieces.lengths, pieces.zigzag).step(rank, src)
+    if mask is None:
+        return []
+    rows, keys = global_positions(rank, pieces), global_positions(src, pieces)
+    return [
+        (rows[pair.q_start + i], keys[pair.kv_start + j])
+        for pair in mask.pairs for i in range(pair.q_len) for j in range(pair.kv_len) if not pair.causal or j <= i
+    ]  # fmt: skip
 
 
-def _causal_schedule(pieces):
+def causal_schedule(pieces):
     """(work[step][rank]: number of scores computed, every score computed, with repeats)."""
     world_size = len(pieces.lengths)
     work, computed = [], []
@@ -66,7 +77,7 @@ def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
     for seqlen in (2, 4, 6, 10):
         for zigzag in (True, False):
             pieces = RingPieces.of([seqlen] * world_size, zigzag)
-            work, computed = _causal_schedule(pieces)
+            work, computed = causal_schedule(pieces)
             unequal = [(step, per_rank) for step, per_rank in enumerate(work) if len(set(per_rank)) > 1]
             if zigzag:
                 assert not unequal, f"P={world_size} S={seqlen}: zigzag work per rank differs at (step, work) {unequal}"
@@ -75,7 +86,8 @@ def test_zigzag_causal_steps_do_equal_work_on_every_rank(world_size):
                 assert unequal, f"P={world_size} S={seqlen}: the contiguous layout looks balanced"
             # Both layouts: every causal score exactly once, nothing else.
             assert sorted(computed) == _causal_pairs(world_size * seqlen), (
-                f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores")
+                f"P={world_size} S={seqlen} zigzag={zigzag}: wrong scores"
+            )
 
 
 @pytest.mark.parametrize("world_size", range(1, 9), ids=lambda size: f"P{size}")
@@ -83,13 +95,13 @@ def test_uneven_pieces_compute_every_causal_score_once(world_size):
     # Contiguous pieces of any lengths (empty ones too), and the zigzag pieces of any
     # full length (chunks of two lengths; fewer rows than chunks).
     gen = torch.Generator().manual_seed(world_size)
-    for trial in range(6):
+    for _ in range(6):
         lengths = torch.randint(0, 7, (world_size,), generator=gen).tolist()
         pieces = RingPieces.of(lengths, False)
-        assert sorted(_causal_schedule(pieces)[1]) == _causal_pairs(sum(lengths)), f"contiguous {lengths}"
+        assert sorted(causal_schedule(pieces)[1]) == _causal_pairs(sum(lengths)), f"contiguous {lengths}"
     for total in range(0, 4 * world_size + 3):
         pieces = RingPieces.of(zigzag_piece_lengths(total, world_size), True)
-        work, computed = _causal_schedule(pieces)
+        work, computed = causal_schedule(pieces)
         assert sorted(computed) == _causal_pairs(total), f"P={world_size} zigzag of {total} rows: wrong scores"
 
 
@@ -146,8 +158,6 @@ def test_comm_stats_count_the_ring(ranks, dtype):
             assert bwd_calls == 2 * (ranks.world_size - 1)
 
 
-
-
 @needs_gpu
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch, layout):
@@ -160,8 +170,8 @@ def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch,
     # copy is posted: otherwise, from step 2 on, the spare buffer already holds this
     # rank's K|V (the last step's), and a read racing ahead of the copy would give the
     # same numbers.
-    from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
-    from seqpar_kernels.parallel.ring_steps import step_kernels_for
+    from seqpar_kernels.engine.ring_driver import ring_backward, ring_forward
+    from seqpar_kernels.engine.step_backends import step_kernels_for
     from seqpar_kernels.testing import ReplacedExchange
 
     start = ReplacedExchange.start
@@ -174,13 +184,14 @@ def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch,
     monkeypatch.setattr(ReplacedExchange, "start", start_into_nan)
 
     gen = torch.Generator().manual_seed(22)
-    q, k, v, dout = (torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16)
-                     for heads in (8, 2, 2, 8))
+    q, k, v, dout = (
+        torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16) for heads in (8, 2, 2, 8)
+    )
     steps = step_kernels_for(AUTO, q)
 
     def ring(mode, rank):
         exchange = ReplacedExchange(mode, virtual_world_size=4, virtual_rank=rank)
-        options = (True, 128**-0.5, layout == "zigzag", "", steps)
+        options = (128**-0.5, "", steps, dense_step_masks(True, [2048] * 4, layout == "zigzag"))
         out, lse = ring_forward(q, k, v, *options, exchange=exchange)
         return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import reference
-import seqpar_kernels as sp
 from on_ranks import on_every_rank, rank_and_world, timeout_group
-from seqpar_kernels.parallel.ring_steps import AUTO
-from seqpar_kernels.testing import ring_attention_with_step_kernels
 from triton_interpreter import runs_triton_on
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.testing import ring_attention_with_step_kernels
+from tools import reference
 
 SCALES = (0.0, -0.3, -1.0, 0.25)
 B, H, H_KV, D, S_LOCAL = 1, 4, 2, 8, 4
@@ -37,7 +37,9 @@ def run_scales(path):
     rows = lambda x, rank, world_size: reference.ring_piece(x, layout, rank, world_size)  # noqa: E731
     generator = torch.Generator().manual_seed(5)
     total = S_LOCAL * world_size
-    q, k, v, dout = (torch.randn(B, total, heads, D, generator=generator, dtype=torch.float64) for heads in (H, H_KV, H_KV, H))
+    q, k, v, dout = (
+        torch.randn(B, total, heads, D, generator=generator, dtype=torch.float64) for heads in (H, H_KV, H_KV, H)
+    )
     errors = {}
     for scale in SCALES:
         for causal in (False, True):

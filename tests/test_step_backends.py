@@ -1,5 +1,5 @@
-"""The ring's step backends (seqpar_kernels/parallel/ring_steps.py,
-seqpar_kernels/parallel/block_attention.py): step_backend="auto" | "triton" | "aten".
+"""The ring's step backends (seqpar_kernels/engine/step_backends.py,
+seqpar_kernels/engine/block_attention.py): step_backend="auto" | "triton" | "aten".
 
 Without a GPU the CUDA library kernels of the "aten" backend (cuDNN, flash-attention 2,
 the memory-efficient kernel) cannot run, so the code that drives them is checked twice:
@@ -18,14 +18,14 @@ import json
 
 import pytest
 import torch
-
-import reference
-from seqpar_kernels.parallel import ring_steps
-from seqpar_kernels.parallel.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
 from test_ring_attention import CASE_GROUPS, LOW_PRECISION_CASES, _case, failures_of, run_cases
 from test_varlen import _case as varlen_case
 from test_varlen import run_varlen_cases
 from triton_interpreter import runs_triton_on
+
+from seqpar_kernels.engine import step_backends
+from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
+from tools import reference
 
 # ----------------------------------------------------------------------------------
 # "auto" and its table
@@ -33,7 +33,7 @@ from triton_interpreter import runs_triton_on
 
 
 def test_every_family_of_the_table_names_a_backend_and_its_basis():
-    with open(ring_steps.STEP_BACKEND_TABLE) as f:
+    with open(step_backends.STEP_BACKEND_TABLE) as f:
         families = json.load(f)["families"]
     assert set(families) == {"sm_80", "sm_86", "sm_90", "sm_100", "sm_120"}
     for family, entry in families.items():
@@ -47,22 +47,22 @@ def test_every_family_of_the_table_names_a_backend_and_its_basis():
      (103, "sm_100"), (120, "sm_120"), (121, "sm_120")],
 )  # fmt: skip
 def test_gpu_families(capability, family):
-    assert ring_steps.gpu_family(capability) == family
+    assert step_backends.gpu_family(capability) == family
 
 
 def test_auto_picks_aten_on_cpus_triton_for_fp32_gpus_and_the_table_otherwise(monkeypatch):
     cuda = torch.device("cuda", 0)
-    assert ring_steps.auto_step_backend(torch.device("cpu"), torch.bfloat16) == "aten"
-    assert ring_steps.auto_step_backend(cuda, torch.float32) == "triton"
+    assert step_backends.auto_step_backend(torch.device("cpu"), torch.bfloat16) == "aten"
+    assert step_backends.auto_step_backend(cuda, torch.float32) == "triton"
     for capability, family in ((90, "sm_90"), (80, "sm_80")):
-        monkeypatch.setattr(ring_steps, "_device_capability", lambda index, capability=capability: capability)
+        monkeypatch.setattr(step_backends, "_device_capability", lambda index, capability=capability: capability)
         for backend in ("aten", "triton"):
-            table = {name: dict(entry) for name, entry in ring_steps.step_backend_table().items()}
+            table = {name: dict(entry) for name, entry in step_backends.step_backend_table().items()}
             table[family]["backend"] = backend
-            monkeypatch.setattr(ring_steps, "step_backend_table", lambda table=table: table)
-            assert ring_steps.auto_step_backend(cuda, torch.bfloat16) == backend
+            monkeypatch.setattr(step_backends, "step_backend_table", lambda table=table: table)
+            assert step_backends.auto_step_backend(cuda, torch.bfloat16) == backend
     with pytest.raises(ValueError, match="CPU or CUDA"):
-        ring_steps.auto_step_backend(torch.device("meta"), torch.bfloat16)
+        step_backends.auto_step_backend(torch.device("meta"), torch.bfloat16)
 
 
 def test_library_kernel_choice():
@@ -201,7 +201,7 @@ def emulated_library_steps(kernel) -> str:
     register_library_kernels_on_cpu()
     name = f"aten-emulated-{kernel or 'sm_90'}"
     blocks = CudaLibraryBlocks(kernel=kernel, capability=90)
-    ring_steps.STEP_KERNELS[name] = ring_steps.AtenSteps(cpu_blocks=blocks, cuda_blocks=blocks)
+    step_backends.STEP_KERNELS[name] = step_backends.AtenSteps(cpu_blocks=blocks, cuda_blocks=blocks)
     return name
 
 
@@ -235,8 +235,12 @@ def test_library_blocks_rounded_to_bf16_keep_the_accuracy_rule(ranks, kernel):
     # Each block's output and gradients rounded to bf16 before the fp32 merge and sums,
     # as the library kernels return them.
     per_rank = ranks.run(run_cases_on_emulated_library, kernel, LOW_PRECISION_CASES, torch.bfloat16)
-    failures = failures_of(per_rank, lambda name, yardsticks: reference.error_bound(
-        torch.bfloat16, yardsticks["plain"][name], yardsticks["magnitude"][name]))
+    failures = failures_of(
+        per_rank,
+        lambda name, yardsticks: reference.error_bound(
+            torch.bfloat16, yardsticks["plain"][name], yardsticks["magnitude"][name]
+        ),
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -257,18 +261,18 @@ def test_packed_documents_through_the_library_blocks(ranks):
 
 def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
     table = tmp_path / "step_backends.json"
-    table.write_text(open(ring_steps.STEP_BACKEND_TABLE).read())
-    monkeypatch.setattr(ring_steps, "STEP_BACKEND_TABLE", str(table))
-    ring_steps.step_backend_table.cache_clear()
+    table.write_text(open(step_backends.STEP_BACKEND_TABLE).read())
+    monkeypatch.setattr(step_backends, "STEP_BACKEND_TABLE", str(table))
+    step_backends.step_backend_table.cache_clear()
     try:
-        ring_steps.record_measured_step_backend("sm_90", "triton", "measured on a test GPU")
-        families = ring_steps.step_backend_table()
+        step_backends.record_measured_step_backend("sm_90", "triton", "measured on a test GPU", str(table))
+        families = step_backends.step_backend_table()
         assert families["sm_90"] == {"backend": "triton", "measured": True, "basis": "measured on a test GPU"}
         assert families["sm_80"]["measured"] is False  # the others untouched
         with pytest.raises(AssertionError):
-            ring_steps.record_measured_step_backend("sm_90", "auto", "")
+            step_backends.record_measured_step_backend("sm_90", "auto", "", str(table))
     finally:
-        ring_steps.step_backend_table.cache_clear()
+        step_backends.step_backend_table.cache_clear()
 
 
 # ----------------------------------------------------------------------------------
@@ -281,13 +285,12 @@ def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
 def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     # One process: step 0 is the whole ring. The driver hands the first step an
     # uninitialised output (filled with NaN here, as torch.empty may hold anything).
-    from seqpar_kernels.parallel.ring_driver import _first_step_writes_every_row, ring_forward, step_mask
-    from seqpar_kernels.parallel.ring_driver import RingPieces
+    from seqpar_kernels.engine.ring_driver import dense_step_masks, first_step_writes_every_row, ring_forward
 
-    triton_steps = ring_steps.STEP_KERNELS["triton"]
-    mask = step_mask(0, 0, RingPieces.of([5], False), causal, None)
-    assert _first_step_writes_every_row(triton_steps, mask, 5)
-    assert not _first_step_writes_every_row(ring_steps.STEP_KERNELS["aten"], mask, 5)
+    triton_steps = step_backends.STEP_KERNELS["triton"]
+    masks = dense_step_masks(causal, [5], False)
+    assert first_step_writes_every_row(triton_steps, masks.step(0, 0), 5)
+    assert not first_step_writes_every_row(step_backends.STEP_KERNELS["aten"], masks.step(0, 0), 5)
     forward = type(triton_steps).forward
     first_steps = []
 
@@ -301,8 +304,8 @@ def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     monkeypatch.setattr(type(triton_steps), "forward", forward_on_garbage)
     generator = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 5, heads, 16, generator=generator) for heads in (4, 2, 2))
-    out, lse = ring_forward(q, k, v, causal, 0.25, False, "", triton_steps)
-    expected, expected_lse = ring_forward(q, k, v, causal, 0.25, False, "", ring_steps.STEP_KERNELS["aten"])
+    out, lse = ring_forward(q, k, v, 0.25, "", triton_steps, masks)
+    expected, expected_lse = ring_forward(q, k, v, 0.25, "", step_backends.STEP_KERNELS["aten"], masks)
     assert first_steps == [True]
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=2e-6, rtol=0)

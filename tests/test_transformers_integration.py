@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,11 +26,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import pool_for  # noqa: E402
-from on_ranks import on_every_rank, timeout_group  # noqa: E402
+from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
+from optional_dependency import assert_never_imported, oldest_marker, run_under_oldest_release  # noqa: E402
 
 OLDEST_SUPPORTED = "4.56.2"
-REPOSITORY = Path(__file__).resolve().parent.parent
-OLDEST_PATH = REPOSITORY / "build" / f"transformers-{OLDEST_SUPPORTED}"
 
 VOCAB = 96
 FP32_LOSS_RTOL = 1e-5
@@ -242,21 +239,11 @@ def test_bf16_within_twice_the_single_process_error():
 # ----------------------------------------------------------------------------------
 
 
-def _raises(call, match: str) -> str | None:
-    """None when call() raises ValueError matching `match`, else what went wrong."""
-    import re
-
-    try:
-        call()
-    except ValueError as error:
-        return None if re.search(match, str(error)) else f"ValueError without {match!r}: {error}"
-    return f"no ValueError (expected {match!r})"
-
-
 @on_every_rank
 def run_unsupported_cases():
-    import seqpar_kernels.integrations.transformers as sp_transformers
     from transformers import MistralConfig, MistralForCausalLM
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
 
     group = {"group": timeout_group()}
     config = _config()
@@ -273,74 +260,76 @@ def run_unsupported_cases():
     # A padding mask handed to the model directly, not folded by shard_batch.
     padded_mask = torch.ones_like(local["input_ids"])
     padded_mask[:, 0] = 0
-    problems["padding mask"] = _raises(
+    problems["padding mask"] = raises(
         lambda: model.model(input_ids=local["input_ids"], attention_mask=padded_mask), "pads some tokens"
     )
     # Left padding cannot be folded into the labels.
     left = dict(batch, attention_mask=batch["attention_mask"].flip(-1))
-    problems["left padding"] = _raises(lambda: sp_transformers.shard_batch(left, mode="ring", **group), "left padding")
+    problems["left padding"] = raises(lambda: sp_transformers.shard_batch(left, mode="ring", **group), "left padding")
     # Packed documents without shard_batch's plan.
     packed, _, positions = _batch("packed", 37)
     local_positions = sp_transformers.shard_batch(packed, mode="ring", **group)["position_ids"]
-    problems["packed without a plan"] = _raises(
+    problems["packed without a plan"] = raises(
         lambda: model.model(input_ids=torch.zeros_like(local_positions), position_ids=local_positions),
         "global positions",
     )
     # Positions counted from 0 on every rank (a model given only its tokens).
     if torch.distributed.get_world_size() > 1:
-        problems["local positions"] = _raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
+        problems["local positions"] = raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
     # Dropout while training.
     dropout_model = model_with(attention_dropout=0.1).train()
-    problems["dropout"] = _raises(lambda: dropout_model.model(**local), "dropout")
+    problems["dropout"] = raises(lambda: dropout_model.model(**local), "dropout")
     # A sliding window.
     torch.manual_seed(0)
     mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                sliding_window=8, use_cache=False))  # fmt: skip
     sp_transformers.apply(mistral, "ring", **group)
-    problems["sliding window"] = _raises(lambda: mistral.model(**local), "sliding")
+    problems["sliding window"] = raises(lambda: mistral.model(**local), "sliding")
     # Softcapping (called as a model passes it).
     attention = model.model.layers[0].self_attn
     q = torch.randn(1, 4, 5, 16)
     kv = torch.randn(1, 2, 5, 16)
     implementation = sp_transformers.IMPLEMENTATIONS["ring"]
     attend = transformers.AttentionInterface._global_mapping[implementation]
-    problems["softcap"] = _raises(lambda: attend(attention, q, kv, kv, None, softcap=30.0), "softcap")
-    problems["kv cache"] = _raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
+    problems["softcap"] = raises(lambda: attend(attention, q, kv, kv, None, softcap=30.0), "softcap")
+    problems["kv cache"] = raises(lambda: attend(attention, q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16),
                                                   None), "KV cache")  # fmt: skip
     # A batch sharded for another layout than the model's.
     balanced = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", **group)
-    problems["layout mismatch"] = _raises(lambda: model.model(**balanced), "sharded for")
+    problems["layout mismatch"] = raises(lambda: model.model(**balanced), "sharded for")
     # Ulysses has no balanced layout; packing needs batch size 1.
-    problems["ulysses balanced"] = _raises(lambda: sp_transformers.apply(_model(config), "ulysses", layout="balanced",
+    problems["ulysses balanced"] = raises(lambda: sp_transformers.apply(_model(config), "ulysses", layout="balanced",
                                                                          **group), "contiguous")  # fmt: skip
     two_rows = {"input_ids": torch.zeros(2, 12, dtype=torch.long),
                 "position_ids": torch.cat([torch.arange(6), torch.arange(6)]).expand(2, 12)}  # fmt: skip
-    problems["packed batch of two"] = _raises(lambda: sp_transformers.shard_batch(two_rows, mode="ring", **group),
+    problems["packed batch of two"] = raises(lambda: sp_transformers.shard_batch(two_rows, mode="ring", **group),
                                               "batch size 1")  # fmt: skip
-    problems["unknown key"] = _raises(
+    problems["unknown key"] = raises(
         lambda: sp_transformers.shard_batch(dict(batch, pixel_values=torch.zeros(1)), mode="ring", **group),
         "pixel_values",
     )
-    problems["step backend"] = _raises(
+    problems["step backend"] = raises(
         lambda: sp_transformers.apply(_model(config), "ring", step_backend="cudnn", **group), "step_backend"
     )
     # A step backend is the model's choice alone: a batch sharded without it runs.
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
-    backends, ring_attention = [], sp_transformers.ring_attention
-    sp_transformers.ring_attention = lambda *args, **kwargs: backends.append(kwargs["step_backend"]) or ring_attention(
-        *args, **kwargs)
+    attention_module = sp_transformers.attention
+    backends, ring_attention = [], attention_module.ring_attention
+    attention_module.ring_attention = lambda *args, **kwargs: (
+        backends.append(kwargs["step_backend"]) or ring_attention(*args, **kwargs)
+    )
     try:
         aten_model.model(**local)
     finally:
-        sp_transformers.ring_attention = ring_attention
+        attention_module.ring_attention = ring_attention
     if settings.step_backend != "aten" or backends != ["aten"] * config.num_hidden_layers:
         problems["step backend passed on"] = f"apply recorded {settings}, the attention got {backends}"
     # An implementation set by hand, without apply's groups.
     by_hand = _model(config)
     by_hand.set_attn_implementation(implementation)
-    problems["set by hand"] = _raises(lambda: by_hand.model(**local), "apply")
+    problems["set by hand"] = raises(lambda: by_hand.model(**local), "apply")
     return {name: problem for name, problem in problems.items() if problem is not None}
 
 
@@ -350,8 +339,9 @@ def test_what_cannot_be_honoured_raises():
 
 
 def test_register_never_overwrites_another_function():
-    import seqpar_kernels.integrations.transformers as sp_transformers
     from transformers import AttentionInterface
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
 
     sp_transformers.register()
     sp_transformers.register()  # idempotent
@@ -368,24 +358,18 @@ def test_register_never_overwrites_another_function():
 
 
 def test_core_package_never_imports_transformers():
-    code = "import sys, seqpar_kernels; sys.exit('transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert_never_imported("transformers")
 
 
-@pytest.mark.skipif(os.environ.get("SEQPAR_TRANSFORMERS_OLDEST") == "1", reason="already the oldest release")
+@pytest.mark.skipif(os.environ.get(oldest_marker("transformers")) == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
-    """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
-    if not (OLDEST_PATH / "transformers").is_dir():
-        pytest.skip(f"transformers {OLDEST_SUPPORTED} is not installed in {OLDEST_PATH} (scripts/setup.sh does it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(OLDEST_PATH), os.environ.get("PYTHONPATH", "")]),
-               SEQPAR_TRANSFORMERS_OLDEST="1")  # fmt: skip
-    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-                             env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    assert version == OLDEST_SUPPORTED
-    selection = "one_group and P2 or usp and 2 or unsupported or register or adamw"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
-        env=env, cwd=REPOSITORY, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    """This file's parity and error tests, and some of the Trainer's, under the oldest
+    supported release, installed by scripts/setup.sh into build/ (skipped where the
+    set-up could not reach PyPI). The Trainer's run in the same session: they share its
+    rank pools."""
+    selection = (
+        "one_group and P2 or usp and 2 or unsupported or register or adamw or "
+        "test_transformers_trainer and (P2-ring or replicas and packed or mixin)"
+    )
+    trainer_tests = str(Path(__file__).with_name("test_transformers_trainer.py"))
+    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, trainer_tests], selection)

@@ -3,7 +3,7 @@
 Every rank builds the same full q/k/v (B, S, H, D) from a fixed seed, takes its
 sequence piece, runs ulysses_attention, and compares its piece of the output and of
 the gradients with a single-process reference computed on the same rank: fp64
-attention with the score matrix materialized (tests/reference.py). fp32 must match to
+attention with the score matrix materialized (tools/reference.py). fp32 must match to
 reference.FP32_TOLERANCE; fp16/bf16 follow the accuracy rule (reference.error_bound).
 
 Rank functions are module-level (the pool pickles them by reference) and run several
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import reference
 from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
+from ulysses_cases import UNEVEN, exact_with_grads, failures_over, full_inputs, lengths_for, make_case
+
 from seqpar_kernels import ulysses_attention
-from ulysses_cases import UNEVEN, make_case, exact_with_grads, failures_over, full_inputs, lengths_for
+from tools import reference
+
 
 def ulysses_with_grads(q_loc, k_loc, v_loc, dout_loc, causal, sizes, scale=None):
     q_loc, k_loc, v_loc = (t.detach().clone().requires_grad_() for t in (q_loc, k_loc, v_loc))
@@ -29,7 +30,6 @@ def ulysses_with_grads(q_loc, k_loc, v_loc, dout_loc, causal, sizes, scale=None)
     )
     backward_on_every_rank(out, dout_loc)
     return out.detach(), q_loc.grad, k_loc.grad, v_loc.grad
-
 
 
 NAMES = ("out", "dq", "dk", "dv")
@@ -60,7 +60,6 @@ def check_case_fp32(case):
 def run_cases_fp32(cases):
     """All cases on this rank; returns a list of (case id, errors)."""
     return [(case["id"], check_case_fp32(case)) for case in cases]
-
 
 
 CASE_GROUPS = {
@@ -97,6 +96,7 @@ CASE_GROUPS = {
         make_case("D256", H=4, H_kv=1, D=256, S=8, causal=True),
     ],
 }
+
 
 @pytest.mark.parametrize("group", list(CASE_GROUPS))
 def test_fp32_forward_backward_matches_fp64_reference(ranks, group):
@@ -244,8 +244,7 @@ def run_noncontiguous(causal):
     # (3) strided head dim: (B, S_r, H, 2D)[..., ::2].
     # (B, S_r, H, D) -> (B, S_r, H, D, 2) -> (B, S_r, H, 2D); the odd elements are poison.
     leaves = [
-        torch.stack([t, torch.full_like(t, 1e6)], dim=-1).flatten(-2).requires_grad_()
-        for t in (q_loc, k_loc, v_loc)
+        torch.stack([t, torch.full_like(t, 1e6)], dim=-1).flatten(-2).requires_grad_() for t in (q_loc, k_loc, v_loc)
     ]
     views = [leaf[..., ::2] for leaf in leaves]
     out = ulysses_attention(*views, causal=causal, seq_lens=sizes, group=timeout_group())

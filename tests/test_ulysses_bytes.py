@@ -4,14 +4,13 @@ with kv heads fewer than the ranks, uneven sequence pieces."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-import reference
 from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
+from ulysses_cases import UNEVEN, full_inputs, lengths_for, make_case
+
 from seqpar_kernels import comm_stats, ulysses_attention
-from ulysses_cases import UNEVEN, make_case, full_inputs, lengths_for
+from tools import reference
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -133,7 +132,8 @@ def run_comm_stats_gqa(cases):
         sizes = lengths_for(case["S"], world)
         case = dict(case, S_total=sum(sizes))
         q, k, v, dout = (
-            reference.contiguous_piece(t, sizes, rank).to(case["dtype"]).detach().clone() for t in full_inputs(case, seed=7)
+            reference.contiguous_piece(t, sizes, rank).to(case["dtype"]).detach().clone()
+            for t in full_inputs(case, seed=7)
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         with comm_stats() as forward:
@@ -183,6 +183,4 @@ def test_comm_stats_gqa_kv_heads_fewer_than_ranks_match_formula(ranks):
         # K/V repeated to H heads before the exchange would send more in these cases
         # (not in mqa-3-1 on P=3/4, where every rank has one q head), so the formula
         # tells the two apart and the test can fail.
-        assert {"gqa-8-2", "gqa-6-3", "mqa-5-1", "gqa-6-2-uneven"} <= set(tells_repeated_apart), (
-            tells_repeated_apart
-        )
+        assert {"gqa-8-2", "gqa-6-3", "mqa-5-1", "gqa-6-2-uneven"} <= set(tells_repeated_apart), tells_repeated_apart

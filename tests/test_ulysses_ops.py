@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-
-import reference
 from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, timeout_group
+from ulysses_cases import UNEVEN, failures_over, full_inputs, lengths_for, make_case
+
 from seqpar_kernels import ulysses_attention
-from ulysses_cases import UNEVEN, make_case, failures_over, full_inputs, lengths_for
+from tools import reference
 
 NAMES = ("out", "dq", "dk", "dv")
 

@@ -1,4 +1,5 @@
-"""USP (seqpar_kernels/parallel/usp.py) on gloo grids of ranks: usp_attention against
+"""USP (seqpar_kernels/parallel/usp.py) on gloo grids of ranks (one file, over 500 lines:
+every check shares the grids and their rank pools): usp_attention against
 fp64 attention, degree 1 against ulysses_attention and ring_attention bit for bit, the
 bytes against the per-group formulas, torch.compile, the layouts of usp_split and
 usp_gather, make_usp_groups, and bad inputs on every rank (the README's example: tests/test_readme_example.py).
@@ -8,26 +9,23 @@ consecutive, strided, and from a DeviceMesh whose dims are named in the other or
 4x1; world 3 as 1x3 and 3x1; world 6 as 2x3 and 3x2. Every rank builds the same full
 q/k/v/dout from a seed, takes its piece as this file defines the layouts (independently
 of the library), and compares its piece of out, lse and the gradients with the
-reference on the same rank (tests/reference.py). Rank functions run many cases per
+reference on the same rank (tools/reference.py). Rank functions run many cases per
 call: every pool.run is a round trip to all ranks.
 """
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
-
-import reference
-import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import COLLECTIVE_TIMEOUT, backward_on_every_rank, on_every_rank, timeout_group
-from seqpar_kernels.comm.groups import GroupInfo
-from seqpar_kernels.parallel.ring_driver import RingPieces
-from seqpar_kernels.parallel.usp import _Grid, _piece_ranges
-from test_ring_schedule import _causal_schedule, _global_positions
+from test_ring_schedule import RingPieces, causal_schedule, global_positions
 from test_ulysses_bytes import expected_ulysses_bytes
+
+import seqpar_kernels as sp
+from seqpar_kernels.layouts import usp_piece_segments
+from tools import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -138,6 +136,8 @@ def _two_each(pieces):
     return 2 * pieces
 
 
+# A table: one case a line.
+# fmt: off
 CASES = [
     _case("mha-causal-tensor-split", H=4, H_kv=4, D=32, causal=True, layout="contiguous", B=2,
           total=_three_each_and_one, lse=True),
@@ -161,6 +161,7 @@ CASES = [
     _case("packed-gqa-6-3-causal", H=6, H_kv=3, D=16, causal=True, layout="contiguous",
           total=_three_each_and_one, packed=True),
 ]
+# fmt: on
 
 
 def full_inputs(case, total, dtype, seed):
@@ -243,7 +244,7 @@ def test_fp32_forward_backward_match_fp64_reference(world_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_within_twice_plain_torch_error(dtype):
-    # The accuracy rule (tests/reference.py) on the 2x2 grid of world 4.
+    # The accuracy rule (tools/reference.py) on the 2x2 grid of world 4.
     cases = [CASES[2], CASES[3]]
     per_rank = pool_for(4).run(run_grid_cases, [("inner", 2)], cases, dtype)
 
@@ -304,10 +305,28 @@ def test_degree_one_is_ulysses_or_ring_bit_for_bit(world_size):
 
 BYTES_CASES = [
     # On U = 3 the middle Ulysses rank's q heads [2, 4) read both kv heads: two rings.
-    _case("gqa-6-2-uneven-lse", H=6, H_kv=2, D=16, causal=True, layout="contiguous", B=2,
-          lengths=_with_empty_piece, lse=True, dtype=torch.float32),
-    _case("mqa-3-1-zigzag-bf16", H=3, H_kv=1, D=16, causal=True, layout="zigzag",
-          total=_four_each_and_three, dtype=torch.bfloat16),
+    _case(
+        "gqa-6-2-uneven-lse",
+        H=6,
+        H_kv=2,
+        D=16,
+        causal=True,
+        layout="contiguous",
+        B=2,
+        lengths=_with_empty_piece,
+        lse=True,
+        dtype=torch.float32,
+    ),
+    _case(
+        "mqa-3-1-zigzag-bf16",
+        H=3,
+        H_kv=1,
+        D=16,
+        causal=True,
+        layout="zigzag",
+        total=_four_each_and_three,
+        dtype=torch.bfloat16,
+    ),
 ]
 
 
@@ -454,11 +473,6 @@ def test_split_and_gather_follow_the_layouts(world_size):
         assert not failed, f"rank {rank}: {failed}"
 
 
-def _grid(i, j, ring_size, ulysses_size):
-    """A grid position without groups (for the layout's arithmetic alone)."""
-    return _Grid(None, None, GroupInfo("", j, ulysses_size), GroupInfo("", i, ring_size))
-
-
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4], ids=lambda size: f"R{size}")
 def test_zigzag_slots_are_the_rings_zigzag_pieces_with_equal_causal_work(ring_size):
     # A ring slot gathered over its Ulysses group holds exactly the rows the ring's
@@ -469,14 +483,14 @@ def test_zigzag_slots_are_the_rings_zigzag_pieces_with_equal_causal_work(ring_si
         for total in (0, 1, 2 * ring_size * ulysses_size, 4 * ring_size * ulysses_size, 4 * ring_size * 3 + 5):
             slots = [
                 [start + row for j in range(ulysses_size)
-                 for start, length in _piece_ranges(total, _grid(i, j, ring_size, ulysses_size), "zigzag")
+                 for start, length in usp_piece_segments(total, ulysses_size, ring_size, i, j, True)
                  for row in range(length)]
                 for i in range(ring_size)
             ]  # fmt: skip
             pieces = RingPieces.of([len(slot) for slot in slots], True)
-            assert slots == [_global_positions(i, pieces) for i in range(ring_size)], (ulysses_size, total)
+            assert slots == [global_positions(i, pieces) for i in range(ring_size)], (ulysses_size, total)
             if total % (2 * ring_size) == 0:
-                work, _ = _causal_schedule(pieces)
+                work, _ = causal_schedule(pieces)
                 assert all(len(set(per_rank)) == 1 for per_rank in work), (ulysses_size, total, work)
 
 
@@ -570,10 +584,10 @@ def run_bad_inputs():
         "seq_lens of 2 ranks": lambda: sp.usp_attention(q, k, v, seq_lens=[3, 3], **groups),
         # Contiguous lengths that are no zigzag layout of their sum (slots of 4 and 10).
         "zigzag lengths": lambda: sp.usp_attention(*_qkv(length=[1, 3, 4, 6][rank]), layout="zigzag", **groups),
-        "usp_gather zigzag lengths": lambda: sp.usp_gather(torch.randn(2, [1, 3, 4, 6][rank]), 1, layout="zigzag",
-                                                           **groups),
-        "usp_split not a grid": lambda: sp.usp_split(torch.randn(2, 8), 1, ulysses_group=row,
-                                                     ring_group=crossed_ring),
+        "usp_gather zigzag lengths": lambda: sp.usp_gather(
+            torch.randn(2, [1, 3, 4, 6][rank]), 1, layout="zigzag", **groups
+        ),
+        "usp_split not a grid": lambda: sp.usp_split(torch.randn(2, 8), 1, ulysses_group=row, ring_group=crossed_ring),
     }
     one_bad_rank = {
         "dtype": (lambda: sp.usp_attention(*_qkv(), **groups),

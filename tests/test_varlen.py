@@ -1,7 +1,8 @@
-"""Packed variable-length sequences (seqpar_kernels/parallel/varlen.py): varlen_plan's
+"""Packed variable-length sequences (seqpar_kernels/parallel/varlen.py; one file, over
+500 lines: the plan and every op with varlen= share the document mixes and cases): varlen_plan's
 layouts, split/gather, position_ids and balance, and ring_attention, ulysses_attention
 and usp_attention with varlen=plan on gloo ranks (world 1-4 and 2x2 grids) against
-per-document attention in one process by the accuracy rule of tests/reference.py,
+per-document attention in one process by the accuracy rule of tools/reference.py,
 forward and backward.
 
 Every rank builds the same full sequence from a seed, takes its tokens with the plan
@@ -16,15 +17,16 @@ import random
 import numpy as np
 import pytest
 import torch
-
-import reference
-import seqpar_kernels as sp
 from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group
-from seqpar_kernels.parallel.varlen import VarlenLayout
-from seqpar_kernels.testing import ring_attention_with_step_kernels
-from triton_interpreter import runs_triton_on
 from test_usp import usp_groups
+from triton_interpreter import runs_triton_on
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine.masks import AttentionMask, step_masks_of
+from seqpar_kernels.layouts import VarlenLayout
+from seqpar_kernels.testing import ring_attention_with_step_kernels
+from tools import reference
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -71,8 +73,9 @@ LENGTHS = {
 
 
 def tokens_of(layout: VarlenLayout) -> list[list[int]]:
-    return [[position for start, length in piece for position in range(start, start + length)]
-            for piece in layout.pieces]
+    return [
+        [position for start, length in piece for position in range(start, start + length)] for piece in layout.pieces
+    ]
 
 
 @pytest.mark.parametrize("layout_name", ["contiguous", "balanced"])
@@ -88,8 +91,9 @@ def test_every_token_is_held_once_in_global_order_per_slot(family, ring_size, ul
         slot_tokens = [p for piece in pieces[slot * ulysses_size : (slot + 1) * ulysses_size] for p in piece]
         assert slot_tokens == sorted(slot_tokens)
         # The Ulysses pieces of a slot are torch.tensor_split of its tokens.
-        assert [len(piece) for piece in pieces[slot * ulysses_size : (slot + 1) * ulysses_size]] == \
-            reference.even_lengths(len(slot_tokens), ulysses_size)
+        assert [
+            len(piece) for piece in pieces[slot * ulysses_size : (slot + 1) * ulysses_size]
+        ] == reference.even_lengths(len(slot_tokens), ulysses_size)
     if layout_name == "contiguous":
         assert layout.seq_lens == reference.even_lengths(sum(lengths), ring_size * ulysses_size)
         assert layout.in_global_order
@@ -113,7 +117,8 @@ def test_balanced_layout_evens_work_and_tokens_of_a_long_tailed_mix(seed):
 
 @pytest.mark.parametrize("ring_size", [2, 3, 8])
 @pytest.mark.parametrize(
-    "lengths", [[65536], [1] * 4096, [3, 5, 7] * 700, [30000, 1, 1, 35534]],
+    "lengths",
+    [[65536], [1] * 4096, [3, 5, 7] * 700, [30000, 1, 1, 35534]],
     ids=["one document", "4096 of length 1", "2100 short", "two long and two of length 1"],
 )
 def test_balanced_layout_of_single_and_uniform_documents(lengths, ring_size):
@@ -174,8 +179,9 @@ def test_single_process_plan_splits_and_gathers():
 
 def _per_document(fn, q, k, v, bounds, causal):
     """fn applied to every document's rows (B = 1), outputs concatenated."""
-    outs = [fn(q[:, start:end], k[:, start:end], v[:, start:end], causal)[0]
-            for start, end in zip(bounds[:-1], bounds[1:])]
+    outs = [
+        fn(q[:, start:end], k[:, start:end], v[:, start:end], causal)[0] for start, end in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outs, 1)
 
 
@@ -232,20 +238,44 @@ def run_varlen_cases(cases):
         plain = [plain[0], *plain[2:]]
         ours = [ours[0], *ours[2:]]
         for name, exact_full, plain_full, mine in zip(NAMES, exact, plain, ours):
-            bound = reference.error_bound(dtype, reference.max_error(plain_full, exact_full),
-                                          reference.magnitude(exact_full))
+            bound = reference.error_bound(
+                dtype, reference.max_error(plain_full, exact_full), reference.magnitude(exact_full)
+            )
             error = reference.max_error(mine, plan.split(exact_full, 1))
             if not error <= bound:
                 failures.append(f"{case['id']} {name}: error {error:.3g} > {bound:.3g}")
     return failures
 
 
-def _case(method, lengths_name, *, dtype=torch.float32, causal=True, layout="balanced", heads=4, kv_heads=2,
-          head_dim=64, ulysses=1, seed=0):
-    case = dict(method=method, lengths=LENGTHS[lengths_name], dtype=dtype, causal=causal, layout=layout,
-                heads=heads, kv_heads=kv_heads, head_dim=head_dim, ulysses=ulysses, seed=seed)
-    case["id"] = (f"{method} {lengths_name} {str(dtype)[6:]} {'causal' if causal else 'full'} {layout} "
-                  f"h{heads}/{kv_heads} d{head_dim} u{ulysses}")
+def _case(
+    method,
+    lengths_name,
+    *,
+    dtype=torch.float32,
+    causal=True,
+    layout="balanced",
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    ulysses=1,
+    seed=0,
+):
+    case = dict(
+        method=method,
+        lengths=LENGTHS[lengths_name],
+        dtype=dtype,
+        causal=causal,
+        layout=layout,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ulysses=ulysses,
+        seed=seed,
+    )
+    case["id"] = (
+        f"{method} {lengths_name} {str(dtype)[6:]} {'causal' if causal else 'full'} {layout} "
+        f"h{heads}/{kv_heads} d{head_dim} u{ulysses}"
+    )
     return case
 
 
@@ -369,8 +399,7 @@ def test_opcheck_of_the_varlen_ops():
         )
         # The ring ops with documents, one process (group name ""): one slot holding all.
         plan = sp.varlen_plan(bounds)
-        args = (q, k, v, causal, 0.25, False, "", "auto", [11], plan.cu_seqlens_tensor,
-                plan.segments_tensor)
+        args = (q, k, v, causal, 0.25, False, "", "auto", [11], plan.cu_seqlens_tensor, plan.segments_tensor)
         torch.library.opcheck(torch.ops.seqpar.ring_attention_forward.default, args)
 
 
@@ -445,11 +474,17 @@ def test_bad_attention_calls_raise_on_every_rank():
 # ----------------------------------------------------------------------------------
 
 
+def step_mask(layout, q_slot, k_slot, causal):
+    """The ring's StepMask of slot q_slot's queries against slot k_slot's keys."""
+    return step_masks_of(AttentionMask(causal, layout.cu_seqlens), layout.slots).step(q_slot, k_slot)
+
+
 def _mask_by_definition(layout, q_slot, k_slot, causal):
     """(q rows x key rows) bool: same document, and key position <= query position if causal."""
+
     def positions(slot):
-        return [position for start, length in layout.documents.segments[slot]
-                for position in range(start, start + length)]
+        return [position for start, length in layout.slots[slot] for position in range(start, start + length)]
+
     bounds = torch.tensor(layout.cu_seqlens)
     q_positions, k_positions = torch.tensor(positions(q_slot)), torch.tensor(positions(k_slot))
     q_documents = torch.searchsorted(bounds, q_positions, right=True)
@@ -468,7 +503,7 @@ def test_step_masks_select_exactly_the_document_pairs(family, layout_name, causa
     for q_slot in range(3):
         for k_slot in range(3):
             expected = _mask_by_definition(layout, q_slot, k_slot, causal)
-            step = layout.documents.step_mask(q_slot, k_slot, causal)
+            step = step_mask(layout, q_slot, k_slot, causal)
             if step is None:
                 assert not expected.any()
                 continue
@@ -495,7 +530,7 @@ def test_a_step_without_a_common_document_has_no_mask():
     layout = VarlenLayout([0, 4, 8, 12], ring_size=3, layout="contiguous")
     for q_slot in range(3):
         for k_slot in range(3):
-            assert (layout.documents.step_mask(q_slot, k_slot, False) is None) == (q_slot != k_slot)
+            assert (step_mask(layout, q_slot, k_slot, False) is None) == (q_slot != k_slot)
     # Causal: keys of a later rank's piece of one document are never seen.
     layout = VarlenLayout([0, 12], ring_size=3, layout="contiguous")
-    assert layout.documents.step_mask(0, 2, True) is None and layout.documents.step_mask(2, 0, True) is not None
+    assert step_mask(layout, 0, 2, True) is None and step_mask(layout, 2, 0, True) is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import reference
+from tools import reference
 
 
 def make_case(id, H, H_kv, D, S, causal, B=1, **extra):

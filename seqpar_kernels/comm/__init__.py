@@ -1,7 +1,2 @@
-"""Process-group plumbing: groups, exchange plans, collectives, comm_stats."""
-
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.comm.plan import tensor_split_ranges
-from seqpar_kernels.comm.stats import comm_stats
-
-__all__ = ["GroupInfo", "resolve_group", "tensor_split_ranges", "comm_stats"]
+"""Process-group plumbing above the ops: exchange plans (plan), the all-to-all of ranges
+(exchange), the P2P ring (ring), and a group, two groups or a mesh resolved (grid)."""

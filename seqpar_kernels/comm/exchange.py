@@ -10,17 +10,14 @@ from typing import Sequence
 
 import torch
 
-from seqpar_kernels.comm.groups import GroupInfo
-from seqpar_kernels.comm.plan import offsets
+from seqpar_kernels.groups import GroupInfo
+from seqpar_kernels.layouts import offsets
 from seqpar_kernels.ops import all_to_all_single, pack_blocks, unpack_blocks
 from seqpar_kernels.ops.block_copy import block_numel
 
-# torch.compile traces an autograd.Function's backward refusing Tensor.is_contiguous on
-# its tensors in torch 2.6 ("Illegal getattr invocation is_contiguous in strict mode",
-# from split_sequence's backward, which gathers with exchange_blocks); 2.7.1, 2.8.0,
-# 2.13.0 and 2.14.1 trace it (measured, fullgraph). Under torch.compile on 2.6 the send
-# side therefore always packs: right for any strides, one copy more for an input that
-# is already laid out as the send buffer.
+# torch 2.6's torch.compile cannot trace Tensor.is_contiguous in an autograd.Function's
+# backward (docs/tuning.md): there the send side always packs under torch.compile, right
+# for any strides and one copy more for an input already laid out as the send buffer.
 COMPILE_READS_CONTIGUITY = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
 
 
@@ -77,9 +74,7 @@ def exchange_blocks(
     return unpack_blocks(received, out_shapes, recv_dims, recv_starts, recv_lengths, out_dim_orders)
 
 
-def _ranges_tile_memory(
-    shape: Sequence[int], split_dim: int, starts: Sequence[int], lengths: Sequence[int]
-) -> bool:
+def _ranges_tile_memory(shape: Sequence[int], split_dim: int, starts: Sequence[int], lengths: Sequence[int]) -> bool:
     """Whether one C-order tensor's ranges along split_dim, in rank order, are its
     memory cut in consecutive pieces: every dim before split_dim has size 1 and the
     ranges cover split_dim end to end. Packing (or unpacking) such ranges is a plain

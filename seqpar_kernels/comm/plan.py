@@ -1,31 +1,11 @@
 """Exchange plans: who sends which range of what to whom.
 
 Everything uneven (heads or sequence not divisible by the world size, empty pieces,
-GQA kv heads shared between ranks) is decided here, not in the algorithms.
+GQA kv heads shared between ranks) is decided here, not in the algorithms; which rows a
+rank holds is seqpar_kernels.layouts'.
 """
 
 from __future__ import annotations
-
-import itertools
-
-
-def tensor_split_sizes(total: int, world_size: int) -> list[int]:
-    """torch.tensor_split's piece sizes: the first total % world_size ranks get one more."""
-    # // and %, not divmod: torch.compile traces a size that changed since the last
-    # call as a symbolic int, which divmod cannot take.
-    base, extra = total // world_size, total % world_size
-    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
-
-
-def offsets(sizes: list[int]) -> list[int]:
-    """Exclusive prefix sums: where each piece starts."""
-    return [0, *itertools.accumulate(sizes)][:-1]
-
-
-def tensor_split_ranges(total: int, world_size: int) -> tuple[list[int], list[int]]:
-    """(starts, lengths) of torch.tensor_split(range(total), world_size)."""
-    sizes = tensor_split_sizes(total, world_size)
-    return offsets(sizes), sizes
 
 
 def kv_head_ranges(

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name
-from seqpar_kernels.comm.stats import record_sent
+from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name
+from seqpar_kernels.traffic import record_sent
 
 # Tags keep the two rings of the backward (K|V and dK|dV, in flight at once between the
 # same pair of ranks) apart on gloo, whose matching is by (peer, tag). NCCL ignores

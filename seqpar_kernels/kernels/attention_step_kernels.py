@@ -1,12 +1,15 @@
 """Triton kernels of one ring-attention step (the @triton.jit functions only).
 
+One file for all of them (over 500 lines): the three kernels share their sweep and
+load helpers, and Triton keys each compiled kernel on the source of what it calls.
+
 In ring attention every rank keeps its own query block and sees the key/value
 blocks of all ranks one after another.  Each arrival is one *step*: attention of
 the local queries against the visiting K/V block, folded into a running result.
 The launchers are in attention_step_launch.py, the tiles and launch options per
 GPU in attention_step_tiles.py.
 
-Forward (``_attention_step_fwd_kernel``)
+Forward (``attention_step_fwd_kernel``)
     computes the block's attention with an online softmax (FlashAttention-2
     style, fp32 accumulators) and merges it into the running fp32 ``(out, lse)``
     pair in the same kernel::
@@ -20,12 +23,12 @@ Forward (``_attention_step_fwd_kernel``)
     after the last step ``out`` is the exact softmax attention over every block
     seen and ``lse`` its log-sum-exp.
 
-Backward (``_attention_step_bwd_dq_kernel``, ``_attention_step_bwd_dkdv_kernel``)
+Backward (``attention_step_bwd_dq_kernel``, ``attention_step_bwd_dkdv_kernel``)
     With the *final* ``lse`` (after all steps) the softmax probabilities of any
     block can be rebuilt locally as ``p = exp(s - lse)``, so each step's
     gradients are independent and simply add up.  The kernels add this block's
     contribution to ``dq`` (owned by the local rank) and to ``dk``/``dv`` (which
-    travel around the ring with K/V).  ``_attention_bwd_preprocess_kernel``
+    travel around the ring with K/V).  ``attention_bwd_preprocess_kernel``
     computes ``delta = rowsum(dout * out)`` once for all steps.
 
 Mask modes (compile-time flags, so each mode compiles to its own kernel and
@@ -101,8 +104,9 @@ def _offset64(index0, stride0, index1=0, stride1=0, index2=0, stride2=0):
     # 64 heads x 128), so every such offset is taken here; offsets inside a
     # tile stay small int32.  Pairs left out are a constant 0 and compile away.
     # tl.cast, not .to(): in the interpreter a loop index is a Python int.
-    return (tl.cast(index0, tl.int64) * stride0 + tl.cast(index1, tl.int64) * stride1
-            + tl.cast(index2, tl.int64) * stride2)
+    return (
+        tl.cast(index0, tl.int64) * stride0 + tl.cast(index1, tl.int64) * stride1 + tl.cast(index2, tl.int64) * stride2
+    )
 
 
 @triton.jit
@@ -150,10 +154,32 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _attention_fwd_sweep(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
-    offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    k_desc,
+    v_desc,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    mask_d,
+    seqlen_k,
+    row_start,
+    row_end,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # Folds the keys [lo, hi) into the online-softmax state (acc, l_i, m_i);
     # k_ptrs/v_ptrs point at key lo and come back pointing at key hi (rounded
@@ -219,15 +245,36 @@ def _attention_fwd_sweep(
 
 
 @triton.jit
-def _attention_step_fwd_kernel(
-    Q, K, V, Out, Lse,
-    RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_lb, stride_lh, stride_lm,
-    seqlen_q, seqlen_k, kv_group,
+def attention_step_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    RowStart,
+    RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    seqlen_q,
+    seqlen_k,
+    kv_group,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
@@ -261,11 +308,18 @@ def _attention_step_fwd_kernel(
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
 
     if TENSOR_DESCRIPTORS:
-        q = tl.make_tensor_descriptor(Q + _offset64(off_b, stride_qb, off_h, stride_qh), shape=[seqlen_q, HEAD_DIM],
-                                      strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+        q = tl.make_tensor_descriptor(
+            Q + _offset64(off_b, stride_qb, off_h, stride_qh),
+            shape=[seqlen_q, HEAD_DIM],
+            strides=[stride_qm, 1],
+            block_shape=[BLOCK_M, BLOCK_D],
+        ).load([start_m, 0])
     else:
-        q = tl.load(q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            q_base + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
 
     # Online softmax state in base 2: running max m_i, running sum l_i, acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -291,18 +345,19 @@ def _attention_step_fwd_kernel(
             hi = seqlen_k
             all_visible = seqlen_k
     # The bounds come before the pointers, as in the full and causal kernels'
-    # instruction order: with the pointers first, sm_100 gives the bf16/fp16
-    # d64 causal GQA kernel 130 registers instead of 126.
+    # instruction order, which takes fewer registers on sm_100 (docs/tuning.md).
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     if TENSOR_DESCRIPTORS:
         # The tiles of this (batch, kv head) through TMA: rows from key_end on
         # and columns past the head dim load as 0, and no pointer tensor
         # occupies registers through the sweep.
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
     else:
         k_desc, v_desc = None, None
     if INTERVALS:
@@ -314,15 +369,63 @@ def _attention_step_fwd_kernel(
         # rest (the diagonal tiles, a partial last tile) with them.
         lo = (all_visible // BLOCK_N) * BLOCK_N
         acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, 0, lo,
-            offs_m, offs_n, mask_d, seqlen_k, row_start, row_end, qk_scale,
-            False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            k_desc,
+            v_desc,
+            stride_kn,
+            stride_vn,
+            0,
+            lo,
+            offs_m,
+            offs_n,
+            mask_d,
+            seqlen_k,
+            row_start,
+            row_end,
+            qk_scale,
+            False,
+            CAUSAL,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
+            DOT_UPCAST,
+            TENSOR_DESCRIPTORS,
+        )
     else:
         lo = 0
     acc, l_i, m_i, k_ptrs, v_ptrs = _attention_fwd_sweep(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
-        offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
-        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        k_desc,
+        v_desc,
+        stride_kn,
+        stride_vn,
+        lo,
+        hi,
+        offs_m,
+        offs_n,
+        mask_d,
+        key_end,
+        row_start,
+        row_end,
+        qk_scale,
+        True,
+        CAUSAL,
+        INTERVALS,
+        BLOCK_N,
+        DOT_PRECISION,
+        DOT_UPCAST,
+        TENSOR_DESCRIPTORS,
+    )
 
     # ---- merge this block into the running (out, lse), in place ----
     has_keys = mask_m & (l_i > 0.0)
@@ -331,8 +434,12 @@ def _attention_step_fwd_kernel(
     block_lse = (m_blk + tl.log2(l_safe)) * 0.6931471805599453  # back to natural log
 
     lse_ptrs = Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm
-    o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
-        + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = (
+        Out
+        + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om)
+        + offs_tm[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
     if FIRST_STEP:
         # Nothing to merge with: this block's result is the running state, and
         # out/lse are neither read (they may be torch.empty) nor left unwritten.
@@ -368,11 +475,21 @@ def _attention_step_fwd_kernel(
 
 
 @triton.jit
-def _attention_bwd_preprocess_kernel(
-    Out, DOut, Delta,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_gb, stride_gm, stride_gh, stride_gd,
-    stride_db, stride_dh, stride_dm,
+def attention_bwd_preprocess_kernel(
+    Out,
+    DOut,
+    Delta,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    stride_db,
+    stride_dh,
+    stride_dm,
     seqlen_q,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -388,10 +505,18 @@ def _attention_bwd_preprocess_kernel(
     offs_m = start_m + offs_tm
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < seqlen_q)[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
-    o_ptrs = Out + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om) \
-        + offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od
-    g_ptrs = DOut + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
-        + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    o_ptrs = (
+        Out
+        + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om)
+        + offs_tm[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
+    g_ptrs = (
+        DOut
+        + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm)
+        + offs_tm[:, None] * stride_gm
+        + offs_d[None, :] * stride_gd
+    )
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * g, 1)
@@ -401,10 +526,34 @@ def _attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _attention_dq_sweep(
-    dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
-    offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    kt_ptrs,
+    k_ptrs,
+    vt_ptrs,
+    k_desc,
+    v_desc,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    mask_d,
+    key_end,
+    row_start,
+    row_end,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # Adds the keys [lo, hi) to the q tile's dq; kt_ptrs/k_ptrs/vt_ptrs (K^T,
     # K, V^T tiles) point at key lo and come back pointing at key hi (rounded up to a
@@ -457,18 +606,47 @@ def _attention_dq_sweep(
 
 
 @triton.jit
-def _attention_step_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ,
-    RowStart, RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_gb, stride_gm, stride_gh, stride_gd,
-    stride_lb, stride_lh, stride_lm,
-    stride_eb, stride_eh, stride_em,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    seqlen_q, seqlen_k, kv_group,
-    softmax_scale, qk_scale,
+def attention_step_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    RowStart,
+    RowEnd,  # int32 (seqlen_q,) with INTERVALS, otherwise None
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_eb,
+    stride_eh,
+    stride_em,
+    stride_dqb,
+    stride_dqm,
+    stride_dqh,
+    stride_dqd,
+    seqlen_q,
+    seqlen_k,
+    kv_group,
+    softmax_scale,
+    qk_scale,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
@@ -496,22 +674,36 @@ def _attention_step_bwd_dq_kernel(
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
-    q_ptrs = Q + _offset64(off_b, stride_qb, off_h, stride_qh, start_m, stride_qm) \
-        + offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = DO + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm) \
-        + offs_tm[:, None] * stride_gm + offs_d[None, :] * stride_gd
+    q_ptrs = (
+        Q
+        + _offset64(off_b, stride_qb, off_h, stride_qh, start_m, stride_qm)
+        + offs_tm[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    do_ptrs = (
+        DO
+        + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm)
+        + offs_tm[:, None] * stride_gm
+        + offs_d[None, :] * stride_gd
+    )
     if TENSOR_DESCRIPTORS:
-        q = tl.make_tensor_descriptor(Q + _offset64(off_b, stride_qb, off_h, stride_qh), shape=[seqlen_q, HEAD_DIM],
-                                      strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
-        do = tl.make_tensor_descriptor(DO + _offset64(off_b, stride_gb, off_h, stride_gh), shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_D]).load([start_m, 0])
+        q = tl.make_tensor_descriptor(
+            Q + _offset64(off_b, stride_qb, off_h, stride_qh),
+            shape=[seqlen_q, HEAD_DIM],
+            strides=[stride_qm, 1],
+            block_shape=[BLOCK_M, BLOCK_D],
+        ).load([start_m, 0])
+        do = tl.make_tensor_descriptor(
+            DO + _offset64(off_b, stride_gb, off_h, stride_gh),
+            shape=[seqlen_q, HEAD_DIM],
+            strides=[stride_gm, 1],
+            block_shape=[BLOCK_M, BLOCK_D],
+        ).load([start_m, 0])
     else:
         q = tl.load(q_ptrs, mask=mask_md, other=0.0)
         do = tl.load(do_ptrs, mask=mask_md, other=0.0)
-    lse = tl.load(Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm,
-                  mask=mask_m, other=0.0)
-    delta = tl.load(Delta + _offset64(off_b, stride_eb, off_h, stride_eh) + offs_m * stride_em,
-                    mask=mask_m, other=0.0)
+    lse = tl.load(Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm, mask=mask_m, other=0.0)
+    delta = tl.load(Delta + _offset64(off_b, stride_eb, off_h, stride_eh) + offs_m * stride_em, mask=mask_m, other=0.0)
     # Final lse == -inf means the row saw no key in any step: its probabilities
     # are all zero.  Using +inf makes exp2(s - lse) exactly 0 instead of NaN/inf.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -541,10 +733,12 @@ def _attention_step_bwd_dq_kernel(
             hi = seqlen_k
             all_visible = seqlen_k
     if TENSOR_DESCRIPTORS:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
     else:
         k_desc, v_desc = None, None
     if not INTERVALS:
@@ -555,30 +749,114 @@ def _attention_step_bwd_dq_kernel(
             # as 0: p = exp2(-lse) may overflow for rows of very negative lse.
             lo = (all_visible // BLOCK_N) * BLOCK_N
             dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
-                dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, 0, lo,
-                offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
-                False, CAUSAL, False, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                kt_ptrs,
+                k_ptrs,
+                vt_ptrs,
+                k_desc,
+                v_desc,
+                stride_kn,
+                stride_vn,
+                0,
+                lo,
+                offs_m,
+                offs_n,
+                mask_d,
+                key_end,
+                row_start,
+                row_end,
+                qk_scale,
+                False,
+                CAUSAL,
+                False,
+                BLOCK_N,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
         else:
             lo = 0
     dq, kt_ptrs, k_ptrs, vt_ptrs = _attention_dq_sweep(
-        dq, q, do, lse2, delta, kt_ptrs, k_ptrs, vt_ptrs, k_desc, v_desc, stride_kn, stride_vn, lo, hi,
-        offs_m, offs_n, mask_d, key_end, row_start, row_end, qk_scale,
-        True, CAUSAL, INTERVALS, BLOCK_N, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        kt_ptrs,
+        k_ptrs,
+        vt_ptrs,
+        k_desc,
+        v_desc,
+        stride_kn,
+        stride_vn,
+        lo,
+        hi,
+        offs_m,
+        offs_n,
+        mask_d,
+        key_end,
+        row_start,
+        row_end,
+        qk_scale,
+        True,
+        CAUSAL,
+        INTERVALS,
+        BLOCK_N,
+        DOT_PRECISION,
+        DOT_UPCAST,
+        TENSOR_DESCRIPTORS,
+    )
 
     # Accumulate (+=) into the caller's fp32 dq: one ring step's contribution.
-    dq_ptrs = DQ + _offset64(off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm) \
-        + offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    dq_ptrs = (
+        DQ
+        + _offset64(off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm)
+        + offs_tm[:, None] * stride_dqm
+        + offs_d[None, :] * stride_dqd
+    )
     dq_old = tl.load(dq_ptrs, mask=mask_md, other=0.0)
     tl.store(dq_ptrs, dq_old + dq * softmax_scale, mask=mask_md)
 
 
 @triton.jit
 def _attention_dkdv_sweep(
-    dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
-    stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em, lo, hi,
-    offs_m, offs_n, offs_d, mask_d, row_end, col_start, col_end, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    q_desc,
+    do_desc,
+    lse_base,
+    delta_base,
+    stride_qm,
+    stride_qd,
+    stride_gm,
+    stride_gd,
+    stride_lm,
+    stride_em,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    offs_d,
+    mask_d,
+    row_end,
+    col_start,
+    col_end,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INTERVALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    TENSOR_DESCRIPTORS: tl.constexpr,
 ):
     # Adds the q rows [lo, hi) of one q head to the k tile's dk/dv.  Rows from
     # row_end on load as 0 (q, dout, lse, delta) and so add exactly 0: pt is 1
@@ -592,17 +870,22 @@ def _attention_dkdv_sweep(
         mask_m = rows < row_end
         mask_md = mask_m[:, None] & mask_d[None, :]
         # The tile's start in 64 bits as a scalar, its rows in int32: 64-bit
-        # row offsets as a vector cost fp32 GQA 4-5 spill accesses in this
-        # loop (sm_80/86/90).
+        # row offsets as a vector spill in this loop (docs/tuning.md).
         if TENSOR_DESCRIPTORS:
             # TMA: rows from row_end on load as 0, no offsets in registers.
             q = q_desc.load([start_m, 0])
             do = do_desc.load([start_m, 0])
         else:
-            q = tl.load(q_base + _offset64(start_m, stride_qm) + offs_m[:, None] * stride_qm
-                        + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
-            do = tl.load(do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm
-                         + offs_d[None, :] * stride_gd, mask=mask_md, other=0.0)
+            q = tl.load(
+                q_base + _offset64(start_m, stride_qm) + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=mask_md,
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
+                mask=mask_md,
+                other=0.0,
+            )
         lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
         delta = tl.load(delta_base + rows * stride_em, mask=mask_m, other=0.0)
         # lse == -inf: row without any key -> P == 0 (see the dq kernel).
@@ -624,20 +907,53 @@ def _attention_dkdv_sweep(
 
 
 @triton.jit
-def _attention_step_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV,
-    ColStart, ColEnd,  # int32 (seqlen_k,) with INTERVALS, otherwise None
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_gb, stride_gm, stride_gh, stride_gd,
-    stride_lb, stride_lh, stride_lm,
-    stride_eb, stride_eh, stride_em,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    seqlen_q, seqlen_k, kv_group,
+def attention_step_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    ColStart,
+    ColEnd,  # int32 (seqlen_k,) with INTERVALS, otherwise None
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_eb,
+    stride_eh,
+    stride_em,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    stride_dvd,
+    seqlen_q,
+    seqlen_k,
+    kv_group,
     heads_per_program,  # q heads of the group one program sweeps: kv_group unless SPLIT_HEADS
-    softmax_scale, qk_scale,
+    softmax_scale,
+    qk_scale,
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
@@ -678,14 +994,21 @@ def _attention_step_bwd_dkdv_kernel(
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k_ptrs = K + _offset64(off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn) \
-        + offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + _offset64(off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn) \
-        + offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_ptrs = (
+        K
+        + _offset64(off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn)
+        + offs_tn[:, None] * stride_kn
+        + offs_d[None, :] * stride_kd
+    )
+    v_ptrs = (
+        V
+        + _offset64(off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn)
+        + offs_tn[:, None] * stride_vn
+        + offs_d[None, :] * stride_vd
+    )
     # Loaded once, through pointers also with TENSOR_DESCRIPTORS: their offsets
     # are dead after this, and with k and v through descriptors ptxas
-    # serializes the wgmma of the full-mask MHA kernel (C7515; sm_90 bf16
-    # d128, 32 x 64 tiles: 401 instructions per iteration instead of 329).
+    # serializes the wgmma of the full-mask MHA kernel (C7515, docs/tuning.md).
     k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
     v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
 
@@ -723,34 +1046,103 @@ def _attention_step_bwd_dkdv_kernel(
         lse_base = Lse + _offset64(off_b, stride_lb, off_h, stride_lh)
         delta_base = Delta + _offset64(off_b, stride_eb, off_h, stride_eh)
         if TENSOR_DESCRIPTORS:
-            q_desc = tl.make_tensor_descriptor(q_base, shape=[hi, HEAD_DIM], strides=[stride_qm, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D])
-            do_desc = tl.make_tensor_descriptor(do_base, shape=[hi, HEAD_DIM], strides=[stride_gm, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
+            q_desc = tl.make_tensor_descriptor(
+                q_base, shape=[hi, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]
+            )
+            do_desc = tl.make_tensor_descriptor(
+                do_base, shape=[hi, HEAD_DIM], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_D]
+            )
         else:
             q_desc, do_desc = None, None
         if INTERVALS or CAUSAL or not SPLIT_SWEEP:
             # The diagonal tiles (causal) or the interval hull, masked ...
             dk, dv = _attention_dkdv_sweep(
-                dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
-                stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em, lo, masked_hi,
-                offs_m, offs_n, offs_d, mask_d, hi, col_start, col_end, qk_scale,
-                True, CAUSAL, INTERVALS, BLOCK_M, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                q_desc,
+                do_desc,
+                lse_base,
+                delta_base,
+                stride_qm,
+                stride_qd,
+                stride_gm,
+                stride_gd,
+                stride_lm,
+                stride_em,
+                lo,
+                masked_hi,
+                offs_m,
+                offs_n,
+                offs_d,
+                mask_d,
+                hi,
+                col_start,
+                col_end,
+                qk_scale,
+                True,
+                CAUSAL,
+                INTERVALS,
+                BLOCK_M,
+                DOT_PRECISION,
+                DOT_UPCAST,
+                TENSOR_DESCRIPTORS,
+            )
         if not INTERVALS:
             if SPLIT_SWEEP:
                 # ... and the q tiles that see every key of the k tile, without.
                 dk, dv = _attention_dkdv_sweep(
-                    dk, dv, k, v, q_base, do_base, q_desc, do_desc, lse_base, delta_base,
-                    stride_qm, stride_qd, stride_gm, stride_gd, stride_lm, stride_em,
-                    tl.maximum(lo, masked_hi), hi,
-                    offs_m, offs_n, offs_d, mask_d, hi, col_start, col_end, qk_scale,
-                    False, CAUSAL, False, BLOCK_M, DOT_PRECISION, DOT_UPCAST, TENSOR_DESCRIPTORS)
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    q_desc,
+                    do_desc,
+                    lse_base,
+                    delta_base,
+                    stride_qm,
+                    stride_qd,
+                    stride_gm,
+                    stride_gd,
+                    stride_lm,
+                    stride_em,
+                    tl.maximum(lo, masked_hi),
+                    hi,
+                    offs_m,
+                    offs_n,
+                    offs_d,
+                    mask_d,
+                    hi,
+                    col_start,
+                    col_end,
+                    qk_scale,
+                    False,
+                    CAUSAL,
+                    False,
+                    BLOCK_M,
+                    DOT_PRECISION,
+                    DOT_UPCAST,
+                    TENSOR_DESCRIPTORS,
+                )
 
     # Accumulate (+=) into the travelling fp32 dk/dv buffers.
-    dk_ptrs = DK + _offset64(off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn) \
-        + offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + _offset64(off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn) \
-        + offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_ptrs = (
+        DK
+        + _offset64(off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn)
+        + offs_tn[:, None] * stride_dkn
+        + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV
+        + _offset64(off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn)
+        + offs_tn[:, None] * stride_dvn
+        + offs_d[None, :] * stride_dvd
+    )
     # As fp32 atomic adds (reductions, nothing returned) also when this
     # program is the only writer: then the sum is exactly the load + add +
     # store's (round to nearest; the atomics flush a subnormal to 0), and

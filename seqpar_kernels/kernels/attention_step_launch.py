@@ -1,4 +1,5 @@
-"""Launchers of the ring-attention step kernels.
+"""Launchers of the ring-attention step kernels (one file, over 500 lines: each launcher
+with the argument list of its kernel, which the ahead-of-time compile reuses).
 
     attention_step_forward         fold one K/V block into the running fp32 (out, lse)
     attention_backward_preprocess  delta = rowsum(dout * out), once per backward
@@ -10,7 +11,7 @@ What the kernels compute is described in attention_step_kernels.py; which tiles
 and launch options a GPU gets, in attention_step_tiles.py.
 
 The launchers trust their callers: they run at every ring step, and the ring
-checks its inputs once, before any collective (seqpar_kernels/parallel/checks.py:
+checks its inputs once, before any collective (seqpar_kernels/parallel/attention_checks.py:
 shapes, dtypes, devices, head dim, the softmax scale, and check_launchable for
 the GPU and the grid limits).  Any tensor may be non-contiguous, except the
 interval tensors of MASK_INTERVALS.
@@ -76,7 +77,7 @@ MASK_FULL = 0  # every query attends every key of the block
 MASK_CAUSAL = 1  # diagonal block: seqlen_q == seqlen_k, query i attends keys j <= i
 MASK_INTERVALS = 2  # query i attends keys row_start[i] <= j < row_end[i] (packed documents)
 
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
 
 def _runs_in_interpreter(t):
@@ -127,6 +128,7 @@ def _ensure_allocator(device):
     # backward on its own) starts without one.  One the caller set is kept.
     try:
         from triton.runtime._allocation import NullAllocator, _allocator
+
         current = _allocator.get()
         if not isinstance(current, (NullAllocator, _Scratch)) or getattr(current, "device", None) == device:
             return
@@ -150,15 +152,36 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
     ``intervals``: the 4-tuple of MASK_INTERVALS, else None."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    launch = forward_launch(q.dtype, headdim, causal, intervals=intervals is not None, first_step=first_step,
-                            tensor_descriptors=_tensor_descriptors(target, q, k, v),
-                            target=target, interpreted=interpreted)
+    launch = forward_launch(
+        q.dtype,
+        headdim,
+        causal,
+        intervals=intervals is not None,
+        first_step=first_step,
+        tensor_descriptors=_tensor_descriptors(target, q, k, v),
+        target=target,
+        interpreted=interpreted,
+    )
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
     row_start, row_end, _, _ = _interval_args(intervals)
-    args = (q, k, v, out, lse, row_start, row_end,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            seqlen_q, seqlen_k, nheads // nheads_kv,
-            scale * _LOG2E)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        row_start,
+        row_end,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *lse.stride(),
+        seqlen_q,
+        seqlen_k,
+        nheads // nheads_kv,
+        scale * LOG2E,
+    )
     return launch, grid, args
 
 
@@ -171,8 +194,9 @@ def _backward_preprocess_call(out, dout, delta, *, target):
     return launch, grid, args
 
 
-def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, split_heads=None, target,
-                   interpreted):
+def _backward_call(
+    kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, *, split_heads=None, target, interpreted
+):
     """(KernelLaunch, grid, positional arguments) of one backward step kernel:
     ``kernel`` "dq" (``grads`` = (dq,)) or "dkdv" (``grads`` = (dk, dv));
     ``intervals`` as in _forward_call.  dq reads the row intervals, dk/dv the
@@ -181,21 +205,32 @@ def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, inte
     GPU (attention_step_tiles.dkdv_head_splits)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dq_launch, dkdv_launch = backward_launches(q.dtype, headdim, causal, intervals=intervals is not None,
-                                               tensor_descriptors=_tensor_descriptors(target, q, k, v, dout),
-                                               target=target, interpreted=interpreted)
+    dq_launch, dkdv_launch = backward_launches(
+        q.dtype,
+        headdim,
+        causal,
+        intervals=intervals is not None,
+        tensor_descriptors=_tensor_descriptors(target, q, k, v, dout),
+        target=target,
+        interpreted=interpreted,
+    )
     row_start, row_end, col_start, col_end = _interval_args(intervals)
     inputs = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * _LOG2E)
+    sizes_and_scales = (seqlen_q, seqlen_k, nheads // nheads_kv, scale, scale * LOG2E)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     if kernel == "dq":
         grid = (triton.cdiv(seqlen_q, dq_launch.constexprs["BLOCK_M"]), nheads, batch)
-        return dq_launch, grid, (q, k, v, dout, lse, delta, *grads, row_start, row_end,
-                                 *inputs, *grad_strides, *sizes_and_scales)
+        return (
+            dq_launch,
+            grid,
+            (q, k, v, dout, lse, delta, *grads, row_start, row_end, *inputs, *grad_strides, *sizes_and_scales),
+        )
     assert kernel == "dkdv", kernel
     k_tiles = triton.cdiv(seqlen_k, dkdv_launch.constexprs["BLOCK_N"])
     group = nheads // nheads_kv
-    multiprocessors = target.multiprocessors if target is not None else attention_step_tiles._INTERPRETER_MULTIPROCESSORS
+    multiprocessors = (
+        target.multiprocessors if target is not None else attention_step_tiles._INTERPRETER_MULTIPROCESSORS
+    )
     splits = dkdv_head_splits(k_tiles * nheads_kv * batch, group, multiprocessors)
     if split_heads is None:
         # Split the group's q heads only where the grid would leave SMs idle,
@@ -207,15 +242,36 @@ def _backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, inte
         dkdv_launch = dkdv_launch._replace(constexprs={**dkdv_launch.constexprs, "SPLIT_HEADS": True})
     grid = (k_tiles, nheads_kv * triton.cdiv(group, heads_per_program), batch)
     seqlens, scales = sizes_and_scales[:3], sizes_and_scales[3:]
-    return dkdv_launch, grid, (q, k, v, dout, lse, delta, *grads, col_start, col_end,
-                               *inputs, *grad_strides, *seqlens, heads_per_program, *scales)
+    return (
+        dkdv_launch,
+        grid,
+        (
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            *grads,
+            col_start,
+            col_end,
+            *inputs,
+            *grad_strides,
+            *seqlens,
+            heads_per_program,
+            *scales,
+        ),
+    )
 
 
 def _backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, *, target, interpreted):
     """[(KernelLaunch, grid, positional arguments)] of the dq and the dk/dv kernels."""
-    return [_backward_call(kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals,
-                           target=target, interpreted=interpreted)
-            for kernel, grads in (("dq", (dq,)), ("dkdv", (dk, dv)))]
+    return [
+        _backward_call(
+            kernel, q, k, v, dout, lse, delta, grads, scale, causal, intervals, target=target, interpreted=interpreted
+        )
+        for kernel, grads in (("dq", (dq,)), ("dkdv", (dk, dv)))
+    ]
 
 
 def cuda_kernel_calls(q, k, v, mask_mode, target):
@@ -226,15 +282,16 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
     (which may live on the meta device) on the GPU ``target`` (a GpuTarget), as
     ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
     dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
-    as the ring allocates them.  kernels/ahead_of_time.py compiles these for GPU
+    as the ring allocates them.  tools/ahead_of_time.py compiles these for GPU
     targets."""
     fp32 = torch.float32
     batch, seqlen_q, nheads, _ = q.shape
     causal = mask_mode == MASK_CAUSAL
     intervals = None
     if mask_mode == MASK_INTERVALS:
-        intervals = tuple(torch.empty(n, dtype=torch.int32, device=q.device)
-                          for n in (seqlen_q, seqlen_q, k.shape[1], k.shape[1]))
+        intervals = tuple(
+            torch.empty(n, dtype=torch.int32, device=q.device) for n in (seqlen_q, seqlen_q, k.shape[1], k.shape[1])
+        )
     out = torch.empty(q.shape, dtype=fp32, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=fp32, device=q.device)
     dout = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -242,14 +299,37 @@ def cuda_kernel_calls(q, k, v, mask_mode, target):
     dq = torch.empty_like(out)
     dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
     scale = q.shape[-1] ** -0.5
-    calls = [*(_forward_call(q, k, v, out, lse, scale, causal, intervals, first_step=first_step, target=target,
-                             interpreted=False) for first_step in (True, False)),
-             _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
-             *_backward_calls(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals,
-                              target=target, interpreted=False)]
+    calls = [
+        *(
+            _forward_call(
+                q, k, v, out, lse, scale, causal, intervals, first_step=first_step, target=target, interpreted=False
+            )
+            for first_step in (True, False)
+        ),
+        _backward_preprocess_call(out.to(q.dtype), dout, delta, target=target),
+        *_backward_calls(
+            q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, intervals, target=target, interpreted=False
+        ),
+    ]
     if nheads > k.shape[2]:
-        calls.append(_backward_call("dkdv", q, k, v, dout, lse, delta, (dk, dv), scale, causal, intervals,
-                                    split_heads=True, target=target, interpreted=False))
+        calls.append(
+            _backward_call(
+                "dkdv",
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                (dk, dv),
+                scale,
+                causal,
+                intervals,
+                split_heads=True,
+                target=target,
+                interpreted=False,
+            )
+        )
     return [(launch, args) for launch, _grid, args in calls]
 
 
@@ -261,15 +341,20 @@ def _is_causal(q, k, mask_mode, intervals):
     # checking it would cost a kernel and a synchronization per step.
     assert mask_mode in (MASK_FULL, MASK_CAUSAL, MASK_INTERVALS), mask_mode
     assert mask_mode != MASK_CAUSAL or q.shape[1] == k.shape[1], "MASK_CAUSAL needs seqlen_q == seqlen_k"
-    assert (intervals is not None) == (mask_mode == MASK_INTERVALS), \
+    assert (intervals is not None) == (mask_mode == MASK_INTERVALS), (
         "intervals= is given with MASK_INTERVALS and only with it"
+    )
     if intervals is not None:
         assert len(intervals) == 4, "intervals = (row_start, row_end, col_start, col_end)"
-        for name, t, n in zip(("row_start", "row_end", "col_start", "col_end"), intervals,
-                              (q.shape[1], q.shape[1], k.shape[1], k.shape[1])):
-            assert t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous() and t.device == q.device, \
-                f"{name} must be a contiguous int32 ({n},) tensor on {q.device}, got {t.dtype} {tuple(t.shape)} " \
+        for name, t, n in zip(
+            ("row_start", "row_end", "col_start", "col_end"),
+            intervals,
+            (q.shape[1], q.shape[1], k.shape[1], k.shape[1]),
+        ):
+            assert t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous() and t.device == q.device, (
+                f"{name} must be a contiguous int32 ({n},) tensor on {q.device}, got {t.dtype} {tuple(t.shape)} "
                 f"on {t.device}"
+            )
     assert k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0, "nheads must be a multiple of nheads_kv"
     return mask_mode == MASK_CAUSAL
 
@@ -330,10 +415,21 @@ def attention_step_forward(q, k, v, out, lse, *, softmax_scale, mask_mode, inter
         # the unscaled ones times the scale, which holds for a scale >= 0: a
         # negative one goes into q instead (-q, exact in every dtype).  The
         # ring never gets here: it folds the sign into q once
-        # (parallel/checks.py fold_scale_sign).
+        # (parallel/attention_checks.py fold_scale_sign).
         q, softmax_scale = -q, -softmax_scale
-    launch, grid, args = _forward_call(q, k, v, out, lse, softmax_scale, causal, intervals, first_step=first_step,
-                                       target=cuda_target(q), interpreted=_runs_in_interpreter(q))
+    launch, grid, args = _forward_call(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        softmax_scale,
+        causal,
+        intervals,
+        first_step=first_step,
+        target=cuda_target(q),
+        interpreted=_runs_in_interpreter(q),
+    )
     launch(grid, *args)
     return out, lse
 
@@ -360,8 +456,7 @@ def attention_backward_preprocess(out, dout):
     return delta
 
 
-def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode,
-                            intervals=None):
+def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softmax_scale, mask_mode, intervals=None):
     """Add one K/V block's gradients to dq, dk, dv, in place (+=): the dq kernel
     (attention_step_backward_dq), then the dk/dv kernel
     (attention_step_backward_dkdv).
@@ -400,10 +495,12 @@ def attention_step_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, softm
     _is_causal(q, k, mask_mode, intervals)
     if delta is None:
         delta = attention_backward_preprocess(out, dout)
-    attention_step_backward_dq(q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale, mask_mode=mask_mode,
-                               intervals=intervals)
-    attention_step_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale,
-                                 mask_mode=mask_mode, intervals=intervals)
+    attention_step_backward_dq(
+        q, k, v, dout, lse, delta, dq, softmax_scale=softmax_scale, mask_mode=mask_mode, intervals=intervals
+    )
+    attention_step_backward_dkdv(
+        q, k, v, dout, lse, delta, dk, dv, softmax_scale=softmax_scale, mask_mode=mask_mode, intervals=intervals
+    )
     return dq, dk, dv
 
 
@@ -412,8 +509,21 @@ def _launch_backward(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, ma
     batch, seqlen_q, nheads, _ = q.shape
     if batch == 0 or nheads == 0 or seqlen_q == 0 or k.shape[1] == 0:
         return  # an empty block adds nothing
-    launch, grid, args = _backward_call(kernel, q, k, v, dout, lse, delta, grads, softmax_scale, causal, intervals,
-                                        target=cuda_target(q), interpreted=_runs_in_interpreter(q))
+    launch, grid, args = _backward_call(
+        kernel,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        grads,
+        softmax_scale,
+        causal,
+        intervals,
+        target=cuda_target(q),
+        interpreted=_runs_in_interpreter(q),
+    )
     launch(grid, *args)
 
 

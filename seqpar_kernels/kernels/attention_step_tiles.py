@@ -22,10 +22,10 @@ import torch
 import triton
 
 from .attention_step_kernels import (
-    _attention_bwd_preprocess_kernel,
-    _attention_step_bwd_dkdv_kernel,
-    _attention_step_bwd_dq_kernel,
-    _attention_step_fwd_kernel,
+    attention_bwd_preprocess_kernel,
+    attention_step_bwd_dkdv_kernel,
+    attention_step_bwd_dq_kernel,
+    attention_step_fwd_kernel,
 )
 
 # The oldest GPUs the kernels run on: bf16 tensor cores came with sm_80.
@@ -80,8 +80,9 @@ class GpuTarget(NamedTuple):
         """The target of a GPU known only by its compute capability (ahead-of-time
         compiles, tests), with the shared memory that capability has."""
         if capability not in SHARED_MEMORY_PER_BLOCK:
-            raise ValueError(f"no shared-memory size on record for sm_{capability}; "
-                             f"known: {sorted(SHARED_MEMORY_PER_BLOCK)}")
+            raise ValueError(
+                f"no shared-memory size on record for sm_{capability}; known: {sorted(SHARED_MEMORY_PER_BLOCK)}"
+            )
         return cls(capability, SHARED_MEMORY_PER_BLOCK[capability])
 
     @property
@@ -95,10 +96,15 @@ class GpuTarget(NamedTuple):
 # Largest dynamic shared memory one block may use, by compute capability (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
 SHARED_MEMORY_PER_BLOCK = {
-    80: 166912, 87: 166912,  # A100, A30; Jetson Orin
-    86: 101376, 89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
-    90: 232448, 100: 232448, 103: 232448,  # H100, H200; B200; B300
-    120: 101376, 121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
+    80: 166912,
+    87: 166912,  # A100, A30; Jetson Orin
+    86: 101376,
+    89: 101376,  # RTX 30xx, A10, A40; RTX 40xx, L4, L40S
+    90: 232448,
+    100: 232448,
+    103: 232448,  # H100, H200; B200; B300
+    120: 101376,
+    121: 101376,  # RTX 50xx, RTX PRO 6000 Blackwell; DGX Spark
 }
 # The 99 KiB parts (sm_86/89/12x): a tile must fit there on its own (fp32 dq at
 # d256 with the sm_90 tile takes 133120 B).
@@ -113,19 +119,23 @@ def cuda_target(t):
     return _device_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_target(device_index):
     # Asked once per device, not at every ring step's launch.
     properties = torch.cuda.get_device_properties(device_index)
     capability = 10 * properties.major + properties.minor
-    # The ring refuses older GPUs before it starts (parallel/checks.py check_launchable).
+    # The ring refuses older GPUs before it starts (parallel/attention_checks.py check_launchable).
     assert capability >= MIN_CAPABILITY, f"sm_{capability} is older than sm_{MIN_CAPABILITY}"
     # torch < 2.5 has no shared_memory_per_block_optin: fall back to the table,
     # and to the smallest size on record for a GPU not in it.
-    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or \
-        SHARED_MEMORY_PER_BLOCK.get(capability, _SMALLEST_SHARED_MEMORY)
-    return GpuTarget(capability, shared_memory,
-                     getattr(properties, "multi_processor_count", None) or GpuTarget._field_defaults["multiprocessors"])
+    shared_memory = getattr(properties, "shared_memory_per_block_optin", None) or SHARED_MEMORY_PER_BLOCK.get(
+        capability, _SMALLEST_SHARED_MEMORY
+    )
+    return GpuTarget(
+        capability,
+        shared_memory,
+        getattr(properties, "multi_processor_count", None) or GpuTarget._field_defaults["multiprocessors"],
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -139,37 +149,44 @@ def _device_target(device_index):
 # fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
 # in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
 # warpgroup is what lets Triton use wgmma).  fp32 asks for exact ("ieee")
-# products, which run as FMAs on registers, not on tensor cores: small tiles
-# (the fp16 tiles spill 159 to 15000 accesses per kernel in fp32).
+# products, which run as FMAs on registers, not on tensor cores: small tiles,
+# the wide ones spill.
 #
-# Every entry is compiled ahead of time (python -m
-# seqpar_kernels.kernels.ahead_of_time lists them; the test
-# tests/test_attention_step_ahead_of_time.py holds them to it): on every target
-# of that test (sm_80, sm_86, sm_90, sm_100, sm_120) each fits the shared memory
-# and has no register spill inside its K/V or Q sweep.  That check compiles
-# local lengths that are a multiple of 16; other lengths compile to other
-# variants, a few of which spill 1 to 4 accesses in a loop (docs/tuning.md).
-# No GPU has timed these tiles yet: the ring-step-fwd/bwd rows of
-# `python -m bench` (bench/bench_ring_step.py) time them against SDPA on one.
+# Every entry is compiled ahead of time for sm_80, sm_86, sm_90, sm_100 and
+# sm_120 (tools/ahead_of_time.py; tests/test_attention_step_ahead_of_time.py):
+# each fits the shared memory and has no register spill inside its K/V or Q
+# sweep.  docs/tuning.md gives the spills and instruction counts behind each
+# choice, and bench/bench_ring_step.py times them on a GPU.
 _FP32_TILES = (16, 32, 8, 2)
 _FP32_NARROW_TILES = (16, 16, 8, 2)
 _TILES = {
-    # bf16/fp16 d64: (128, 64, 4, 3) spills 1 access on sm_100 (causal GQA): overridden there.
-    "forward": {(2, 64): (128, 64, 4, 3), (2, 128): (128, 64, 8, 2), (2, 256): (64, 32, 8, 2),
-                (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
-    # bf16/fp16 d256 with the split sweeps: (64, 32, 8, 1) spills 17-21 accesses
-    # in the loops on sm_90, (32, 64, 8, 1) 10 on sm_80; (32, 64, 8, 2) none
-    # (135168 B of shared memory: 99 KiB targets take (32, 32, 8, 1)).
-    "dq": {(2, 64): (128, 32, 8, 2), (2, 128): (128, 32, 8, 2), (2, 256): (32, 64, 8, 2),
-           (4, 64): _FP32_TILES, (4, 128): _FP32_TILES, (4, 256): _FP32_TILES},
-    # bf16/fp16 d256: (32, 64, 8, 1) spills 9 to 25 accesses.  fp32: (16, 32, 4, 2)
-    # spills at d64 (1, sm_80) and d256 (up to 294); at d128 with GQA (16, 32, 8, 2)
-    # spills 3 and (16, 16, 8, 2) 2 on sm_120.
-    # bf16/fp16 d128 with pointer loads and the split sweeps (SPLIT_BACKWARD_SWEEPS):
-    # (32, 128, 8, 2) spills 15 accesses in the loops on sm_90 (causal GQA),
-    # (32, 64, 8, 2) 10; (16, 128, 8, 2) none.
-    "dkdv": {(2, 64): (32, 128, 8, 2), (2, 128): (16, 128, 8, 2), (2, 256): (32, 32, 8, 1),
-             (4, 64): _FP32_NARROW_TILES, (4, 128): (16, 32, 4, 2), (4, 256): _FP32_NARROW_TILES},
+    "forward": {
+        (2, 64): (128, 64, 4, 3),
+        (2, 128): (128, 64, 8, 2),
+        (2, 256): (64, 32, 8, 2),
+        (4, 64): _FP32_TILES,
+        (4, 128): _FP32_TILES,
+        (4, 256): _FP32_TILES,
+    },
+    # bf16/fp16 d256: the widest tile that spills in no loop with the split sweeps.
+    "dq": {
+        (2, 64): (128, 32, 8, 2),
+        (2, 128): (128, 32, 8, 2),
+        (2, 256): (32, 64, 8, 2),
+        (4, 64): _FP32_TILES,
+        (4, 128): _FP32_TILES,
+        (4, 256): _FP32_TILES,
+    },
+    # The widest tiles without a spill in a loop; d128 with pointer loads and the
+    # split sweeps (SPLIT_BACKWARD_SWEEPS) is the narrowest of them.
+    "dkdv": {
+        (2, 64): (32, 128, 8, 2),
+        (2, 128): (16, 128, 8, 2),
+        (2, 256): (32, 32, 8, 1),
+        (4, 64): _FP32_NARROW_TILES,
+        (4, 128): (16, 32, 4, 2),
+        (4, 256): _FP32_NARROW_TILES,
+    },
 }
 
 
@@ -190,15 +207,8 @@ def _is_hopper(target):
 
 
 # (which targets, {kernel: {key: tiles}}), applied in order: a later match wins.
-# The sm_90 tiles they replace, in spill accesses inside the loop:
-# - 99 KiB of shared memory, bf16/fp16 dq d256: (32, 64, 8, 2) takes 135168 B;
-# - mma.sync and sm_100, bf16/fp16 dk/dv d128: (32, 128, 8, 2) spills with GQA,
-#   12-13 on sm_80, 6-24 on sm_120, 37-55 on sm_100;
-# - sm_100, bf16/fp16 forward d64: (128, 64, 4, 3) spills 1 (causal GQA);
-# - sm_100, bf16/fp16 dk/dv d128 with the split sweeps: (32, 64, 8, 2) spills
-#   31-33 (causal GQA), (32, 64, 4, 2) 116; (16, 64, 8, 2) none;
-# - 99 KiB of shared memory, fp32 dq d256: (16, 32, 8, 2) takes 133120 B, and
-#   with one stage it spills 800-860.
+# Each replaces an sm_90 tile that spills in a loop on those targets, or does not
+# fit 99 KiB of shared memory (docs/tuning.md, "The tiles per target").
 _TILE_OVERRIDES = (
     (_uses_mma_sync, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),
     (_is_datacenter_blackwell, {"forward": {(2, 64): (128, 64, 8, 3)}, "dkdv": {(2, 128): (16, 64, 8, 2)}}),
@@ -206,30 +216,14 @@ _TILE_OVERRIDES = (
 )
 
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
-# between bounds loaded from them, which costs registers: with GQA, fp32 d128
-# on sm_80 spills inside the loop with (16, 32, 4, 2) (3 accesses) and
-# (16, 32, 8, 2) (1).  (16, 16, 8, 2) spills in no loop on any target of the
-# ahead-of-time test, and is taken everywhere for the interval mask (applied
-# after _TILE_OVERRIDES).
-_INTERVAL_TILE_OVERRIDES = (
-    (lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),
-)
+# between bounds loaded from them, which costs registers: fp32 d128 takes the
+# narrow tile everywhere (applied after _TILE_OVERRIDES; docs/tuning.md).
+_INTERVAL_TILE_OVERRIDES = ((lambda target: True, {"dkdv": {(4, 128): (16, 16, 8, 2)}}),)
 
 # sm_90 with tensor descriptors (fp16/bf16; uses_tensor_descriptors), applied
-# last.  Without pointer or offset tensors in registers the wide tiles fit
-# (ahead-of-time, bf16 d128, registers per thread, SASS instructions per loop
-# iteration of the unmasked sweep):
-# - forward (128, 128, 8, 3): 189-208 registers, 494 instructions per 128 keys
-#   (247 per 64; pointer loads at (128, 64, 8, 2): 364), 230400 B of shared
-#   memory (of 232448); no serialized wgmma.
-# - dq (128, 64, 8, 3): 182 registers, 288 instructions per 64 keys
-#   ((128, 32): 213 per 32).
-# - dk/dv (32, 64, 8, 3): 142-254 registers, no spill in a loop; (32, 128, 8, 2)
-#   takes 252-255 and spills 14 accesses in the loops with GQA, (64, 64, 8, 2) 44.
-# At d64: forward (128, 128, 8, 3) 156-160 registers, 449 instructions per 128
-# keys (pointer loads at (128, 64, 4, 3): 514 per 64); dq (128, 64, 8, 3)
-# 112-116 registers, 268 per 64 keys (197 per 32); dk/dv (32, 128, 8, 3)
-# 125-178 registers, 247 per 32 q rows.
+# last: without pointer or offset tensors in registers the wide tiles fit
+# (registers and instructions per iteration in docs/tuning.md, "sm_90: loads
+# through tensor descriptors").
 _TENSOR_DESCRIPTOR_TILES = {
     "forward": {(2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3)},
     "dq": {(2, 64): (128, 64, 8, 3), (2, 128): (128, 64, 8, 3)},
@@ -273,7 +267,8 @@ def dkdv_head_splits(programs, kv_group, multiprocessors):
 def all_cuda_tiles():
     """Every tile shape a CUDA launch can take (tests run each in the interpreter)."""
     tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
-        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()]
+        table for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES for table in overrides.values()
+    ]
     return sorted({tiles for table in tables for tiles in table.values()})
 
 
@@ -351,8 +346,11 @@ SPLIT_BACKWARD_SWEEPS = _triton_version() >= (3, 8)
 # release whose compiles (ahead of time, every target) and interpreter runs
 # checked that path.  An older release with the feature (3.4 to 3.7) keeps
 # pointer loads rather than run a code path nothing has compiled with it.
-TENSOR_DESCRIPTORS_AVAILABLE = (hasattr(triton.language, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
-                                and _triton_version() >= (3, 8))
+TENSOR_DESCRIPTORS_AVAILABLE = (
+    hasattr(triton.language, "make_tensor_descriptor")
+    and hasattr(triton, "set_allocator")
+    and _triton_version() >= (3, 8)
+)
 # The interpreter runs the descriptor path as well (Triton 3.8: rows and
 # columns past the descriptor's shape load as 0, as TMA does); the tests turn
 # it on, the launchers keep pointer loads on CPU tensors.
@@ -407,16 +405,24 @@ def _dot_upcast(dtype, interpreted):
 def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, interpreted, **more_constexprs):
     assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
-    constexprs = dict(CAUSAL=bool(causal), INTERVALS=bool(intervals), HEAD_DIM=headdim, BLOCK_M=block_m,
-                      BLOCK_N=block_n, BLOCK_D=_block_d(headdim),
-                      DOT_PRECISION=_dot_precision(dtype), DOT_UPCAST=_dot_upcast(dtype, interpreted),
-                      **more_constexprs)
+    constexprs = dict(
+        CAUSAL=bool(causal),
+        INTERVALS=bool(intervals),
+        HEAD_DIM=headdim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_block_d(headdim),
+        DOT_PRECISION=_dot_precision(dtype),
+        DOT_UPCAST=_dot_upcast(dtype, interpreted),
+        **more_constexprs,
+    )
     return KernelLaunch(kernel, constexprs, num_warps, num_stages)
 
 
-def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target,
-                   interpreted):
-    """The KernelLaunch of ``_attention_step_fwd_kernel``.
+def forward_launch(
+    dtype, headdim, causal, *, intervals=False, first_step=False, tensor_descriptors=False, target, interpreted
+):
+    """The KernelLaunch of ``attention_step_fwd_kernel``.
 
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
     documents given as index intervals (MASK_INTERVALS; not with ``causal``);
@@ -429,21 +435,31 @@ def forward_launch(dtype, headdim, causal, *, intervals=False, first_step=False,
     """
     # The interval mask has no k tile that every row of a q tile is known to
     # see, so nothing to split off: its kernel sweeps once, masked.
-    return _step_launch(_attention_step_fwd_kernel,
-                        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
-                        dtype, headdim, causal, intervals, interpreted,
-                        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals, FIRST_STEP=bool(first_step),
-                        TENSOR_DESCRIPTORS=bool(tensor_descriptors))
+    return _step_launch(
+        attention_step_fwd_kernel,
+        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors),
+        dtype,
+        headdim,
+        causal,
+        intervals,
+        interpreted,
+        SPLIT_SWEEP=SPLIT_FORWARD_SWEEP and not intervals,
+        FIRST_STEP=bool(first_step),
+        TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+    )
 
 
 def backward_preprocess_launch(headdim, *, target):
-    """The KernelLaunch of ``_attention_bwd_preprocess_kernel`` (any input dtype:
+    """The KernelLaunch of ``attention_bwd_preprocess_kernel`` (any input dtype:
     the kernel widens out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
-    return KernelLaunch(_attention_bwd_preprocess_kernel,
-                        dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
-                        num_warps=4, num_stages=3)
+    return KernelLaunch(
+        attention_bwd_preprocess_kernel,
+        dict(HEAD_DIM=headdim, BLOCK_M=16 if target is None else 64, BLOCK_D=_block_d(headdim)),
+        num_warps=4,
+        num_stages=3,
+    )
 
 
 def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descriptors=False, target, interpreted):
@@ -452,18 +468,32 @@ def backward_launches(dtype, headdim, causal, *, intervals=False, tensor_descrip
     ``interpreted`` as in forward_launch."""
     block_d = _block_d(headdim)
     return (
-        _step_launch(_attention_step_bwd_dq_kernel, _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
-                     dtype, headdim, causal, intervals, interpreted,
-                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
-                     TENSOR_DESCRIPTORS=bool(tensor_descriptors)),
+        _step_launch(
+            attention_step_bwd_dq_kernel,
+            _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors),
+            dtype,
+            headdim,
+            causal,
+            intervals,
+            interpreted,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals,
+            TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+        ),
         # fp32 dk/dv sweeps once, masked: its 16-row tiles save little from
         # the split, and with the split's second loop the fp32 tiles spill in
         # a loop on some target at every head dim (causal GQA d64: 2 accesses
         # with (16, 16, 8, 2) on sm_90 and sm_100, 1 on sm_86; causal MHA d128
         # with (16, 32, 4, 2): 94 on sm_86).
-        _step_launch(_attention_step_bwd_dkdv_kernel,
-                     _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
-                     dtype, headdim, causal, intervals, interpreted,
-                     SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
-                     TENSOR_DESCRIPTORS=bool(tensor_descriptors), SPLIT_HEADS=False),
+        _step_launch(
+            attention_step_bwd_dkdv_kernel,
+            _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors),
+            dtype,
+            headdim,
+            causal,
+            intervals,
+            interpreted,
+            SPLIT_SWEEP=SPLIT_BACKWARD_SWEEPS and not intervals and dtype.itemsize == 2,
+            TENSOR_DESCRIPTORS=bool(tensor_descriptors),
+            SPLIT_HEADS=False,
+        ),
     )

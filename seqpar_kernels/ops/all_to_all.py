@@ -13,8 +13,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name
-from seqpar_kernels.comm.stats import record_sent
+from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name
+from seqpar_kernels.traffic import record_sent
 
 
 def register_as_collective(op) -> None:

@@ -2,19 +2,17 @@
 
 Schema: csrc/ops.cpp. Kernels: csrc/cpu/attention_merge.cpp, csrc/cuda/attention_merge.cu.
 Tests: tests/test_attention_merge.py. The ring's CPU step kernels use it to fold each
-block into the running result (seqpar_kernels/parallel/ring_steps.py).
+block into the running result (seqpar_kernels/engine/step_backends.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from seqpar_kernels import _extension  # noqa: F401  (registers torch.ops.seqpar)
+from seqpar_kernels import extension  # noqa: F401  (registers torch.ops.seqpar)
 
 
-def attention_merge_(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
+def attention_merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Folds one block's attention into the running result, in place:
 
         new_lse = logaddexp(lse, block_lse)

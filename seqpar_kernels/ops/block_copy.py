@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from seqpar_kernels import _extension  # noqa: F401  (registers torch.ops.seqpar)
+from seqpar_kernels import extension  # noqa: F401  (registers torch.ops.seqpar)
 
 
 def block_numel(shape: Sequence[int], split_dim: int, length: int) -> int:
@@ -131,15 +131,10 @@ def _unpack_backward(ctx, grad_outputs):
     # An output that did not reach the loss has no gradient: its blocks get zeros.
     reference = next(grad for grad in grad_outputs if grad is not None)
     grads = [
-        grad if grad is not None else reference.new_zeros(shape)
-        for grad, shape in zip(grad_outputs, ctx.out_shapes)
+        grad if grad is not None else reference.new_zeros(shape) for grad, shape in zip(grad_outputs, ctx.out_shapes)
     ]
     return pack_blocks(grads, ctx.split_dims, ctx.starts, ctx.lengths), None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "seqpar::pack_blocks", _pack_backward, setup_context=_pack_setup_context
-)
-torch.library.register_autograd(
-    "seqpar::unpack_blocks", _unpack_backward, setup_context=_unpack_setup_context
-)
+torch.library.register_autograd("seqpar::pack_blocks", _pack_backward, setup_context=_pack_setup_context)
+torch.library.register_autograd("seqpar::unpack_blocks", _unpack_backward, setup_context=_unpack_setup_context)

@@ -6,6 +6,9 @@ on every rank.
         checks.share(local_size, agreed)
     checks.sizes                        every rank's local size
     checks.extras                       every rank's `extra` ints (extra_count=, share(extra=))
+    checked_on_grid(describe, grid, ...)     the same over USP's two groups, nested, which
+                                             also checks that they form a grid
+    checked_over_groups(describe, groups, ...)   the same over groups in turn (a mesh)
 
 Local checks (no communication):
     normalize_dim(dim, ndim, name, shape)   a dim argument in [0, ndim)
@@ -15,19 +18,21 @@ Local checks (no communication):
     resolve_softmax_scale(scale, q)     the default, and ValueError for a bad one
     check_local_sizes(sizes, ...)       per-rank sizes passed by the caller
     check_gather_arguments(...)         a gather's tensor, dim and sizes (every rank)
-    fold_scale_sign(q, scale)           a non-positive scale rewritten as a positive one
+
+The checks of the attention functions build on these (parallel/attention_checks.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import GroupInfo, all_gather_ints
+from seqpar_kernels.comm.grid import Grid
+from seqpar_kernels.groups import GroupInfo, all_gather_ints
 
 # SEQPAR_DEBUG=1 runs the every-rank check even where the caller skipped it (sizes passed,
 # check_ranks=False).
@@ -65,9 +70,7 @@ class CheckedOnEveryRank:
         self, describe: str, group: GroupInfo, data_device: torch.device | None, exchange: bool, extra_count: int = 0
     ):
         self.describe, self.group, self.data_device = describe, group, data_device
-        self.exchange = (
-            (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
-        )
+        self.exchange = (exchange or debug_checks_on()) and group.world_size > 1 and not torch.compiler.is_compiling()
         self.local_size, self.agreed = 0, None
         # The same count on every rank (a rank that raises before share() sends 0s), so
         # every rank's row of the gather has the same length.
@@ -89,7 +92,7 @@ class CheckedOnEveryRank:
             return False  # a local error raises on this rank
         failed = error is not None
         rows = all_gather_ints(
-            [self.local_size, 0 if failed else _fingerprint(self.agreed), int(failed), *self.local_extra],
+            [self.local_size, 0 if failed else fingerprint(self.agreed), int(failed), *self.local_extra],
             self.group.name, self.data_device,
         )  # fmt: skip
         bad_ranks = [rank for rank, row in enumerate(rows) if row[2]]
@@ -142,7 +145,80 @@ def check_gather_arguments(describe: str, x, dim, group: GroupInfo, sizes) -> tu
     return dim, checks.sizes if sizes is None else sizes
 
 
-def _fingerprint(value) -> int:
+def checked_on_grid(describe: str, grid: Grid, data_device, exchange: bool, local_checks):
+    """CheckedOnEveryRank over USP's grid. local_checks() runs this rank's checks (raising
+    ValueError) and returns (local_size, agreed, result): what CheckedOnEveryRank.share
+    takes, plus what the caller keeps. Returns (result, row_lens, slot_lens): every
+    Ulysses rank's local size in this slot, and every slot's total.
+
+    Nested: the Ulysses group's gather first (inside the ring group's block), so that an
+    error on a rank raises in its Ulysses group, then through the ring groups (each
+    holds one member of that Ulysses group) on every rank.
+
+    The grid. Each Ulysses group must be one ring slot (its members are the same ring
+    rank i, of ring groups of one size R), and the ring groups its members belong to
+    (identified by their smallest global rank), in Ulysses order, must be the same list
+    for every member of a ring group. Then ring group j holds Ulysses index j of every
+    slot and every slot meets the same ring groups: a grid. A ring group that fails the
+    second check cannot share a Ulysses group with one that passes it (the list of a
+    passing ring group's slots names every ring group through them), so every rank
+    whose partners raise raises too.
+
+    A plain function around the two `with` blocks (not a generator context manager):
+    torch.compile traces it on every supported release."""
+    # The messages name ranks by their rank in the group that raised.
+    with CheckedOnEveryRank(f"{describe} (ring group)", grid.ring, data_device, exchange, extra_count=1) as slot_checks:
+        with CheckedOnEveryRank(
+            f"{describe} (Ulysses group)", grid.ulysses, data_device, exchange, extra_count=3
+        ) as row_checks:
+            local_size, agreed, result = local_checks()
+            exchanging = row_checks.exchange or slot_checks.exchange
+            # Read only when a gather runs: not while torch.compile traces.
+            column = min(dist.get_process_group_ranks(grid.ring_group)) if exchanging else 0
+            row_checks.share(local_size, agreed, extra=(grid.ring.rank, grid.ring.world_size, column))
+        slots = [tuple(extra[:2]) for extra in row_checks.extras]
+        if len(set(slots)) != 1:
+            raise ValueError(
+                f"{describe}: ulysses_group and ring_group do not form a grid: the ranks of a Ulysses group "
+                f"must hold one ring slot (one ring rank, of ring groups of one size); Ulysses ranks "
+                f"0..{grid.ulysses.world_size - 1} are (ring rank, ring size) {slots}"
+            )
+        columns = [extra[2] for extra in row_checks.extras]
+        slot_checks.share(
+            sum(row_checks.sizes), (agreed, grid.ulysses.world_size),
+            extra=(fingerprint(columns) if exchanging else 0,),
+        )  # fmt: skip
+    if len({extra[0] for extra in slot_checks.extras}) != 1:
+        raise ValueError(
+            f"{describe}: ulysses_group and ring_group do not form a grid: the Ulysses groups of this "
+            f"ring group's ranks meet different ring groups (this rank's Ulysses group meets the ring "
+            f"groups whose first global ranks are {columns})"
+        )
+    return result, row_checks.sizes, slot_checks.sizes
+
+
+def checked_over_groups(describe: str, groups: Sequence[tuple[object, GroupInfo]], data_device, local_checks) -> None:
+    """Runs local_checks() (raising ValueError, else returning the metadata every rank
+    must agree on) such that a bad input on any rank raises on every rank of the groups
+    (each (group, GroupInfo), e.g. a mesh's dimensions): one small all-gather per group,
+    nested as checked_on_grid nests its two. A rank that raised in one group carries its
+    error into the next, so after the last group every rank has raised."""
+    error, agreed = None, None
+    for index, (_, info) in enumerate(groups):
+        try:
+            with CheckedOnEveryRank(describe, info, data_device, exchange=True) as checks:
+                if error is not None:
+                    raise error
+                if index == 0:
+                    agreed = local_checks()
+                checks.share(0, agreed)
+        except Exception as raised:  # noqa: BLE001 - carried into the next group, raised below
+            error = raised
+    if error is not None:
+        raise error
+
+
+def fingerprint(value) -> int:
     """A stable small integer for metadata that every rank must agree on."""
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
@@ -160,8 +236,9 @@ def check_local_sizes(
         )
     return list(sizes)
 
+
+# The floating-point dtypes the attention functions and the loss take.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 
 
 def normalize_dim(dim: int, ndim: int, name: str, shape) -> int:
@@ -189,90 +266,3 @@ def device_of(x) -> torch.device | None:
     """x's device when x is a tensor (the metadata of a collective about it goes there
     on NCCL), else None."""
     return x.device if isinstance(x, torch.Tensor) else None
-
-
-def describe_shapes(q, k, v) -> str:
-    return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-
-
-def check_attention_inputs(q, k, v) -> None:
-    """q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
-    headdim), one dtype among SUPPORTED_DTYPES, one device, nheads % nheads_kv == 0,
-    1 <= headdim <= MAX_HEAD_DIM. Raises ValueError naming the shapes otherwise."""
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
-            raise ValueError(f"{name} must be (batch, seqlen_local, nheads, headdim), got {shape}")
-    shapes = describe_shapes(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q, k, v need one dtype among {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype} ({shapes})"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {shapes}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
-        raise ValueError(f"q, k, v must share batch and local sequence length, got {shapes}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have one head dim, got {shapes}")
-    if q.shape[3] == 0:
-        raise ValueError(f"head dim must be at least 1 ({shapes})")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[3]} exceeds {MAX_HEAD_DIM} ({shapes})")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})"
-        )
-
-
-def resolve_softmax_scale(softmax_scale, q: torch.Tensor) -> float:
-    """The scale applied to q.k: `softmax_scale`, or 1/sqrt(headdim) for None. Any
-    finite number is accepted, zero and negative ones included (see fold_scale_sign)."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(q.shape[3])
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
-    # Comparisons, not math.isfinite and float(): torch.compile traces a float argument
-    # that changes between calls as a symbolic float, which those two cannot take.
-    if not -math.inf < softmax_scale < math.inf:
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
-    return softmax_scale * 1.0
-
-
-def fold_scale_sign(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, float]:
-    """(q, scale) with a positive scale that gives the same scores scale * q.k.
-
-    The attention kernels mask a causal score with -inf BEFORE scaling it (aten's CPU
-    flash kernel, which SDPA runs on CPUs): a zero scale then gives -inf * 0 = NaN and a
-    negative one turns a masked score into +inf. So a negative scale is applied to q
-    (-q with scale |scale|, exact in every dtype), and a zero scale, whose scores are all
-    0 (uniform attention over the visible keys), becomes q * 0 with scale 1. Both stay
-    differentiable: dq is -dq' or exactly 0. A positive scale returns q itself."""
-    if softmax_scale > 0:
-        return q, softmax_scale
-    if softmax_scale < 0:
-        return q.neg(), -softmax_scale
-    return q.mul(0.0), 1.0
-
-
-def check_launchable(q: torch.Tensor) -> None:
-    """Raises ValueError naming q's shape when the ring's Triton step kernels cannot run
-    on the CUDA tensor q (batch, seqlen_local, nheads, headdim): a GPU older than sm_80
-    (no bf16 tensor cores), or batch or nheads above CUDA's grid limit. A CPU tensor
-    passes. Local: the ring runs it before any collective."""
-    if not q.is_cuda:
-        return
-    # Imported here: Triton is needed on GPUs only (CPU-only torch wheels lack it).
-    from seqpar_kernels.kernels.attention_step_tiles import MAX_GRID_YZ, MIN_CAPABILITY
-
-    properties = torch.cuda.get_device_properties(q.device)
-    capability = 10 * properties.major + properties.minor
-    if capability < MIN_CAPABILITY:
-        raise ValueError(
-            f"ring attention's Triton kernels need a GPU of compute capability 8.0 or newer (bf16 "
-            f"tensor cores); {q.device} ({properties.name}) is sm_{capability} (q {tuple(q.shape)})"
-        )
-    if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
-        # Heads and batch index grid axes 1 and 2, which CUDA caps at 65535.
-        raise ValueError(f"batch and nheads must be at most {MAX_GRID_YZ}, got q shape {tuple(q.shape)}")

@@ -38,10 +38,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES, CheckedOnEveryRank
+from seqpar_kernels.comm.grid import reduction_groups
+from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES, checked_over_groups
 
 # chunk_size=None: as many tokens as keep one chunk's fp32 logits at this many elements
 # (2**26 x 4 bytes = 256 MiB): 512 tokens at a 128K vocabulary, 2048 at 32K.
@@ -64,19 +63,6 @@ def default_chunk_size(vocab: int) -> int:
 # ----------------------------------------------------------------------------------
 
 
-def _reduction_groups(describe: str, group, mesh) -> list[tuple[dist.ProcessGroup | None, GroupInfo]]:
-    """(group, its GroupInfo) for each group to reduce over, in turn: `group` (default
-    the world; without torch.distributed a world of one), or each dimension of `mesh`.
-    Local: every rank of a program passes the same kind of argument."""
-    if mesh is not None:
-        if group is not None:
-            raise ValueError(f"{describe}: pass group= or mesh=, not both")
-        if not isinstance(mesh, DeviceMesh):
-            raise ValueError(f"{describe}: mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-        return [(each, resolve_group(each)) for each in mesh.get_all_groups()]
-    return [(group, resolve_group(group))]
-
-
 def _all_reduce_sum(values: torch.Tensor, groups) -> torch.Tensor:
     """values summed over every rank of the groups (over each group in turn), in place.
     Every rank gets the same bytes: each group's all-reduce hands all its members one
@@ -85,27 +71,6 @@ def _all_reduce_sum(values: torch.Tensor, groups) -> torch.Tensor:
         if info.world_size > 1:
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
-
-
-def _checked_on_every_rank(describe: str, groups, device, local_checks) -> None:
-    """Runs local_checks() (raising ValueError, else returning the metadata every rank
-    must agree on) such that a bad input on any rank raises on every rank: one small
-    all-gather per group (parallel/checks.py), nested as USP nests its two. A rank
-    that raised in one group carries its error into the next, so after the last group
-    every rank of the mesh has raised."""
-    error, agreed = None, None
-    for index, (_, info) in enumerate(groups):
-        try:
-            with CheckedOnEveryRank(describe, info, device, exchange=True) as checks:
-                if error is not None:
-                    raise error
-                if index == 0:
-                    agreed = local_checks()
-                checks.share(0, agreed)
-        except Exception as raised:  # noqa: BLE001 - carried into the next group, raised below
-            error = raised
-    if error is not None:
-        raise error
 
 
 def _check_labels(shift_labels, expected_shape, describe_shapes: str) -> None:
@@ -125,8 +90,7 @@ def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, desc
     if bad.any():
         value = labels[bad][0].item()
         raise ValueError(
-            f"shift_labels holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} "
-            f"({describe_shapes})"
+            f"shift_labels holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} ({describe_shapes})"
         )
 
 
@@ -229,7 +193,9 @@ class _ChunkedLocalShare(torch.autograd.Function):
         grad_hidden = (
             torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if grad_hidden_needed else None
         )
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight_needed else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight_needed else None
+        )
         # The fp32 copy of the weight the hidden gradient's product reads where no GEMM
         # writes fp32 from fp16/bf16 operands (see _chunk_grads_).
         weight_fp32 = weight.float() if grad_hidden_needed and low_precision and not _mm_to_fp32(weight) else None
@@ -365,7 +331,7 @@ def sequence_parallel_cross_entropy(
     each (the count, the sum), per group or per mesh dimension.
     """
     describe = "sequence_parallel_cross_entropy"
-    groups = _reduction_groups(describe, group, mesh)
+    groups = reduction_groups(describe, group=group, mesh=mesh, any_mesh=True)
     shapes = _shapes(("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                      ("shift_labels", shift_labels))  # fmt: skip
 
@@ -393,7 +359,7 @@ def sequence_parallel_cross_entropy(
         return (tuple(lm_head_weight.shape), hidden_states.dtype, ignore_index)
 
     device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
-    _checked_on_every_rank(describe, groups, device, local_checks)
+    checked_over_groups(describe, groups, device, local_checks)
     vocab, hidden_size = lm_head_weight.shape
     hidden = hidden_states.reshape(-1, hidden_size)  # a view when it can be, else a copy
     labels = shift_labels.reshape(-1).long()
@@ -432,7 +398,7 @@ def sequence_parallel_cross_entropy_from_logits(
     copy when they are fp16/bf16, and its log-softmax).
     """
     describe = "sequence_parallel_cross_entropy_from_logits"
-    groups = _reduction_groups(describe, group, mesh)
+    groups = reduction_groups(describe, group=group, mesh=mesh, any_mesh=True)
     shapes = _shapes(("logits", logits), ("shift_labels", shift_labels))
 
     def local_checks():
@@ -447,7 +413,7 @@ def sequence_parallel_cross_entropy_from_logits(
         return (logits.shape[-1], logits.dtype, ignore_index)
 
     device = logits.device if isinstance(logits, torch.Tensor) else None
-    _checked_on_every_rank(describe, groups, device, local_checks)
+    checked_over_groups(describe, groups, device, local_checks)
     labels = shift_labels.reshape(-1).long()
     count = _global_count(labels, ignore_index, groups)
     local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=ignore_index,

@@ -12,9 +12,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import resolve_group
-from seqpar_kernels.comm.plan import offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
+from seqpar_kernels.groups import resolve_group
+from seqpar_kernels.layouts import offsets, tensor_split_ranges
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_gather_arguments,

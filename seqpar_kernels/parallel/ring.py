@@ -11,7 +11,7 @@ Why zigzag: under a causal mask with the contiguous layout, rank r's queries see
 the P blocks, so the last rank works P times as long as the first and every ring step
 waits for the slowest rank. With zigzag every rank holds one early and one late chunk,
 and every step computes the same amount on every rank (see the step table in
-seqpar_kernels/parallel/ring_driver.py, the ring driver).
+seqpar_kernels/engine/ring_driver.py, the ring driver).
 
 Argument checks run here, on every rank, before any collective; one small all_gather of
 metadata then makes sure every rank passed the same shapes and options, so a mismatch
@@ -25,60 +25,27 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.ops.ring_attention import ring_attention_forward
-from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import check_step_backend
+from seqpar_kernels.engine.ring_ops import ring_attention_forward
+from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.groups import GroupInfo, resolve_group
+from seqpar_kernels.layouts import zigzag_chunk_lengths, zigzag_chunks, zigzag_piece_lengths
+from seqpar_kernels.parallel.attention_checks import (
+    RING_LAYOUTS,
+    check_attention_call,
+    check_zigzag_lengths,
+    fold_scale_sign,
+)
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
-    check_gather_arguments,
-    check_attention_inputs,
     check_bool,
-    check_launchable,
-    check_local_sizes,
+    check_gather_arguments,
     check_tensor,
-    describe_shapes,
     device_of,
-    fold_scale_sign,
     normalize_dim,
-    resolve_softmax_scale,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
-from seqpar_kernels.parallel.varlen import check_varlen_group
 
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def _check_ring_inputs(q, k, v, causal, softmax_scale, layout) -> float:
-    """Local checks (no communication); returns the softmax scale."""
-    check_attention_inputs(q, k, v)
-    shapes = describe_shapes(q, k, v)
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"ring_attention runs on CPU or CUDA tensors, got {q.device} ({shapes})")
-    check_launchable(q)  # CUDA: GPUs older than sm_80, batch or heads over the grid limit
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    check_bool("causal", causal)
-    return resolve_softmax_scale(softmax_scale, q)
-
-
-def _check_zigzag_lengths(lengths, info: GroupInfo, describe: str, shape) -> None:
-    """Every rank's local length must be its zigzag piece of their sum (as zigzag_split
-    cuts it), or the ranks would place their rows at other global positions than the
-    zigzag layout says. Run on every rank with the same lengths: all raise alike."""
-    total = sum(lengths)
-    expected = zigzag_piece_lengths(total, info.world_size)
-    wrong = [
-        f"rank {rank} holds {length} rows where the layout puts {expected[rank]}"
-        for rank, length in enumerate(lengths) if length != expected[rank]
-    ]  # fmt: skip
-    if wrong:
-        raise ValueError(
-            f"{describe}: local lengths {list(lengths)} are not the zigzag pieces of a sequence of "
-            f"{total} rows (chunks r and 2P-1-r of torch.tensor_split into 2P = {2 * info.world_size}, "
-            f"as zigzag_split makes them): {'; '.join(wrong)}. This rank ({info.rank}) has shape "
-            f"{tuple(shape)}"
-        )
+LAYOUTS = RING_LAYOUTS
 
 
 def ring_attention(
@@ -135,51 +102,46 @@ def ring_attention(
     Autograd: dq, dk, dv through the ring backward (dK/dV accumulate in fp32 while they
     travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
     (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather (with local
-    lengths that differ: seqpar_kernels/parallel/ring_driver.py gives the formula).
+    lengths that differ: seqpar_kernels/engine/ring_driver.py gives the formula).
     """
     return _ring_attention(
-        q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
+        q, k, v, step_backend, True, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
         return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, varlen=varlen,
-        step_backend=step_backend, public_backend=True,
     )  # fmt: skip
 
 
-def _ring_attention(q, k, v, *, group, causal, softmax_scale, layout, return_lse, check_ranks, seq_lens,
-                    step_backend, varlen=None, public_backend=False):
-    """ring_attention with the step kernels named `step_backend`: one of STEP_BACKENDS
-    (public_backend) or any key of STEP_KERNELS (parallel/ring_steps.py; tests)."""
+def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
+    """ring_attention(q, k, v, **options) with its steps computed by the step backend
+    named `step_kernels`, any name of the engine's STEP_KERNELS ("aten",
+    "aten-repeated-kv", "triton": on CPU tensors the Triton interpreter): what tests and
+    benchmarks compare."""
+    return _ring_attention(q, k, v, step_kernels, False, **options)
+
+
+def _ring_attention(
+    q, k, v, step_kernels: str, public: bool, *, group=None, causal=False, softmax_scale=None,
+    layout="contiguous", return_lse=False, check_ranks=True, seq_lens=None, varlen=None,
+):  # fmt: skip
+    """ring_attention with the step backend `step_kernels`: one of its public choices
+    (public, checked) or a name of STEP_KERNELS."""
     info = resolve_group(group)
     exchange = check_ranks is not False and seq_lens is None
     with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=exchange) as checks:
-        scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
-        if public_backend:
-            check_step_backend(step_backend)
+        call = check_attention_call(
+            "ring_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
+            ranks=info, layout=layout, step_backend=step_kernels if public else AUTO,
+        )  # fmt: skip
         check_bool("check_ranks", check_ranks)
-        batch, seqlen, heads, head_dim = q.shape
-        if varlen is not None:
-            _check_varlen_ring(varlen, q, info, layout, seq_lens)
-            seq_lens = varlen.seq_lens
-        elif seq_lens is not None:
-            seq_lens = check_local_sizes(seq_lens, info, seqlen, "seq_lens", q.shape, 1)
-        checks.share(
-            seqlen, (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens, step_backend)
-        )
-    seq_lens = checks.sizes if seq_lens is None else seq_lens
+        checks.share(q.shape[1], (*call.agreed, step_kernels))
+    seq_lens = checks.sizes if call.seq_lens is None else call.seq_lens
     if layout == "zigzag":
-        _check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
-    q, scale = fold_scale_sign(q, scale)
+        check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
+    q, scale = fold_scale_sign(q, call.scale)
     documents = () if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
     out, lse = ring_attention_forward(
-        q, k, v, causal, scale, layout == "zigzag", info.name, step_backend, seq_lens, *documents
-    )
+        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents
+    )  # fmt: skip
     return (out, lse.detach()) if return_lse else out
-
-
-def _check_varlen_ring(plan, q, info: GroupInfo, layout, seq_lens) -> None:
-    """Local checks of ring_attention(varlen=plan); the plan fixes the layout too."""
-    check_varlen_group("ring_attention", plan, q, info, seq_lens)
-    if layout != "contiguous":
-        raise ValueError(f"ring_attention: with varlen the plan sets the layout; pass no layout (got {layout!r})")
 
 
 # ----------------------------------------------------------------------------------
@@ -187,13 +149,9 @@ def _check_varlen_ring(plan, q, info: GroupInfo, layout, seq_lens) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _zigzag_chunks(rank: int, world_size: int) -> tuple[int, int]:
-    return rank, 2 * world_size - 1 - rank
-
-
-def _zigzag_gather(x: torch.Tensor, dim: int, group, info: GroupInfo, lengths: list[int]) -> torch.Tensor:
+def zigzag_gather_pieces(x: torch.Tensor, dim: int, group, info: GroupInfo, lengths: list[int]) -> torch.Tensor:
     """zigzag_gather once every rank's length is known (and checked to be its zigzag
-    piece): no metadata exchange."""
+    piece): no metadata exchange; the zigzag split's backward."""
     world_size = info.world_size
     # gather_sequence concatenates the ranks' pieces in rank order: chunks
     # [0, 2P-1, 1, 2P-2, ...]; putting them back in sequence order is one cat of views.
@@ -202,7 +160,7 @@ def _zigzag_gather(x: torch.Tensor, dim: int, group, info: GroupInfo, lengths: l
     if world_size == 1:
         return gathered
     chunk_lengths = zigzag_chunk_lengths(sum(lengths), world_size)
-    in_rank_order = [chunk for rank in range(world_size) for chunk in _zigzag_chunks(rank, world_size)]
+    in_rank_order = [chunk for rank in range(world_size) for chunk in zigzag_chunks(rank, world_size)]
     pieces = dict(zip(in_rank_order, gathered.split([chunk_lengths[c] for c in in_rank_order], dim)))
     return torch.cat([pieces[chunk] for chunk in range(2 * world_size)], dim)
 
@@ -214,12 +172,12 @@ class _ZigzagSplit(torch.autograd.Function):
         ctx.dim, ctx.group, ctx.info = dim, group, info
         ctx.lengths = zigzag_piece_lengths(total, info.world_size)
         chunks = torch.tensor_split(x, 2 * info.world_size, dim)
-        first, second = _zigzag_chunks(info.rank, info.world_size)
+        first, second = zigzag_chunks(info.rank, info.world_size)
         return torch.cat([chunks[first], chunks[second]], dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _zigzag_gather(grad, ctx.dim, ctx.group, ctx.info, ctx.lengths), None, None, None
+        return zigzag_gather_pieces(grad, ctx.dim, ctx.group, ctx.info, ctx.lengths), None, None, None
 
 
 def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -256,5 +214,5 @@ def zigzag_gather(
     through gather_sequence). Backward: each rank keeps its zigzag piece of the gradient."""
     info = resolve_group(group)
     dim, sizes = check_gather_arguments("zigzag_gather", x, dim, info, sizes)
-    _check_zigzag_lengths(sizes, info, "zigzag_gather", x.shape)
-    return _zigzag_gather(x, dim, group, info, sizes)
+    check_zigzag_lengths(sizes, info, "zigzag_gather", x.shape)
+    return zigzag_gather_pieces(x, dim, group, info, sizes)

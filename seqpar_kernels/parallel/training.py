@@ -31,13 +31,13 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.groups import SINGLE_PROCESS, group_from_name, resolve_group
-from seqpar_kernels.comm.plan import tensor_split_sizes
+from seqpar_kernels.comm.grid import Grid, reduction_groups, resolve_ranks
+from seqpar_kernels.engine.step_backends import check_step_backend
+from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name, resolve_group
+from seqpar_kernels.layouts import tensor_split_sizes, usp_piece_lengths, zigzag_piece_lengths
 from seqpar_kernels.parallel.reshard import split_sequence
 from seqpar_kernels.parallel.ring import zigzag_split
-from seqpar_kernels.parallel.ring_driver import zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import check_step_backend
-from seqpar_kernels.parallel.usp import _layout_lengths, _resolve_grid, usp_split
+from seqpar_kernels.parallel.usp import usp_split
 from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
 
 MODES = ("ulysses", "ring", "usp")
@@ -66,8 +66,18 @@ class SequenceParallelism:
     step_backend: str = field(default="auto", compare=False)
 
     @classmethod
-    def resolve(cls, describe: str, mode, layout, *, group=None, mesh=None, ulysses_group=None, ring_group=None,
-                step_backend="auto"):
+    def resolve(
+        cls,
+        describe: str,
+        mode,
+        layout,
+        *,
+        group=None,
+        mesh=None,
+        ulysses_group=None,
+        ring_group=None,
+        step_backend="auto",
+    ):
         if mode not in MODES:
             raise ValueError(f"{describe}: mode must be one of {MODES}, got {mode!r}")
         if layout not in LAYOUTS:
@@ -78,14 +88,15 @@ class SequenceParallelism:
                 f"{describe}: mode='ulysses' takes layout='contiguous' only (got {layout!r}): Ulysses attends "
                 "over whole sequences after its exchange, so its work is balanced in any layout"
             )
-        if mode == "usp":
-            if group is not None:
-                raise ValueError(f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group=")
-            grid = _resolve_grid(describe, mesh, ulysses_group, ring_group)
-            return cls(mode, layout, (grid.ulysses.name, grid.ring.name), step_backend)
-        if mesh is not None or ulysses_group is not None or ring_group is not None:
-            raise ValueError(f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh")
-        return cls(mode, layout, (resolve_group(group).name,), step_backend)
+        ranks = resolve_ranks(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+        if (mode == "usp") != isinstance(ranks, Grid):
+            raise ValueError(
+                f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group="
+                if mode == "usp" else
+                f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh"
+            )  # fmt: skip
+        names = ranks.group_names if isinstance(ranks, Grid) else (ranks.name,)
+        return cls(mode, layout, names, step_backend)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """The process groups (None: the single process)."""
@@ -116,7 +127,7 @@ class SequenceParallelism:
         infos = [resolve_group(group) for group in self.groups()]
         if self.mode == "usp":
             ulysses, ring = infos
-            rows = _layout_lengths(total, ulysses.world_size, ring.world_size, self.dense_layout)
+            rows = usp_piece_lengths(total, ulysses.world_size, ring.world_size, self.dense_layout == "zigzag")
             return tuple(length for row in rows for length in row)
         world_size = infos[0].world_size
         if self.layout == "balanced":
@@ -219,8 +230,7 @@ def shard_batch(
     unknown = sorted(set(batch) - set(_TOKEN_KEYS) - set(_FULL_BATCH_PACKING_KEYS))
     if unknown:
         raise ValueError(
-            f"{describe}: does not know how to shard {unknown} (it shards {_TOKEN_KEYS}); shard other "
-            "inputs yourself"
+            f"{describe}: does not know how to shard {unknown} (it shards {_TOKEN_KEYS}); shard other inputs yourself"
         )
     if "input_ids" not in batch:
         raise ValueError(f"{describe}: batch has no input_ids (keys: {sorted(batch)})")
@@ -252,9 +262,7 @@ def shard_batch(
     # (B, S): the target of token t is labels[t + 1]; the last token has none.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), ignore_index)], dim=1)
 
-    restarts = [
-        row for row in range(batch_size) if seqlen > 1 and bool((torch.diff(position_ids[row]) != 1).any())
-    ]
+    restarts = [row for row in range(batch_size) if seqlen > 1 and bool((torch.diff(position_ids[row]) != 1).any())]
     plan = None
     if restarts:
         if batch_size != 1:
@@ -288,19 +296,6 @@ def shard_batch(
 _BUCKET_BYTES = 64 << 20
 
 
-def _reduce_groups(describe: str, group, mesh, ulysses_group, ring_group) -> list:
-    """The groups to all-reduce over in turn so that every rank of the sequence
-    parallelism is summed: the group, or each dimension of the grid."""
-    if mesh is not None or ulysses_group is not None or ring_group is not None:
-        if group is not None:
-            raise ValueError(f"{describe}: pass group= or mesh= (or ulysses_group= and ring_group=), not both")
-        grid = _resolve_grid(describe, mesh, ulysses_group, ring_group)
-        return [grid.ulysses_group, grid.ring_group]
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return []
-    return [group if group is not None else dist.group.WORLD]
-
-
 def all_reduce_gradients(
     parameters: torch.nn.Module | Iterable[torch.nn.Parameter],
     *,
@@ -319,7 +314,11 @@ def all_reduce_gradients(
     (every rank of the grid). One all_reduce per group per bucket of gradients of one
     dtype and device (up to 64 MiB, flattened into one copy at a time). Under DDP or FSDP over the same ranks, which
     average, do not call this: multiply the loss by the number of ranks instead."""
-    groups = _reduce_groups("all_reduce_gradients", group, mesh, ulysses_group, ring_group)
+    groups = [
+        each for each, info in reduction_groups(
+            "all_reduce_gradients", group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
+        ) if info.world_size > 1
+    ]  # fmt: skip
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     parameters = [parameter for parameter in parameters if parameter.requires_grad]

@@ -35,20 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.comm.plan import interleave, kv_head_ranges, offsets, tensor_split_ranges
 from seqpar_kernels.comm.exchange import exchange_blocks
-from seqpar_kernels.ops.varlen_attention import varlen_attention_forward
-from seqpar_kernels.parallel.varlen import check_varlen_group
-from seqpar_kernels.parallel.checks import (
-    CheckedOnEveryRank,
-    check_attention_inputs,
-    check_bool,
-    check_local_sizes,
-    device_of,
-    fold_scale_sign,
-    resolve_softmax_scale,
-)
+from seqpar_kernels.comm.plan import interleave, kv_head_ranges
+from seqpar_kernels.engine.varlen_ops import varlen_attention_forward
+from seqpar_kernels.groups import GroupInfo, resolve_group
+from seqpar_kernels.layouts import offsets, tensor_split_ranges
+from seqpar_kernels.parallel.attention_checks import check_attention_call, fold_scale_sign
+from seqpar_kernels.parallel.checks import CheckedOnEveryRank, device_of
 
 # (B, S, H, D) logical shape stored as (B, H, S, D): the layout SDPA reads without a copy.
 HEADS_MAJOR = (0, 2, 1, 3)
@@ -230,19 +223,15 @@ def ulysses_attention(
     """
     info = resolve_group(group)
     with CheckedOnEveryRank("ulysses_attention", info, device_of(q), exchange=seq_lens is None) as checks:
-        check_attention_inputs(q, k, v)
-        check_bool("causal", causal)
-        scale = resolve_softmax_scale(softmax_scale, q)
-        batch, local_len, num_heads, head_dim = q.shape
-        if varlen is not None:
-            check_varlen_group("ulysses_attention", varlen, q, info, seq_lens)
-            seq_lens = varlen.seq_lens
-        elif seq_lens is not None:
-            seq_lens = check_local_sizes(seq_lens, info, local_len, "seq_lens", q.shape, 1)
-        checks.share(local_len, (batch, num_heads, k.shape[2], head_dim, causal, q.dtype, scale, seq_lens))
-    seq_lens = checks.sizes if seq_lens is None else seq_lens
+        call = check_attention_call(
+            "ulysses_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens,
+            varlen=varlen, ranks=info,
+        )  # fmt: skip
+        checks.share(q.shape[1], call.agreed)
+    seq_lens = checks.sizes if call.seq_lens is None else call.seq_lens
+    num_heads = q.shape[2]
     plan = UlyssesPlan.of(seq_lens, num_heads, k.shape[2])
-    q, scale = fold_scale_sign(q, scale)
+    q, scale = fold_scale_sign(q, call.scale)
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
     if varlen is not None:
         out_heads = _local_varlen_attention(

@@ -38,42 +38,31 @@ options, ring index and ring group), then one over the ring group (slot length,
 options, the ring groups its row meets). A rank that raises in the first makes its
 whole Ulysses group raise; each ring group holds one member of that Ulysses group, so
 the second makes every rank raise. The same two gathers check that the groups form a
-grid (see _checked_on_grid).
+grid (parallel/checks.py checked_on_grid).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from seqpar_kernels.comm.groups import GroupInfo, resolve_group
-from seqpar_kernels.comm.plan import offsets, tensor_split_ranges, tensor_split_sizes
-from seqpar_kernels.ops.ring_attention import ring_attention_forward
+from seqpar_kernels.comm.grid import MESH_DIM_NAMES, Grid, resolve_grid
+from seqpar_kernels.engine.ring_ops import ring_attention_forward
+from seqpar_kernels.groups import resolve_group
+from seqpar_kernels.layouts import usp_piece_lengths, usp_piece_segments
+from seqpar_kernels.parallel.attention_checks import check_attention_call, check_zigzag_lengths, fold_scale_sign
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
-    _fingerprint,
     check_bool,
-    check_local_sizes,
     check_tensor,
+    checked_on_grid,
     device_of,
-    fold_scale_sign,
     normalize_dim,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
-from seqpar_kernels.parallel.ring import (
-    LAYOUTS,
-    _check_ring_inputs,
-    _check_zigzag_lengths,
-    _zigzag_gather,
-    ring_attention,
-)
-from seqpar_kernels.parallel.ring_driver import zigzag_chunk_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.ring_steps import check_step_backend
-from seqpar_kernels.parallel.varlen import check_varlen_call
+from seqpar_kernels.parallel.ring import LAYOUTS, ring_attention, zigzag_gather_pieces
 from seqpar_kernels.parallel.ulysses import (
     UlyssesPlan,
     heads_to_sequence,
@@ -82,107 +71,7 @@ from seqpar_kernels.parallel.ulysses import (
     uniform_head_runs,
 )
 
-MESH_DIM_NAMES = ("ring", "ulysses")
-
-
-# ----------------------------------------------------------------------------------
-# The grid: groups, and this rank's place in them
-# ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Grid:
-    """The two groups of a call: this rank is at ring index ring.rank (of R =
-    ring.world_size slots) and Ulysses index ulysses.rank (of U)."""
-
-    ulysses_group: dist.ProcessGroup
-    ring_group: dist.ProcessGroup
-    ulysses: GroupInfo
-    ring: GroupInfo
-
-    @property
-    def piece(self) -> int:
-        """This rank's sequence piece: i * U + j."""
-        return self.ring.rank * self.ulysses.world_size + self.ulysses.rank
-
-    @property
-    def pieces(self) -> GroupInfo:
-        """The grid as one group in piece order (for checking per-piece arguments)."""
-        return GroupInfo("", self.piece, self.ring.world_size * self.ulysses.world_size)
-
-
-def _resolve_grid(describe: str, mesh, ulysses_group, ring_group) -> _Grid:
-    """The groups from `mesh` (dims found by name) or the two groups. Local: a program
-    passes the same kind of argument on every rank, so every rank raises alike."""
-    if mesh is not None:
-        if ulysses_group is not None or ring_group is not None:
-            raise ValueError(f"{describe}: pass mesh= or ulysses_group= and ring_group=, not both")
-        names = getattr(mesh, "mesh_dim_names", None)
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or sorted(names or ()) != sorted(MESH_DIM_NAMES):
-            shape = tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else type(mesh).__name__
-            raise ValueError(
-                f"{describe}: mesh must be a 2-D DeviceMesh with dims named {MESH_DIM_NAMES} (either "
-                f"order), got {shape} with dims {names}"
-            )
-        ulysses_group, ring_group = mesh.get_group("ulysses"), mesh.get_group("ring")
-    elif ulysses_group is None or ring_group is None:
-        raise ValueError(
-            f"{describe}: needs mesh= (a DeviceMesh with dims {MESH_DIM_NAMES}) or both ulysses_group= and "
-            f"ring_group= (make_usp_groups), got ulysses_group={ulysses_group}, ring_group={ring_group}"
-        )
-    return _Grid(ulysses_group, ring_group, resolve_group(ulysses_group), resolve_group(ring_group))
-
-
-def _checked_on_grid(describe: str, grid: _Grid, data_device, exchange: bool, local_checks):
-    """CheckedOnEveryRank over the grid. local_checks() runs this rank's checks (raising
-    ValueError) and returns (local_size, agreed, result) as CheckedOnEveryRank.share
-    takes them, plus what the caller keeps. Returns (result, row_lens, slot_lens): every
-    Ulysses rank's local size in this slot, and every slot's total.
-
-    Nested: the Ulysses group's gather first (inside the ring group's block), so that an
-    error on a rank raises in its Ulysses group, then through the ring groups (each
-    holds one member of that Ulysses group) on every rank.
-
-    The grid. Each Ulysses group must be one ring slot (its members are the same ring
-    rank i, of ring groups of one size R), and the ring groups its members belong to
-    (identified by their smallest global rank), in Ulysses order, must be the same list
-    for every member of a ring group. Then ring group j holds Ulysses index j of every
-    slot and every slot meets the same ring groups: a grid. A ring group that fails the
-    second check cannot share a Ulysses group with one that passes it (the list of a
-    passing ring group's slots names every ring group through them), so every rank
-    whose partners raise raises too.
-
-    A plain function around the two `with` blocks (not a generator context manager):
-    torch.compile traces it on every supported release."""
-    # The messages name ranks by their rank in the group that raised.
-    with CheckedOnEveryRank(f"{describe} (ring group)", grid.ring, data_device, exchange, extra_count=1) as slot_checks:
-        with CheckedOnEveryRank(
-            f"{describe} (Ulysses group)", grid.ulysses, data_device, exchange, extra_count=3
-        ) as row_checks:
-            local_size, agreed, result = local_checks()
-            exchanging = row_checks.exchange or slot_checks.exchange
-            # Read only when a gather runs: not while torch.compile traces.
-            column = min(dist.get_process_group_ranks(grid.ring_group)) if exchanging else 0
-            row_checks.share(local_size, agreed, extra=(grid.ring.rank, grid.ring.world_size, column))
-        slots = [tuple(extra[:2]) for extra in row_checks.extras]
-        if len(set(slots)) != 1:
-            raise ValueError(
-                f"{describe}: ulysses_group and ring_group do not form a grid: the ranks of a Ulysses group "
-                f"must hold one ring slot (one ring rank, of ring groups of one size); Ulysses ranks "
-                f"0..{grid.ulysses.world_size - 1} are (ring rank, ring size) {slots}"
-            )
-        columns = [extra[2] for extra in row_checks.extras]
-        slot_checks.share(
-            sum(row_checks.sizes), (agreed, grid.ulysses.world_size),
-            extra=(_fingerprint(columns) if exchanging else 0,),
-        )  # fmt: skip
-    if len({extra[0] for extra in slot_checks.extras}) != 1:
-        raise ValueError(
-            f"{describe}: ulysses_group and ring_group do not form a grid: the Ulysses groups of this "
-            f"ring group's ranks meet different ring groups (this rank's Ulysses group meets the ring "
-            f"groups whose first global ranks are {columns})"
-        )
-    return result, row_checks.sizes, slot_checks.sizes
+__all__ = ["make_usp_groups", "usp_attention", "usp_split", "usp_gather", "MESH_DIM_NAMES"]
 
 
 # ----------------------------------------------------------------------------------
@@ -315,24 +204,16 @@ def usp_attention(
         back when asked for (the pieces of the other Ulysses ranks x n_j x batch x 4).
       ring group: ring_attention's bytes over the slots, with n_kv_j kv heads.
     """
-    grid = _resolve_grid("usp_attention", mesh, ulysses_group, ring_group)
+    grid = resolve_grid("usp_attention", mesh, ulysses_group, ring_group)
 
     def local_checks():
-        scale = _check_ring_inputs(q, k, v, causal, softmax_scale, layout)
-        check_bool("return_lse", return_lse)
-        check_step_backend(step_backend)
-        batch, local_len, num_heads, head_dim = q.shape
-        lengths = seq_lens
-        if varlen is not None:
-            _check_varlen_grid(varlen, q, grid, layout, seq_lens)
-            lengths = varlen.seq_lens
-        elif lengths is not None:
-            lengths = check_local_sizes(lengths, grid.pieces, local_len, "seq_lens", q.shape, 1)
-        agreed = (batch, num_heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, return_lse, lengths,
-                  step_backend)
-        return local_len, agreed, (scale, lengths)
+        call = check_attention_call(
+            "usp_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
+            ranks=grid, layout=layout, step_backend=step_backend, return_lse=return_lse,
+        )  # fmt: skip
+        return q.shape[1], call.agreed, (call.scale, call.seq_lens)
 
-    (scale, lengths), row_lens, slot_lens = _checked_on_grid(
+    (scale, lengths), row_lens, slot_lens = checked_on_grid(
         "usp_attention", grid, device_of(q), seq_lens is None, local_checks
     )
     ulysses_size, ring_size = grid.ulysses.world_size, grid.ring.world_size
@@ -340,7 +221,7 @@ def usp_attention(
         by_slot = [lengths[i * ulysses_size : (i + 1) * ulysses_size] for i in range(ring_size)]
         row_lens, slot_lens = by_slot[grid.ring.rank], [sum(slot) for slot in by_slot]
     if layout == "zigzag":
-        _check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
+        check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
 
     if varlen is not None:  # one path for every degree: the plan describes the grid
         return _usp_attention(
@@ -362,24 +243,8 @@ def usp_attention(
     )  # fmt: skip
 
 
-def _check_varlen_grid(plan, q, grid: _Grid, layout, seq_lens) -> None:
-    """Local checks of usp_attention(varlen=plan): a plan made on this grid, batch 1,
-    this rank's token count; the plan fixes the layout and the lengths."""
-    check_varlen_call("usp_attention", plan, q, grid.piece, on_mesh=True)
-    made_on = (plan.grid.ulysses.name, plan.grid.ring.name)
-    if made_on != (grid.ulysses.name, grid.ring.name):
-        raise ValueError(
-            f"usp_attention: the varlen plan was made on the groups (Ulysses, ring) {made_on}, the call runs on "
-            f"{(grid.ulysses.name, grid.ring.name)}"
-        )
-    if layout != "contiguous":
-        raise ValueError(f"usp_attention: with varlen the plan sets the layout; pass no layout (got {layout!r})")
-    if seq_lens is not None and list(seq_lens) != plan.seq_lens:
-        raise ValueError(f"usp_attention: seq_lens={list(seq_lens)} differs from the varlen plan's {plan.seq_lens}")
-
-
 def _usp_attention(
-    q, k, v, grid: _Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None
+    q, k, v, grid: Grid, causal, scale, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None
 ):
     """usp_attention once checked: Ulysses exchange, the ring per uniform head run,
     Ulysses exchange back."""
@@ -423,55 +288,31 @@ def _usp_attention(
 # ----------------------------------------------------------------------------------
 
 
-def _layout_lengths(total: int, ulysses_size: int, ring_size: int, layout: str) -> list[list[int]]:
-    """lengths[i][j]: the rows of the piece at ring index i, Ulysses index j, of a
-    sequence of `total` rows in `layout` (the module docstring)."""
-    if layout == "contiguous":
-        sizes = tensor_split_sizes(total, ring_size * ulysses_size)
-        return [sizes[i * ulysses_size : (i + 1) * ulysses_size] for i in range(ring_size)]
-    return [tensor_split_sizes(slot, ulysses_size) for slot in zigzag_piece_lengths(total, ring_size)]
+def _piece_ranges(total: int, grid: Grid, layout: str) -> tuple[tuple[int, int], ...]:
+    """This rank's piece as (start, length) ranges of the sequence, in order."""
+    return usp_piece_segments(
+        total, grid.ulysses.world_size, grid.ring.world_size, grid.ring.rank, grid.ulysses.rank, layout == "zigzag"
+    )  # fmt: skip
 
 
-def _piece_ranges(total: int, grid: _Grid, layout: str) -> list[tuple[int, int]]:
-    """This rank's piece as (start, length) ranges of the sequence, in order: one, or
-    under zigzag two where the piece spans the slot's two chunks."""
-    lengths = _layout_lengths(total, grid.ulysses.world_size, grid.ring.world_size, layout)
-    i, j = grid.ring.rank, grid.ulysses.rank
-    if layout == "contiguous":
-        return [(sum(map(sum, lengths[:i])) + sum(lengths[i][:j]), lengths[i][j])]
-    ring_size = grid.ring.world_size
-    chunks = zigzag_chunk_lengths(total, ring_size)
-    chunk_starts = offsets(chunks)
-    start, length = tensor_split_ranges(sum(lengths[i]), grid.ulysses.world_size)
-    start, length = start[j], length[j]
-    ranges = []
-    for chunk in (i, 2 * ring_size - 1 - i):  # the slot: chunk i, then chunk 2R-1-i
-        # Rows [start, start + length) of the slot that fall in this chunk.
-        begin, end = max(start, 0), min(start + length, chunks[chunk])
-        if end > begin:
-            ranges.append((chunk_starts[chunk] + begin, end - begin))
-        start -= chunks[chunk]
-    return ranges or [(0, 0)]
-
-
-def _usp_gather(x: torch.Tensor, dim: int, grid: _Grid, layout: str, row_lens, slot_lens) -> torch.Tensor:
+def _usp_gather(x: torch.Tensor, dim: int, grid: Grid, layout: str, row_lens, slot_lens) -> torch.Tensor:
     """usp_gather once every length is known: the slot over the Ulysses group, then
     the sequence over the ring. Autograd: each rank keeps its piece of the gradient."""
     slot = gather_sequence(x, dim, grid.ulysses_group, sizes=row_lens)
     if layout == "zigzag":
-        return _zigzag_gather(slot, dim, grid.ring_group, grid.ring, slot_lens)
+        return zigzag_gather_pieces(slot, dim, grid.ring_group, grid.ring, slot_lens)
     return gather_sequence(slot, dim, grid.ring_group, sizes=slot_lens)
 
 
 class _UspSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, grid, layout):
-        lengths = _layout_lengths(x.shape[dim], grid.ulysses.world_size, grid.ring.world_size, layout)
+        lengths = usp_piece_lengths(x.shape[dim], grid.ulysses.world_size, grid.ring.world_size, layout == "zigzag")
         ctx.dim, ctx.grid, ctx.layout = dim, grid, layout
         ctx.row_lens, ctx.slot_lens = lengths[grid.ring.rank], [sum(row) for row in lengths]
         ranges = _piece_ranges(x.shape[dim], grid, layout)
-        if len(ranges) == 1:
-            return x.narrow(dim, *ranges[0])
+        if len(ranges) <= 1:
+            return x.narrow(dim, *(ranges[0] if ranges else (0, 0)))
         return torch.cat([x.narrow(dim, start, length) for start, length in ranges], dim)
 
     @staticmethod
@@ -503,13 +344,13 @@ def usp_split(
     Two small collectives (one per group) check that every rank passed the same shape,
     dtype, dim and layout and that the groups form a grid (a bad input on any rank
     raises on every rank). Backward: usp_gather of the gradient."""
-    grid = _resolve_grid("usp_split", mesh, ulysses_group, ring_group)
+    grid = resolve_grid("usp_split", mesh, ulysses_group, ring_group)
 
     def local_checks():
         checked_dim = _check_sequence(x, dim, layout, "usp_split")
         return x.shape[checked_dim], (x.dtype, tuple(x.shape), checked_dim, layout), checked_dim
 
-    dim, _, _ = _checked_on_grid("usp_split", grid, device_of(x), True, local_checks)
+    dim, _, _ = checked_on_grid("usp_split", grid, device_of(x), True, local_checks)
     return _UspSplit.apply(x, dim, grid, layout)
 
 
@@ -527,14 +368,14 @@ def usp_gather(
     Returns x.shape with the full length along dim: a gather over the Ulysses group,
     then one over the ring group, after the two small collectives of the checks.
     Backward: each rank keeps its piece of the gradient."""
-    grid = _resolve_grid("usp_gather", mesh, ulysses_group, ring_group)
+    grid = resolve_grid("usp_gather", mesh, ulysses_group, ring_group)
 
     def local_checks():
         checked_dim = _check_sequence(x, dim, layout, "usp_gather")
         others = (tuple(x.shape[:checked_dim]), tuple(x.shape[checked_dim + 1 :]))
         return x.shape[checked_dim], (x.dtype, *others, checked_dim, layout), checked_dim
 
-    dim, row_lens, slot_lens = _checked_on_grid("usp_gather", grid, device_of(x), True, local_checks)
+    dim, row_lens, slot_lens = checked_on_grid("usp_gather", grid, device_of(x), True, local_checks)
     if layout == "zigzag":
-        _check_zigzag_lengths(slot_lens, grid.ring, "usp_gather (the ring slots' lengths)", x.shape)
+        check_zigzag_lengths(slot_lens, grid.ring, "usp_gather (the ring slots' lengths)", x.shape)
     return _usp_gather(x, dim, grid, layout, row_lens, slot_lens)

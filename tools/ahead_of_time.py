@@ -1,5 +1,9 @@
 """Compile Triton kernels ahead of time for a GPU that is not here, and read the SASS.
 
+One tool in one file (over 500 lines): the compile, the SASS reading, the record and the
+table share the launch descriptions and the compile key (its source up to the record
+section).
+
 Triton normally compiles a kernel at its first launch, on the GPU that runs it.
 Its compiler needs no GPU, though: given a target (``GPUTarget("cuda", 90, 32)``
 for an H100) it produces the cubin a launch would, and the cubin records the
@@ -22,7 +26,7 @@ otherwise only show on one:
   sweep of the forward, the sweeps of dq and of dk/dv) executes, and how many of
   them are tensor-core products.  Each is set next to a tutorial-style
   FlashAttention-2 kernel compiled with the same tiles
-  (reference_attention.py), which says what the step kernel's extra work costs
+  (reference_kernels.py), which says what the step kernel's extra work costs
   per iteration.
 
 The same SASS reading applies to the CUDA pack/unpack kernels of the built
@@ -35,9 +39,10 @@ compiled kernel's row under a key of everything its compile and the reading of
 its SASS depend on (compile_key); a run takes the rows whose key it finds there
 and compiles the rest, and ``--update-record`` writes the record of the run.
 
-Used by tests/test_attention_step_ahead_of_time.py; `python -m
-seqpar_kernels.kernels.ahead_of_time` prints the table of every launch
-(``--help`` for the options).
+Used by tests/test_attention_step_ahead_of_time.py; ``python -m
+tools.ahead_of_time`` (from the repository's root) prints the table of every
+launch (``--help`` for the options).  A developer tool of the checkout: it is
+not installed with the package.
 """
 
 from __future__ import annotations
@@ -60,7 +65,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaunch, uses_tensor_descriptors
+from seqpar_kernels.kernels.attention_step_tiles import (
+    SHARED_MEMORY_PER_BLOCK,
+    GpuTarget,
+    KernelLaunch,
+    uses_tensor_descriptors,
+)
 
 # One target per family of tile choices (attention_step_tiles._TILE_OVERRIDES): H100
 # (wgmma), A100 (mma.sync, 163 KiB of shared memory per block), RTX 30xx/40xx
@@ -68,8 +78,13 @@ from .attention_step_tiles import SHARED_MEMORY_PER_BLOCK, GpuTarget, KernelLaun
 # (mma.sync, 99 KiB).
 DEFAULT_CAPABILITIES = (90, 80, 86, 100, 120)
 
-_TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                torch.int32: "i32", torch.int64: "i64"}
+_TRITON_TYPE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,7 @@ def _specialize(launch: KernelLaunch, args: tuple) -> tuple[dict, dict, dict]:
             signature[name] = "constexpr"
             constexprs[name] = 1
         else:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:
                 attrs[position] = [["tt.divisibility", 16]]
     for name in launch.constexprs:
@@ -137,8 +152,11 @@ def _specialize(launch: KernelLaunch, args: tuple) -> tuple[dict, dict, dict]:
 def _nvidia_tool(name: str) -> str:
     # Triton ships the CUDA binary utilities it uses; a CUDA toolkit has them too.
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    for candidate in (bundled, os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name),
-                      shutil.which(name)):
+    for candidate in (
+        bundled,
+        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name),
+        shutil.which(name),
+    ):
         if candidate and os.path.exists(candidate):
             return candidate
     raise RuntimeError(f"{name} not found (neither bundled with triton nor in CUDA_HOME/bin)")
@@ -172,8 +190,10 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@(!?\w+)\s+)?([A-Z][\w.]*)
 def sass_instructions(listing: str) -> list[SassInstruction]:
     """The instructions of one function's SASS listing (cuobjdump -sass), in
     address order; the encoding comments are dropped."""
-    return [SassInstruction(int(address, 16), guard or "", opcode, operands.strip())
-            for address, guard, opcode, operands in _INSTRUCTION.findall(listing)]
+    return [
+        SassInstruction(int(address, 16), guard or "", opcode, operands.strip())
+        for address, guard, opcode, operands in _INSTRUCTION.findall(listing)
+    ]
 
 
 @dataclass(frozen=True)
@@ -324,19 +344,32 @@ def sass_loops(instructions: list[SassInstruction]) -> list[SassLoop]:
     rank = {block: position for position, block in enumerate(order)}
     loops = []
     for header, body in sorted(bodies.items()):
-        members = tuple(instruction for block in sorted(body)
-                        for instruction in instructions[starts[block]:ends[block]])
+        members = tuple(
+            instruction for block in sorted(body) for instruction in instructions[starts[block] : ends[block]]
+        )
         inner = sum(1 for other in bodies.values() if other < body)
         # Reverse postorder puts every forward edge's source before its target.
         in_order = sorted(body, key=rank.__getitem__)
         position = {block: index for index, block in enumerate(in_order)}
-        forward = tuple(tuple(position[source] for source in predecessors[block]
-                              if source in body and not dominators[source] >> block & 1)
-                        for block in in_order)
+        forward = tuple(
+            tuple(
+                position[source]
+                for source in predecessors[block]
+                if source in body and not dominators[source] >> block & 1
+            )
+            for block in in_order
+        )
         latches = tuple(position[block] for block in in_order if header in successors[block])
-        loops.append(SassLoop(instructions[starts[header]].address, members, inner,
-                              tuple(tuple(instructions[starts[block]:ends[block]]) for block in in_order),
-                              forward, latches))
+        loops.append(
+            SassLoop(
+                instructions[starts[header]].address,
+                members,
+                inner,
+                tuple(tuple(instructions[starts[block] : ends[block]]) for block in in_order),
+                forward,
+                latches,
+            )
+        )
     return loops
 
 
@@ -367,8 +400,11 @@ def hot_loop(loops: list[SassLoop]) -> tuple[SassLoop | None, list[SassLoop]]:
     work = is_matrix_instruction if any(loop.count(is_matrix_instruction) for loop in loops) else _is_fma
     computing = [loop for loop in loops if loop.count(work)]
     members = {id(loop): {instruction.address for instruction in loop.instructions} for loop in computing}
-    innermost = [loop for loop in computing
-                 if not any(other is not loop and members[id(other)] < members[id(loop)] for other in computing)]
+    innermost = [
+        loop
+        for loop in computing
+        if not any(other is not loop and members[id(other)] < members[id(loop)] for other in computing)
+    ]
     innermost.sort(key=lambda loop: loop.header)
     if not innermost:
         return None, []
@@ -379,8 +415,9 @@ def spills_in_loops(loops: list[SassLoop]) -> int:
     """Local-memory accesses (spill stores STL, reloads LDL) inside any loop.  A
     spill in the prologue or the epilogue costs a few cycles once per program;
     one inside the K/V sweep costs every iteration."""
-    addresses = {instruction.address for loop in loops for instruction in loop.instructions
-                 if _is_spill_access(instruction)}
+    addresses = {
+        instruction.address for loop in loops for instruction in loop.instructions if _is_spill_access(instruction)
+    }
     return len(addresses)
 
 
@@ -449,17 +486,34 @@ def _ptxas_log(compiled, capability: int) -> str:
         return log
     from triton.backends.nvidia.compiler import sm_arch_from_capability
 
-    ptxas = _nvidia_tool("ptxas-blackwell" if capability >= 100 and os.path.exists(
-        os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell"))
-        else "ptxas")
+    ptxas = _nvidia_tool(
+        "ptxas-blackwell"
+        if capability >= 100
+        and os.path.exists(
+            os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+        )
+        else "ptxas"
+    )
     fmad = [] if getattr(compiled.metadata, "enable_fp_fusion", True) else ["--fmad=false"]
     with tempfile.TemporaryDirectory() as scratch:
         ptx = os.path.join(scratch, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        result = subprocess.run([ptxas, "-lineinfo", "-v", *fmad, f"--gpu-name={sm_arch_from_capability(capability)}",
-                                 ptx, "-o", os.path.join(scratch, "kernel.cubin")],
-                                capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [
+                ptxas,
+                "-lineinfo",
+                "-v",
+                *fmad,
+                f"--gpu-name={sm_arch_from_capability(capability)}",
+                ptx,
+                "-o",
+                os.path.join(scratch, "kernel.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return result.stdout + result.stderr
 
 
@@ -487,7 +541,7 @@ def is_serialization_warning(text: str) -> bool:
 
 
 def short_diagnostics(diagnostics) -> str:
-    """"C7515" or "C7515,C7510" (warnings without a code count as "W"); "-" for none."""
+    """ "C7515" or "C7515,C7510" (warnings without a code count as "W"); "-" for none."""
     codes = [(re.match(r"\((C\d+)\)", text) or [None, "W"])[1] for text in diagnostics]
     return ",".join(dict.fromkeys(codes)) or "-"
 
@@ -508,16 +562,19 @@ def compile_for_gpu(launch: KernelLaunch, args: tuple, capability: int) -> Kerne
     signature, constexprs, attrs = _specialize(launch, args)
     source = ASTSource(launch.kernel, signature, constexprs=constexprs, attrs=attrs)
     with _ptxas_log_kept():
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                  options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", capability, 32),
+            options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
+        )
     with tempfile.TemporaryDirectory() as scratch:
         cubin = os.path.join(scratch, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin],
-                              capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
     # e.g. "REG:255 STACK:904 SHARED:1024 LOCAL:0 CONSTANT[0]:752 ..." (SHARED is the
     # static part only; Triton's dynamic shared memory is in the metadata).
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
@@ -555,8 +612,10 @@ def _toolchain_fingerprint() -> str:
     # release, the ptxas builds it runs (the bundled ones, or the overrides
     # Triton takes from the environment) and this module's code up to the
     # record's section, which compiles and reads the SASS.
-    parts = [triton.__version__, *(os.environ.get(name, "") for name in
-                                   ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"))]
+    parts = [
+        triton.__version__,
+        *(os.environ.get(name, "") for name in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")),
+    ]
     for tool in ("ptxas", "ptxas-blackwell"):
         try:
             parts.append(subprocess.run([_nvidia_tool(tool), "--version"], capture_output=True, text=True).stdout)
@@ -565,7 +624,7 @@ def _toolchain_fingerprint() -> str:
     with open(__file__, encoding="utf-8") as f:
         source = f.read()
     assert source.count(_RECORD_SECTION) == 2, "the record's section header moved"  # itself and its constant
-    parts.append(source[:source.index(_RECORD_SECTION)])
+    parts.append(source[: source.index(_RECORD_SECTION)])
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -577,8 +636,18 @@ def compile_key(launch: KernelLaunch, args: tuple, capability: int) -> str:
     target, the Triton release with its ptxas, and this module's compile and
     SASS reading."""
     signature, constexprs, attrs = _specialize(launch, args)
-    text = repr((launch.kernel.cache_key, signature, constexprs, attrs, launch.num_warps, launch.num_stages,
-                 capability, _toolchain_fingerprint()))
+    text = repr(
+        (
+            launch.kernel.cache_key,
+            signature,
+            constexprs,
+            attrs,
+            launch.num_warps,
+            launch.num_stages,
+            capability,
+            _toolchain_fingerprint(),
+        )
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -597,12 +666,16 @@ def write_record(path: str, kernels: dict) -> None:
     kernel per line, sorted by target and description, so that a change of
     tiles shows as the lines of the kernels it changed."""
     order = sorted(kernels, key=lambda key: (kernels[key]["capability"], kernels[key]["description"], key))
-    lines = [f"  {json.dumps(key)}: "
-             + json.dumps({name: value for name, value in kernels[key].items() if name != "recorded"}, sort_keys=True)
-             for key in order]
+    lines = [
+        f"  {json.dumps(key)}: "
+        + json.dumps({name: value for name, value in kernels[key].items() if name != "recorded"}, sort_keys=True)
+        for key in order
+    ]
     with open(path, "w", encoding="utf-8") as f:
-        f.write('{"about": "python -m seqpar_kernels.kernels.ahead_of_time --record FILE --update-record: '
-                'the compiled step and reference kernels under their compile keys", "kernels": {\n')
+        f.write(
+            '{"about": "python -m tools.ahead_of_time --record FILE --update-record: '
+            'the compiled step and reference kernels under their compile keys", "kernels": {\n'
+        )
         f.write(",\n".join(lines))
         f.write("\n}}\n")
 
@@ -631,7 +704,7 @@ TABLE_POINTER_FALLBACK_CASES = ((torch.bfloat16, 128),)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-@functools.lru_cache(maxsize=None)  # each worker process builds the list once, not per case
+@functools.cache  # each worker process builds the list once, not per case
 def step_kernel_cases(capability: int):
     """The ring-attention step kernel launches worth compiling for ``capability``
     (with the shared memory attention_step_tiles.SHARED_MEMORY_PER_BLOCK gives it),
@@ -651,7 +724,7 @@ def step_kernel_cases(capability: int):
     compile-time flags it sets and another of them does not (e.g. "first_step"
     for the forward of a ring's first step), so that every variant has its own.
     """
-    from .attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
+    from seqpar_kernels.kernels.attention_step_launch import MASK_CAUSAL, MASK_FULL, MASK_INTERVALS, cuda_kernel_calls
 
     mask_names = {MASK_FULL: "full", MASK_CAUSAL: "causal", MASK_INTERVALS: "intervals"}
     target = GpuTarget.of_capability(capability)
@@ -660,55 +733,68 @@ def step_kernel_cases(capability: int):
         for headdim in TABLE_HEAD_DIMS:
             masks = [MASK_FULL, MASK_CAUSAL] + [MASK_INTERVALS] * ((dtype, headdim) in TABLE_INTERVAL_CASES)
             for mask_mode in masks:
-                layouts = [headdim] + [headdim + 1] * (mask_mode != MASK_INTERVALS
-                                                      and (dtype, headdim) in TABLE_POINTER_FALLBACK_CASES
-                                                      and uses_tensor_descriptors(dtype, headdim, target))
+                layouts = [headdim] + [headdim + 1] * (
+                    mask_mode != MASK_INTERVALS
+                    and (dtype, headdim) in TABLE_POINTER_FALLBACK_CASES
+                    and uses_tensor_descriptors(dtype, headdim, target)
+                )
                 for kv_heads, q_row in itertools.product((TABLE_HEADS, 4), layouts):
                     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, q_row, dtype=dtype, device="meta")[..., :headdim]
                     k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
                     for launch, args in cuda_kernel_calls(q, k, torch.empty_like(k), mask_mode, target):
-                        key = (launch.kernel.__name__, repr(_specialize(launch, args)),
-                               launch.num_warps, launch.num_stages)
+                        key = (
+                            launch.kernel.__name__,
+                            repr(_specialize(launch, args)),
+                            launch.num_warps,
+                            launch.num_stages,
+                        )
                         if key in seen:
                             continue
                         seen.add(key)
-                        description = (f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
-                                       f"d{headdim} {mask_names[mask_mode]} "
-                                       f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}")
+                        description = (
+                            f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
+                            f"d{headdim} {mask_names[mask_mode]} "
+                            f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}"
+                        )
                         cases.append((description, launch, args))
     alike: dict[str, list[dict]] = {}
     for description, launch, _ in cases:
         alike.setdefault(description, []).append(launch.constexprs)
     described = []
     for description, launch, args in cases:
-        flags = [name.lower() for name, value in launch.constexprs.items()
-                 if value is True and any(other.get(name) is not True for other in alike[description])]
+        flags = [
+            name.lower()
+            for name, value in launch.constexprs.items()
+            if value is True and any(other.get(name) is not True for other in alike[description])
+        ]
         described.append((" ".join([description, *flags]), launch, args))
     return described
 
 
 def _reference_launch(step: KernelLaunch, dtype) -> tuple[KernelLaunch, tuple] | None:
-    """The reference kernel (reference_attention.py) of the step kernel launch
+    """The reference kernel (reference_kernels.py) of the step kernel launch
     ``step`` on ``dtype`` inputs, with the same tiles, warps, stages, head dim
     and product precision, and the arguments of its launch on the table's
     shapes; None for a kernel without a reference (the backward preprocess).
     Its mask is causal where the step's is (a step with the interval mask is
     set against the full reference: neither has a tile it may skip)."""
-    from .attention_step_kernels import (
-        _attention_step_bwd_dkdv_kernel,
-        _attention_step_bwd_dq_kernel,
-        _attention_step_fwd_kernel,
+    from seqpar_kernels.kernels.attention_step_kernels import (
+        attention_step_bwd_dkdv_kernel,
+        attention_step_bwd_dq_kernel,
+        attention_step_fwd_kernel,
     )
-    from .attention_step_launch import _LOG2E
-    from .reference_attention import (
-        _reference_attention_bwd_dkdv_kernel,
-        _reference_attention_bwd_dq_kernel,
-        _reference_attention_fwd_kernel,
+    from seqpar_kernels.kernels.attention_step_launch import LOG2E
+    from tools.reference_kernels import (
+        reference_attention_bwd_dkdv_kernel,
+        reference_attention_bwd_dq_kernel,
+        reference_attention_fwd_kernel,
     )
 
-    kernels = {_attention_step_fwd_kernel: _reference_attention_fwd_kernel,
-               _attention_step_bwd_dq_kernel: _reference_attention_bwd_dq_kernel,
-               _attention_step_bwd_dkdv_kernel: _reference_attention_bwd_dkdv_kernel}
+    kernels = {
+        attention_step_fwd_kernel: reference_attention_fwd_kernel,
+        attention_step_bwd_dq_kernel: reference_attention_bwd_dq_kernel,
+        attention_step_bwd_dkdv_kernel: reference_attention_bwd_dkdv_kernel,
+    }
     if step.kernel not in kernels:
         return None
     block_d = step.constexprs["BLOCK_D"]
@@ -716,21 +802,49 @@ def _reference_launch(step: KernelLaunch, dtype) -> tuple[KernelLaunch, tuple] |
     launch = KernelLaunch(kernels[step.kernel], constexprs, step.num_warps, step.num_stages)
     q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, block_d, dtype=dtype, device="meta")
     lse = torch.empty(2, TABLE_HEADS, TABLE_SEQLEN, dtype=torch.float32, device="meta")
-    scale = block_d ** -0.5
-    if step.kernel is _attention_step_fwd_kernel:
+    scale = block_d**-0.5
+    if step.kernel is attention_step_fwd_kernel:
         k, v, out = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
-        return launch, (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                        TABLE_SEQLEN, scale * _LOG2E)
+        return launch, (
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *out.stride(),
+            *lse.stride(),
+            TABLE_SEQLEN,
+            scale * LOG2E,
+        )
     k, v, dout, delta = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), torch.empty_like(lse)
     grads = (torch.empty(q.shape, dtype=torch.float32, device="meta"),)
-    if step.kernel is _attention_step_bwd_dkdv_kernel:
+    if step.kernel is attention_step_bwd_dkdv_kernel:
         grads += (torch.empty(q.shape, dtype=torch.float32, device="meta"),)
-    return launch, (q, k, v, dout, lse, delta, *grads, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-                    *lse.stride(), *delta.stride(), *(stride for grad in grads for stride in grad.stride()),
-                    TABLE_SEQLEN, scale, scale * _LOG2E)
+    return launch, (
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        *grads,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *delta.stride(),
+        *(stride for grad in grads for stride in grad.stride()),
+        TABLE_SEQLEN,
+        scale,
+        scale * LOG2E,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_cases(capability: int):
     """``(references, reference_of)``: the distinct reference launches that the
     step kernels of ``capability`` call for, ``[(KernelLaunch, args)]``, and for
@@ -742,8 +856,13 @@ def reference_cases(capability: int):
         if reference is None:
             continue
         reference_launch = reference[0]
-        key = (reference_launch.kernel.__name__, args[0].dtype, repr(reference_launch.constexprs),
-               reference_launch.num_warps, reference_launch.num_stages)
+        key = (
+            reference_launch.kernel.__name__,
+            args[0].dtype,
+            repr(reference_launch.constexprs),
+            reference_launch.num_warps,
+            reference_launch.num_stages,
+        )
         if key not in index_of:
             index_of[key] = len(references)
             references.append(reference)
@@ -756,8 +875,11 @@ def _case(kind, capability, index):
     # by index, as kernels do not pickle.
     if kind == "reference":
         launch, args = reference_cases(capability)[0][index]
-        return f"reference {launch.kernel.__name__} {launch.constexprs} w{launch.num_warps} s{launch.num_stages}", \
-            launch, args
+        return (
+            f"reference {launch.kernel.__name__} {launch.constexprs} w{launch.num_warps} s{launch.num_stages}",
+            launch,
+            args,
+        )
     return step_kernel_cases(capability)[index]
 
 
@@ -769,18 +891,33 @@ def _compile_case(job):
     resources["description"] = description
     if kind == "reference":
         return resources
-    return dict(resources, constexprs={k: v for k, v in launch.constexprs.items() if k.startswith("BLOCK")},
-                num_stages=launch.num_stages)
+    return dict(
+        resources,
+        constexprs={k: v for k, v in launch.constexprs.items() if k.startswith("BLOCK")},
+        num_stages=launch.num_stages,
+    )
 
 
 def _reference_summary(resources: dict) -> dict:
-    return {name: resources[name] for name in ("registers", "spill_bytes", "spills_in_loops", "shared_memory_bytes",
-                                               "loop_instructions", "loop_matrix_instructions", "compute_loops",
-                                               "ptxas_warnings", "recorded")}
+    return {
+        name: resources[name]
+        for name in (
+            "registers",
+            "spill_bytes",
+            "spills_in_loops",
+            "shared_memory_bytes",
+            "loop_instructions",
+            "loop_matrix_instructions",
+            "compute_loops",
+            "ptxas_warnings",
+            "recorded",
+        )
+    }
 
 
-def compile_table(capabilities, workers: int, reference_capabilities=None, on_row=None, record=None,
-                  compiled=None) -> list[dict]:
+def compile_table(
+    capabilities, workers: int, reference_capabilities=None, on_row=None, record=None, compiled=None
+) -> list[dict]:
     """Every step kernel case of every capability, compiled by ``workers``
     processes: one dict per case (KernelResources' fields, plus description,
     constexprs (the BLOCK_* ones), num_stages, compile_key, recorded (whether
@@ -812,9 +949,11 @@ def compile_table(capabilities, workers: int, reference_capabilities=None, on_ro
             kind, capability, index, recorded = job
             result["recorded"] = recorded is not None
             if compiled is not None:
-                compiled[key] = {name: value for name, value in result.items()
-                                 if name in KernelResources.__dataclass_fields__
-                                 or name in ("description", "recorded")}
+                compiled[key] = {
+                    name: value
+                    for name, value in result.items()
+                    if name in KernelResources.__dataclass_fields__ or name in ("description", "recorded")
+                }
             if kind == "reference":
                 compiled_references[capability, index] = _reference_summary(result)
                 continue
@@ -834,8 +973,13 @@ def recompile(capability: int, prefixes) -> list[dict]:
     rows = []
     for description, launch, args in step_kernel_cases(capability):
         if description.startswith(tuple(prefixes)):
-            rows.append(dict(compile_for_gpu(launch, args, capability).__dict__, description=description,
-                             compile_key=compile_key(launch, args, capability)))
+            rows.append(
+                dict(
+                    compile_for_gpu(launch, args, capability).__dict__,
+                    description=description,
+                    compile_key=compile_key(launch, args, capability),
+                )
+            )
     return rows
 
 
@@ -845,11 +989,11 @@ def recompile(capability: int, prefixes) -> list[dict]:
 
 
 def extension_library() -> str | None:
-    """The built extension (seqpar_kernels/_C*.so) beside this package, or None."""
+    """The built extension (seqpar_kernels/_C*.so) of the checkout, or None."""
     spec = importlib.util.find_spec("seqpar_kernels._C")
     if spec is not None and spec.origin and os.path.exists(spec.origin):
         return spec.origin
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "seqpar_kernels")
     found = sorted(glob.glob(os.path.join(package, "_C*.so")) + glob.glob(os.path.join(package, "_C*.pyd")))
     return found[0] if found else None
 
@@ -954,27 +1098,43 @@ def block_copy_report(library: str | None = None) -> dict:
             path = loop.heaviest_path(_unit_loads)
             units = _units_per_iteration(path)
             if units:
-                rows.append(dict(instructions=len(path), units=units,
-                                 instructions_per_unit=round(len(path) / units, 2),
-                                 body_instructions=len(loop.instructions), inner_loops=loop.inner_loops))
+                rows.append(
+                    dict(
+                        instructions=len(path),
+                        units=units,
+                        instructions_per_unit=round(len(path) / units, 2),
+                        body_instructions=len(loop.instructions),
+                        inner_loops=loop.inner_loops,
+                    )
+                )
         if rows:
-            report["kernels"].append(dict(architecture=architecture, kernel=names[name],
-                                          loops=sorted(rows, key=lambda row: row["instructions_per_unit"])))
+            report["kernels"].append(
+                dict(
+                    architecture=architecture,
+                    kernel=names[name],
+                    loops=sorted(rows, key=lambda row: row["instructions_per_unit"]),
+                )
+            )
     if not report["kernels"]:
         report["skipped"] = f"no block_copy kernel of {os.path.basename(library)} has a loop of 16-byte loads"
     return report
 
 
 def _print_block_copy(report: dict) -> None:
-    print(f"\nblock_copy kernels with 16-byte units in {report['library']}:\n"
-          "  each copy loop: instructions / 16-byte loads on one iteration = instructions per unit; "
-          "'+n inner' marks a loop with n loops inside it (index math per dim), run more than once per iteration")
+    print(
+        f"\nblock_copy kernels with 16-byte units in {report['library']}:\n"
+        "  each copy loop: instructions / 16-byte loads on one iteration = instructions per unit; "
+        "'+n inner' marks a loop with n loops inside it (index math per dim), run more than once per iteration"
+    )
     if report["skipped"]:
         print(f"  skipped: {report['skipped']}")
         return
     for kernel in report["kernels"]:
-        loops = [f"{loop['instructions']}/{loop['units']} = {loop['instructions_per_unit']:g}"
-                 + (f" (+{loop['inner_loops']} inner)" if loop["inner_loops"] else "") for loop in kernel["loops"]]
+        loops = [
+            f"{loop['instructions']}/{loop['units']} = {loop['instructions_per_unit']:g}"
+            + (f" (+{loop['inner_loops']} inner)" if loop["inner_loops"] else "")
+            for loop in kernel["loops"]
+        ]
         print(f"  {kernel['architecture']:<7} {kernel['kernel']:<42} " + "; ".join(loops))
 
 
@@ -982,8 +1142,12 @@ def _print_block_copy(report: dict) -> None:
 # The command
 # ----------------------------------------------------------------------------
 
-_SHORT_KERNELS = {"_attention_step_fwd_kernel": "fwd", "_attention_bwd_preprocess_kernel": "bwd_pre",
-                  "_attention_step_bwd_dq_kernel": "dq", "_attention_step_bwd_dkdv_kernel": "dkdv"}
+_SHORT_KERNELS = {
+    "attention_step_fwd_kernel": "fwd",
+    "attention_bwd_preprocess_kernel": "bwd_pre",
+    "attention_step_bwd_dq_kernel": "dq",
+    "attention_step_bwd_dkdv_kernel": "dkdv",
+}
 
 
 def _loop_text(resources: dict) -> str:
@@ -995,28 +1159,35 @@ def _loop_text(resources: dict) -> str:
 def format_row(row: dict) -> str:
     """One line of the table: the kernel, its tiles, what it takes, its hot loop
     (instructions / tensor-core products per iteration), ptxas's diagnostics, and
-    the reference kernel with the same tiles (reference_attention.py)."""
+    the reference kernel with the same tiles (reference_kernels.py)."""
     kernel, dtype, headdim, mask, heads, *flags = row["description"].split()
     blocks = row["constexprs"]
     tiles = f"{blocks.get('BLOCK_M', '-')}x{blocks.get('BLOCK_N', '-')} w{row['num_warps']} s{row['num_stages']}"
-    line = (f"sm_{row['capability']:<4}{_SHORT_KERNELS.get(kernel, kernel):<8}{dtype:<9}{headdim:<5}{mask:<10}"
-            f"{heads:<4}{','.join(flags) or '-':<12}{tiles:<16}{row['registers']:>4}{row['spill_bytes']:>7}{row['spills_in_loops']:>7}"
-            f"{row['shared_memory_bytes']:>8}{_loop_text(row):>11}  {short_diagnostics(row['ptxas_warnings']):<12}")
+    line = (
+        f"sm_{row['capability']:<4}{_SHORT_KERNELS.get(kernel, kernel):<8}{dtype:<9}{headdim:<5}{mask:<10}"
+        f"{heads:<4}{','.join(flags) or '-':<12}{tiles:<16}{row['registers']:>4}{row['spill_bytes']:>7}"
+        f"{row['spills_in_loops']:>7}"
+        f"{row['shared_memory_bytes']:>8}{_loop_text(row):>11}  {short_diagnostics(row['ptxas_warnings']):<12}"
+    )
     reference = row.get("reference")
     if reference:
-        line += (f"| ref {reference['registers']:>4}{reference['spill_bytes']:>7}{reference['spills_in_loops']:>7}"
-                 f"{reference['shared_memory_bytes']:>8}{_loop_text(reference):>11}  "
-                 f"{short_diagnostics(reference['ptxas_warnings'])}")
+        line += (
+            f"| ref {reference['registers']:>4}{reference['spill_bytes']:>7}{reference['spills_in_loops']:>7}"
+            f"{reference['shared_memory_bytes']:>8}{_loop_text(reference):>11}  "
+            f"{short_diagnostics(reference['ptxas_warnings'])}"
+        )
     return line
 
 
-TABLE_HEADER = (f"{'target':<7}{'kernel':<8}{'dtype':<9}{'d':<5}{'mask':<10}{'kv':<4}{'variant':<12}{'tiles':<16}{'reg':>4}"
-                f"{'spill':>7}{'inloop':>7}{'smem':>8}{'instr/mma':>11}  {'ptxas':<12}"
-                f"| reference kernel, same tiles: reg spill inloop smem instr/mma ptxas")
+TABLE_HEADER = (
+    f"{'target':<7}{'kernel':<8}{'dtype':<9}{'d':<5}{'mask':<10}{'kv':<4}{'variant':<12}{'tiles':<16}{'reg':>4}"
+    f"{'spill':>7}{'inloop':>7}{'smem':>8}{'instr/mma':>11}  {'ptxas':<12}"
+    f"| reference kernel, same tiles: reg spill inloop smem instr/mma ptxas"
+)
 
 
 def main(argv=None):
-    """python -m seqpar_kernels.kernels.ahead_of_time [--capability 90 80 ...]
+    """python -m tools.ahead_of_time [--capability 90 80 ...]
     [--json] [--reference-capability 90 ... | --no-reference] [--block-copy]:
     compile every step kernel launch for each capability and list what it takes,
     next to the reference kernel with its tiles, then the block-copy loops of
@@ -1025,24 +1196,42 @@ def main(argv=None):
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--capability", type=int, nargs="+", default=list(DEFAULT_CAPABILITIES),
-                        choices=sorted(SHARED_MEMORY_PER_BLOCK))
-    parser.add_argument("--json", action="store_true",
-                        help="one JSON list of the step kernels' rows on stdout (with --block-copy: that report)")
+    parser.add_argument(
+        "--capability", type=int, nargs="+", default=list(DEFAULT_CAPABILITIES), choices=sorted(SHARED_MEMORY_PER_BLOCK)
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON list of the step kernels' rows on stdout (with --block-copy: that report)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--reference-capability", type=int, nargs="+", default=None,
-                        help="compile the reference kernels for these capabilities only (default: all); "
-                             "one compile per distinct tile of the forward, dq and dk/dv")
+    parser.add_argument(
+        "--reference-capability",
+        type=int,
+        nargs="+",
+        default=None,
+        help="compile the reference kernels for these capabilities only (default: all); "
+        "one compile per distinct tile of the forward, dq and dk/dv",
+    )
     parser.add_argument("--no-reference", action="store_true", help="compile no reference kernel")
-    parser.add_argument("--block-copy", action="store_true",
-                        help="only the block-copy kernels of the built extension (no Triton compile)")
-    parser.add_argument("--record", metavar="FILE",
-                        help="take the rows of the kernels whose compile key this record holds instead of "
-                             "compiling them (tests/data/attention_step_ahead_of_time.json: every default target, "
-                             "references for sm_90)")
-    parser.add_argument("--update-record", action="store_true",
-                        help="write the kernels of this run into the record FILE of --record, in place of "
-                             "its kernels of the same targets")
+    parser.add_argument(
+        "--block-copy",
+        action="store_true",
+        help="only the block-copy kernels of the built extension (no Triton compile)",
+    )
+    parser.add_argument(
+        "--record",
+        metavar="FILE",
+        help="take the rows of the kernels whose compile key this record holds instead of "
+        "compiling them (tests/data/attention_step_ahead_of_time.json: every default target, "
+        "references for sm_90)",
+    )
+    parser.add_argument(
+        "--update-record",
+        action="store_true",
+        help="write the kernels of this run into the record FILE of --record, in place of "
+        "its kernels of the same targets",
+    )
     options = parser.parse_args(argv)
     if options.block_copy:
         report = block_copy_report()
@@ -1054,25 +1243,32 @@ def main(argv=None):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU")
     if not options.json:
-        print("reg: registers per thread; spill: bytes spilled; inloop: spill accesses inside loops; "
-              "smem: shared memory in bytes;\ninstr/mma: SASS instructions / tensor-core products per "
-              "iteration of the hot loop; ptxas: its warnings and numbered advisories (C7515: wgmma serialized)")
+        print(
+            "reg: registers per thread; spill: bytes spilled; inloop: spill accesses inside loops; "
+            "smem: shared memory in bytes;\ninstr/mma: SASS instructions / tensor-core products per "
+            "iteration of the hot loop; ptxas: its warnings and numbered advisories (C7515: wgmma serialized)"
+        )
         print(TABLE_HEADER, flush=True)
     if options.update_record and not options.record:
         parser.error("--update-record needs --record FILE")
     references = () if options.no_reference else options.reference_capability
     compiled = {}
-    rows = compile_table(options.capability, options.workers, reference_capabilities=references,
-                         on_row=None if options.json else lambda row: print(format_row(row), flush=True),
-                         record=read_record(options.record) if options.record else None, compiled=compiled)
+    rows = compile_table(
+        options.capability,
+        options.workers,
+        reference_capabilities=references,
+        on_row=None if options.json else lambda row: print(format_row(row), flush=True),
+        record=read_record(options.record) if options.record else None,
+        compiled=compiled,
+    )
     recorded = sum(row["recorded"] for row in compiled.values())
-    print(f"{len(compiled)} kernels: {recorded} from the record, {len(compiled) - recorded} compiled",
-          file=sys.stderr)
+    print(f"{len(compiled)} kernels: {recorded} from the record, {len(compiled) - recorded} compiled", file=sys.stderr)
     if options.update_record:
         # The run's kernels replace the record's for the targets it compiled;
         # those of other targets stay.
-        kept = {key: row for key, row in read_record(options.record).items()
-                if row["capability"] not in options.capability}
+        kept = {
+            key: row for key, row in read_record(options.record).items() if row["capability"] not in options.capability
+        }
         write_record(options.record, {**kept, **compiled})
     if options.json:
         json.dump(rows, sys.stdout)

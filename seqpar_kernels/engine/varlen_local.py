@@ -4,21 +4,21 @@ varlen (each rank holds whole documents of its heads after the exchange).
     CUDA, fp16/bf16, head dim a multiple of 8 (<= 256)   torch's flash-attention varlen
         entry points (aten._flash_attention_forward / _backward with cu_seqlens): one
         launch, no padding, GQA kv heads as they are.
-    otherwise (CPU; fp32 or other head dims on CUDA)    the ring's step kernels
-        (parallel/ring_steps.py) over the document mask of one slot holding the whole
-        sequence (parallel/documents.py): on CPUs aten's flash kernel per document and
-        causal block, on GPUs one Triton launch with per-row key intervals.
+    otherwise (CPU; fp32 or other head dims on CUDA)    the ring's step backends
+        (engine/step_backends.py) over the document mask of one slot holding the whole
+        sequence (engine/masks.py): on CPUs aten's flash kernel per document and causal
+        block, on GPUs one Triton launch with per-row key intervals.
 
-Registered as seqpar::varlen_attention_forward / _backward (ops/varlen_attention.py).
+Registered as seqpar::varlen_attention_forward / _backward (engine/varlen_ops.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from seqpar_kernels.parallel.documents import encode_segments, layout_of
-from seqpar_kernels.parallel.ring_driver import _backward_step, _forward_step
-from seqpar_kernels.parallel.ring_steps import AUTO, step_kernels_for
+from seqpar_kernels.engine.masks import AttentionMask, step_masks_of
+from seqpar_kernels.engine.ring_driver import backward_step, forward_step
+from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
 
 
 def _uses_flash(q: torch.Tensor) -> bool:
@@ -27,8 +27,9 @@ def _uses_flash(q: torch.Tensor) -> bool:
 
 
 def _mask(cu_seqlens: torch.Tensor, total: int, causal: bool):
-    layout = layout_of(cu_seqlens, encode_segments([[(0, total)]]), 1)
-    return layout.step_mask(0, 0, causal)
+    """The StepMask of the whole sequence against itself (one slot), or None."""
+    mask = AttentionMask(causal, tuple(cu_seqlens.tolist()))
+    return step_masks_of(mask, [((0, total),)]).step(0, 0)
 
 
 def _flash_arguments(cu_seqlens: torch.Tensor, device):
@@ -59,7 +60,7 @@ def varlen_forward(q, k, v, causal: bool, scale: float, cu_seqlens: torch.Tensor
     lse = torch.full((1, q.shape[2], total), float("-inf"), dtype=torch.float32, device=q.device)
     mask = _mask(cu_seqlens, total, causal)
     if mask is not None and q.shape[2] * q.shape[3] > 0:
-        _forward_step(step_kernels_for(AUTO, q), mask, q, k, v, out, lse, scale)
+        forward_step(step_kernels_for(AUTO, q), mask, q, k, v, out, lse, scale)
     return out.to(q.dtype), lse
 
 
@@ -82,5 +83,5 @@ def varlen_backward(dout, q, k, v, out, lse, causal: bool, scale: float, cu_seql
     mask = _mask(cu_seqlens, total, causal)
     if mask is not None and q.shape[2] * q.shape[3] > 0:
         delta = steps.prepare_backward(out, dout)
-        _backward_step(steps, mask, dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), scale)
+        backward_step(steps, mask, dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), scale)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

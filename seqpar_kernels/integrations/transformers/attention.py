@@ -1,12 +1,5 @@
-"""Sequence parallelism for Hugging Face transformers models.
-
-    import seqpar_kernels.integrations.transformers as sp_transformers
-
-    sp_transformers.apply(model, mode="ring", layout="balanced")     # once, after loading
-    batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced")   # every step
-    hidden = model.model(**batch).last_hidden_state                 # (B, S_local, hidden)
-    loss = sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, batch["shift_labels"])
-    loss.backward(); sp_transformers.all_reduce_gradients(model)
+"""The attention of seqpar_kernels.integrations.transformers: the attention functions
+transformers calls, their mask functions, register() and apply().
 
 register() adds three attention implementations through transformers' public
 AttentionInterface, and a mask function for each through AttentionMaskInterface:
@@ -22,12 +15,13 @@ as (B, S_local, H, D) views without a copy; the scaling; is_causal (a causal dec
 bidirectional); the SequenceShard that shard_batch put in the batch (the layout, every
 rank's length, a packed batch's varlen plan), which the model passes down; without
 one, the position ids, which must then be every rank's global positions in the layout
-(checked once per forward, with one small all-gather). Everything else that changes the result raises instead of being ignored: a padding mask or any
-mask pattern other than plain causal/bidirectional (sliding windows, chunked
-attention, model-specific overlays, packed documents not sharded by shard_batch),
-dropout while training, softcapping, attention sinks, a KV cache holding more keys than
-queries (generation). Padding belongs in shift_labels (shard_batch folds right padding
-there), packing in the varlen plan.
+(checked once per forward, with one small all-gather). Everything else that changes
+the result raises instead of being ignored: a padding mask or any mask pattern other
+than plain causal/bidirectional (sliding windows, chunked attention, model-specific
+overlays, packed documents not sharded by shard_batch), dropout while training,
+softcapping, attention sinks, a KV cache holding more keys than queries (generation).
+Padding belongs in shift_labels (shard_batch folds right padding there), packing in the
+varlen plan.
 
 Supported releases: transformers 4.56 and newer (the models that dispatch attention
 through AttentionInterface and build masks through masking_utils).
@@ -41,41 +35,21 @@ import torch
 
 try:
     import transformers
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, masking_utils
     from transformers.masking_utils import AttentionMaskInterface
-    from transformers import masking_utils
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "seqpar_kernels.integrations.transformers needs Hugging Face transformers 4.56 or newer: "
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
-from seqpar_kernels.comm.groups import all_gather_ints
-from seqpar_kernels.parallel.cross_entropy import (
-    sequence_parallel_cross_entropy,
-    sequence_parallel_cross_entropy_from_logits,
-)
+from seqpar_kernels.groups import all_gather_ints
 from seqpar_kernels.parallel.ring import ring_attention
-from seqpar_kernels.parallel.training import (
-    SequenceParallelism,
-    SequenceShard,
-    all_reduce_gradients,
-    shard_batch,
-)
+from seqpar_kernels.parallel.training import SequenceParallelism, SequenceShard
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.usp import usp_attention
 
-__all__ = [
-    "register",
-    "apply",
-    "shard_batch",
-    "sequence_parallel_cross_entropy",
-    "sequence_parallel_cross_entropy_from_logits",
-    "all_reduce_gradients",
-    "SequenceParallelism",
-    "SequenceShard",
-    "IMPLEMENTATIONS",
-]
+__all__ = ["register", "apply", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "seqpar_usp"}
 # The attribute apply() sets on every module of the model: the attention function gets
@@ -312,7 +286,13 @@ def apply(
     that cannot switch (its attention does not dispatch through AttentionInterface) or
     that has sub-models (a vision tower's tokens are not sharded)."""
     settings = SequenceParallelism.resolve(
-        "apply", mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+        "apply",
+        mode,
+        layout,
+        group=group,
+        mesh=mesh,
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
         step_backend=step_backend,
     )
     if not isinstance(model, transformers.PreTrainedModel):

@@ -1,6 +1,7 @@
-"""A plain FlashAttention-2 in Triton: the yardstick of the ahead-of-time report.
+"""A plain FlashAttention-2 in Triton: the yardstick of the ahead-of-time report (over
+500 lines: one reference kernel beside each of the three step kernels).
 
-``python -m seqpar_kernels.kernels.ahead_of_time`` compiles these kernels with
+``python -m tools.ahead_of_time`` compiles these kernels with
 the tiles, warps, stages, dtype and head dim of every step launch (forward, dq,
 dk/dv) and prints their registers, spills, shared memory and instructions per
 loop iteration next to those of the step kernels.  The step kernels do more
@@ -31,8 +32,22 @@ import triton.language as tl
 
 @triton.jit
 def _reference_fwd_sweep(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale,
-    DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    qk_scale,
+    DIAGONAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Folds keys [lo, hi) into the online softmax (acc, l_i, m_i), base 2.
     # DIAGONAL: the tiles that straddle the diagonal, where key j > row i is
@@ -67,13 +82,31 @@ def _reference_fwd_sweep(
 
 
 @triton.jit
-def _reference_attention_fwd_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_lb, stride_lh, stride_lm,
+def reference_attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
     seqlen_k,
     qk_scale,  # softmax_scale * log2(e), positive
     CAUSAL: tl.constexpr,
@@ -104,16 +137,61 @@ def _reference_attention_fwd_kernel(
         # The whole k tiles before the q tile's first row, unmasked; then the
         # tiles up to its last row, masked.
         diagonal = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _reference_fwd_sweep(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                             0, diagonal, offs_m, offs_n, qk_scale,
-                                             False, BLOCK_N, DOT_PRECISION)
-        acc, l_i, m_i = _reference_fwd_sweep(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                             diagonal, start_m + BLOCK_M, offs_m, offs_n, qk_scale,
-                                             True, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _reference_fwd_sweep(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            stride_kn,
+            stride_vn,
+            0,
+            diagonal,
+            offs_m,
+            offs_n,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
+        acc, l_i, m_i = _reference_fwd_sweep(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            stride_kn,
+            stride_vn,
+            diagonal,
+            start_m + BLOCK_M,
+            offs_m,
+            offs_n,
+            qk_scale,
+            True,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
     else:
-        acc, l_i, m_i = _reference_fwd_sweep(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                             0, seqlen_k, offs_m, offs_n, qk_scale,
-                                             False, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _reference_fwd_sweep(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            stride_kn,
+            stride_vn,
+            0,
+            seqlen_k,
+            offs_m,
+            offs_n,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
 
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log, as flash-attention stores it
@@ -135,8 +213,23 @@ def _reference_attention_fwd_kernel(
 
 @triton.jit
 def _reference_bwd_dq_sweep(
-    dq, q, do, lse2, delta, kt_ptrs, vt_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale,
-    DIAGONAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    kt_ptrs,
+    vt_ptrs,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    qk_scale,
+    DIAGONAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Adds the keys [lo, hi) to dq (without the softmax scale).  K is read
     # once per tile, transposed for q k^T and transposed back for ds k.
@@ -157,17 +250,43 @@ def _reference_bwd_dq_sweep(
 
 
 @triton.jit
-def _reference_attention_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_gb, stride_gm, stride_gh, stride_gd,
-    stride_lb, stride_lh, stride_lm,
-    stride_eb, stride_eh, stride_em,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+def reference_attention_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_eb,
+    stride_eh,
+    stride_em,
+    stride_dqb,
+    stride_dqm,
+    stride_dqh,
+    stride_dqd,
     seqlen_k,
-    softmax_scale, qk_scale,  # qk_scale = softmax_scale * log2(e)
+    softmax_scale,
+    qk_scale,  # qk_scale = softmax_scale * log2(e)
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -182,38 +301,133 @@ def _reference_attention_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
-                 + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd)
-    lse2 = tl.load(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-                   + offs_m * stride_lm) * 1.4426950408889634
+    q = tl.load(
+        Q
+        + off_b.to(tl.int64) * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + offs_m[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    do = tl.load(
+        DO
+        + off_b.to(tl.int64) * stride_gb
+        + off_h.to(tl.int64) * stride_gh
+        + offs_m[:, None] * stride_gm
+        + offs_d[None, :] * stride_gd
+    )
+    lse2 = (
+        tl.load(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm)
+        * 1.4426950408889634
+    )
     delta = tl.load(Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + offs_m * stride_em)
-    kt_ptrs = (K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
-               + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd)
-    vt_ptrs = (V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
-               + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd)
+    kt_ptrs = (
+        K
+        + off_b.to(tl.int64) * stride_kb
+        + off_h.to(tl.int64) * stride_kh
+        + offs_n[None, :] * stride_kn
+        + offs_d[:, None] * stride_kd
+    )
+    vt_ptrs = (
+        V
+        + off_b.to(tl.int64) * stride_vb
+        + off_h.to(tl.int64) * stride_vh
+        + offs_n[None, :] * stride_vn
+        + offs_d[:, None] * stride_vd
+    )
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
         diagonal = (start_m // BLOCK_N) * BLOCK_N
-        dq = _reference_bwd_dq_sweep(dq, q, do, lse2, delta, kt_ptrs, vt_ptrs, stride_kn, stride_vn,
-                                     0, diagonal, offs_m, offs_n, qk_scale, False, BLOCK_N, DOT_PRECISION)
-        dq = _reference_bwd_dq_sweep(dq, q, do, lse2, delta, kt_ptrs, vt_ptrs, stride_kn, stride_vn,
-                                     diagonal, start_m + BLOCK_M, offs_m, offs_n, qk_scale,
-                                     True, BLOCK_N, DOT_PRECISION)
+        dq = _reference_bwd_dq_sweep(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            kt_ptrs,
+            vt_ptrs,
+            stride_kn,
+            stride_vn,
+            0,
+            diagonal,
+            offs_m,
+            offs_n,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
+        dq = _reference_bwd_dq_sweep(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            kt_ptrs,
+            vt_ptrs,
+            stride_kn,
+            stride_vn,
+            diagonal,
+            start_m + BLOCK_M,
+            offs_m,
+            offs_n,
+            qk_scale,
+            True,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
     else:
-        dq = _reference_bwd_dq_sweep(dq, q, do, lse2, delta, kt_ptrs, vt_ptrs, stride_kn, stride_vn,
-                                     0, seqlen_k, offs_m, offs_n, qk_scale, False, BLOCK_N, DOT_PRECISION)
-    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq * softmax_scale)
+        dq = _reference_bwd_dq_sweep(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            kt_ptrs,
+            vt_ptrs,
+            stride_kn,
+            stride_vn,
+            0,
+            seqlen_k,
+            offs_m,
+            offs_n,
+            qk_scale,
+            False,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
+    tl.store(
+        DQ
+        + off_b.to(tl.int64) * stride_dqb
+        + off_h.to(tl.int64) * stride_dqh
+        + offs_m[:, None] * stride_dqm
+        + offs_d[None, :] * stride_dqd,
+        dq * softmax_scale,
+    )
 
 
 @triton.jit
 def _reference_bwd_dkdv_sweep(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_gm, stride_lm, stride_em,
-    lo, hi, offs_n, offs_m, qk_scale,
-    DIAGONAL: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    stride_qm,
+    stride_gm,
+    stride_lm,
+    stride_em,
+    lo,
+    hi,
+    offs_n,
+    offs_m,
+    qk_scale,
+    DIAGONAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Adds the q rows [lo, hi) to dk (without the softmax scale) and dv, in
     # transposed scores (keys x rows) so that dk and dv come out row-major.
@@ -241,18 +455,48 @@ def _reference_bwd_dkdv_sweep(
 
 
 @triton.jit
-def _reference_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_gb, stride_gm, stride_gh, stride_gd,
-    stride_lb, stride_lh, stride_lm,
-    stride_eb, stride_eh, stride_em,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+def reference_attention_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_eb,
+    stride_eh,
+    stride_em,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    stride_dvd,
     seqlen_q,
-    softmax_scale, qk_scale,
+    softmax_scale,
+    qk_scale,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,14 +511,34 @@ def _reference_attention_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
-                + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
-                + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-    do_ptrs = (DO + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
-               + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd)
+    k = tl.load(
+        K
+        + off_b.to(tl.int64) * stride_kb
+        + off_h.to(tl.int64) * stride_kh
+        + offs_n[:, None] * stride_kn
+        + offs_d[None, :] * stride_kd
+    )
+    v = tl.load(
+        V
+        + off_b.to(tl.int64) * stride_vb
+        + off_h.to(tl.int64) * stride_vh
+        + offs_n[:, None] * stride_vn
+        + offs_d[None, :] * stride_vd
+    )
+    q_ptrs = (
+        Q
+        + off_b.to(tl.int64) * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + offs_m[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    do_ptrs = (
+        DO
+        + off_b.to(tl.int64) * stride_gb
+        + off_h.to(tl.int64) * stride_gh
+        + offs_m[:, None] * stride_gm
+        + offs_d[None, :] * stride_gd
+    )
     lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m * stride_lm
     delta_ptrs = Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + offs_m * stride_em
 
@@ -285,17 +549,86 @@ def _reference_attention_bwd_dkdv_kernel(
         # keys, masked; then the rows after all of them, unmasked.
         diagonal = (start_n // BLOCK_M) * BLOCK_M
         past = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
-        dk, dv = _reference_bwd_dkdv_sweep(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs,
-                                           stride_qm, stride_gm, stride_lm, stride_em, diagonal, past,
-                                           offs_n, offs_m, qk_scale, True, BLOCK_M, DOT_PRECISION)
-        dk, dv = _reference_bwd_dkdv_sweep(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs,
-                                           stride_qm, stride_gm, stride_lm, stride_em, past, seqlen_q,
-                                           offs_n, offs_m, qk_scale, False, BLOCK_M, DOT_PRECISION)
+        dk, dv = _reference_bwd_dkdv_sweep(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            stride_qm,
+            stride_gm,
+            stride_lm,
+            stride_em,
+            diagonal,
+            past,
+            offs_n,
+            offs_m,
+            qk_scale,
+            True,
+            BLOCK_M,
+            DOT_PRECISION,
+        )
+        dk, dv = _reference_bwd_dkdv_sweep(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            stride_qm,
+            stride_gm,
+            stride_lm,
+            stride_em,
+            past,
+            seqlen_q,
+            offs_n,
+            offs_m,
+            qk_scale,
+            False,
+            BLOCK_M,
+            DOT_PRECISION,
+        )
     else:
-        dk, dv = _reference_bwd_dkdv_sweep(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs,
-                                           stride_qm, stride_gm, stride_lm, stride_em, 0, seqlen_q,
-                                           offs_n, offs_m, qk_scale, False, BLOCK_M, DOT_PRECISION)
-    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_h.to(tl.int64) * stride_dkh
-             + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk * softmax_scale)
-    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_h.to(tl.int64) * stride_dvh
-             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv)
+        dk, dv = _reference_bwd_dkdv_sweep(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            stride_qm,
+            stride_gm,
+            stride_lm,
+            stride_em,
+            0,
+            seqlen_q,
+            offs_n,
+            offs_m,
+            qk_scale,
+            False,
+            BLOCK_M,
+            DOT_PRECISION,
+        )
+    tl.store(
+        DK
+        + off_b.to(tl.int64) * stride_dkb
+        + off_h.to(tl.int64) * stride_dkh
+        + offs_n[:, None] * stride_dkn
+        + offs_d[None, :] * stride_dkd,
+        dk * softmax_scale,
+    )
+    tl.store(
+        DV
+        + off_b.to(tl.int64) * stride_dvb
+        + off_h.to(tl.int64) * stride_dvh
+        + offs_n[:, None] * stride_dvn
+        + offs_d[None, :] * stride_dvd,
+        dv,
+    )

@@ -1,4 +1,4 @@
-"""What the attention tests compare against, and how close is close enough.
+"""What the tests and the benchmarks compare against, and how close is close enough.
 
     attention(q, k, v, causal, scale)        plain attention, scores materialized, in
                                              the inputs' dtype (fp64 inputs: the exact
@@ -129,8 +129,9 @@ def magnitude(exact: torch.Tensor) -> float:
     return exact.abs().max().item() if exact.numel() else 0.0
 
 
-def delta_rounding(head_dim: int, scale: float, dout_magnitude: float, v_magnitude: float,
-                   qk_magnitude: float) -> float:
+def delta_rounding(
+    head_dim: int, scale: float, dout_magnitude: float, v_magnitude: float, qk_magnitude: float
+) -> float:
     """The fp32 rounding of a flash-style backward's dS = p * (dp - delta), in dq and dk.
 
     dp = dout . v and delta = rowsum(dout * out) are two fp32 dot products of head_dim
@@ -143,8 +144,13 @@ def delta_rounding(head_dim: int, scale: float, dout_magnitude: float, v_magnitu
     return 2.0**-24 * math.sqrt(head_dim) * dout_magnitude * v_magnitude * abs(scale) * qk_magnitude
 
 
-def error_bound(dtype: torch.dtype, yardstick: float, exact_magnitude: float, lse_magnitude: float = 0.0,
-                backward_rounding: float = 0.0) -> float:
+def error_bound(
+    dtype: torch.dtype,
+    yardstick: float,
+    exact_magnitude: float,
+    lse_magnitude: float = 0.0,
+    backward_rounding: float = 0.0,
+) -> float:
     """The largest error the rule allows: ERROR_FACTOR x the yardstick (plain PyTorch's
     error in `dtype`) plus the slack at the exact tensor's magnitude, plus the rounding
     of an fp32 log-sum-exp as large as `lse_magnitude` (the exact lse's largest |value|),

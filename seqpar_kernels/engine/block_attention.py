@@ -1,5 +1,5 @@
 """torch's own attention kernels for one ring step's block: the kernels of the "aten"
-step backend (parallel/ring_steps.py AtenSteps), which merges each block's result into
+step backend (engine/step_backends.py AtenSteps), which merges each block's result into
 the running (out, lse) with seqpar::attention_merge_.
 
 Every kernel here returns a block's log-sum-exp (forward) and takes the FINAL out and lse
@@ -36,15 +36,9 @@ _aten = torch.ops.aten
 _cpu_flash = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _cpu_flash_backward = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
-# aten's CPU flash kernel maps q head h to kv head h // (H / H_kv) from torch 2.9 on.
-# Measured on 2.6.0, 2.7.1, 2.8.0, 2.9.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and
-# 2.14.1, forward and backward with fewer kv heads than q heads against fp64 on
-# repeated heads (8 to 24 shapes each, causal and not, head-major and sequence-major
-# layouts): before 2.9 it reads past the kv heads (errors up to 1e38, NaN) and the
-# backward corrupts the heap (SIGABRT) in nearly every shape; from 2.9 on it matches
-# SDPA on repeated heads (max error 2.5e-6 forward, 6.2e-6 backward). Older releases
-# take the repeated path: kv heads repeated for the local kernel, a copy per step on
-# this rank only (what travels the ring stays the kv heads).
+# aten's CPU flash kernel reads GQA (q head h -> kv head h // (H / H_kv)) from torch 2.9
+# on; older releases read past the kv heads (docs/tuning.md), so there the kv heads are
+# repeated for the local kernel, on this rank only (the ring still carries kv heads).
 CPU_FLASH_READS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
@@ -81,10 +75,8 @@ class CpuFlashBlocks:
 
     In fp32, as the Triton step kernels keep every block: aten returns a block's output
     and gradients in the input dtype, and rounding each block to bf16 before the fp32
-    merge measured 2-4x plain torch's dq/dk error (randomized test, bf16, 2 ranks), and
-    each block's dk/dv 2.2-2.7x its dv error (bf16 GQA causal, 4 ranks). On a CPU without
-    bf16 matrix units the fp32 kernel plus the casts is also faster than the bf16 kernel
-    (one thread, causal, (1, 8, 1024, 64): 19.8 ms against 26.4)."""
+    merge breaks the accuracy rule; on CPUs the fp32 kernel is also the faster one
+    (docs/tuning.md)."""
 
     def __init__(self, repeat_kv_heads: bool):
         self.repeat_kv_heads = repeat_kv_heads

@@ -1,28 +1,22 @@
 """The ring attention driver: the step schedule and the forward and backward loops.
 
 Run by the custom ops seqpar::ring_attention_forward and seqpar::ring_attention_backward
-(seqpar_kernels/ops/ring_attention.py); the public entry point and its argument checks
-are seqpar_kernels/parallel/ring.py, the per-step kernels by device
-seqpar_kernels/parallel/ring_steps.py, the P2P exchange seqpar_kernels/comm/ring.py.
+(engine/ring_ops.py); the public entry point and its argument checks are
+seqpar_kernels/parallel/ring.py, the per-step kernels engine/step_backends.py, the P2P
+exchange seqpar_kernels/comm/ring.py.
 
 The ring (forward). Rank r holds q, k, v of its sequence piece. K and V are packed once
 into one flat buffer that travels the ring (comm/ring.py: send to r+1, receive from
 r-1). At step i the rank holds the K/V block of rank src = (r - i) mod P; step i's
 exchange (for step i+1) is posted BEFORE step i's attention runs, so the transfer
 overlaps the compute, and waited for only after it. Each step folds its block into a
-running fp32 (out, lse) that starts at (0, -inf):
-
-    CUDA  the Triton step kernel (kernels/attention_step_kernels.py), merge fused, no rounding
-          of the running result to the input dtype between steps.
-    CPU   aten's CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) for the
-          block's (out, lse), then the attention_merge_ kernel. The Triton kernels would
-          also run on CPU, but only in the interpreter, which is orders of magnitude
-          slower than aten's vectorized CPU flash kernel; aten's kernel returns lse, so the
-          merge is the only extra kernel. It takes GQA/MQA kv heads as they are.
+running fp32 (out, lse) that starts at (0, -inf), with the step backend's kernels
+(engine/step_backends.py: the fused Triton step kernels, or torch's own attention
+kernels followed by the attention_merge_ kernel).
 
 The ring (backward). With the FINAL (out, lse), the probabilities of any block are
 exp(s - lse), so each step's gradients are independent and add up (CUDA: the Triton
-backward kernels, delta = rowsum(dout * out) computed once; CPU: aten's CPU flash
+backward kernels, delta = rowsum(dout * out) computed once; aten: the library kernels'
 backward given the final out and lse, which rebuilds the same probabilities). dq stays
 home in fp32. The fp32 dK|dV accumulator of a block travels the ring behind its K|V
 block: the home rank keeps its own (step 0) share; the accumulator starts at rank r+1
@@ -36,7 +30,8 @@ Pieces may differ in length by rank (empty ones too): every buffer has room for 
 largest block, and each exchange sends and receives exactly the blocks' rows. Under
 zigzag the 2P chunks follow torch.tensor_split of the global length.
 
-Which part of a block a step computes (src is the K/V block's home rank):
+Which part of a block a step computes: the StepMask of the two slots' rows under the
+attention mask (engine/masks.py StepMasks, rows placed by seqpar_kernels/layouts.py):
     non-causal                     every step: all of q x all of the block
     causal, contiguous layout      src == r: causal diagonal; src < r: full; src > r: skip
     causal, zigzag layout          (rank r holds chunks r and 2P-1-r of 2P)
@@ -47,13 +42,14 @@ Which part of a block a step computes (src is the K/V block's home rank):
     so under zigzag every step costs the same on every rank (ring-flash-attention's
     zigzag variant; to a row where the chunks differ by one). Chunks are views (narrow
     along the sequence). A step with no rows or no keys launches nothing.
-
-Packed documents (a DocumentLayout, parallel/documents.py): a step computes only the
-rows of documents both ranks hold, each query against the keys of its own document
-(causal: those at or before it), as the layout's StepMask says; a step with none
-computes nothing. On CPUs the step kernels run once per (query stretch, key stretch) of
-a document, small neighbouring ones joined under a mask (documents.coalesce); on GPUs
-once per step, with each query row's interval of key rows.
+    packed documents               only the rows of documents both ranks hold, each
+                                   query against the keys of its own document (causal:
+                                   those at or before it); a step with none computes
+                                   nothing. On CPUs the step kernels run once per
+                                   (query stretch, key stretch) of a document, small
+                                   neighbouring ones joined under a mask (masks.coalesce);
+                                   on GPUs once per step, with each query row's interval
+                                   of key rows.
 
 Bytes sent by rank r, with n_j the rows of rank j and N their sum (rank r never sends
 the block of rank r+1, the last it receives, nor the accumulator of its own block):
@@ -65,137 +61,61 @@ With equal pieces: (P-1) x (k + v bytes), and (P-1) x fp32 (dk + dv) more backwa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
-from seqpar_kernels.parallel.documents import BlockPair, DocumentLayout, StepMask
+from seqpar_kernels.engine.masks import AttentionMask, StepMask, StepMasks, step_masks_of
+from seqpar_kernels.engine.step_backends import StepBackend
+from seqpar_kernels.layouts import dense_slot_segments
 
 # ----------------------------------------------------------------------------------
-# The step schedule
+# One step
 # ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepBlock:
-    """What one ring step computes: local q rows [q_start, q_start + q_len) against the
-    first kv_len rows of the visiting K/V block, causal (diagonal) or full."""
-
-    q_start: int
-    q_len: int
-    kv_len: int
-    causal: bool
+def dense_step_masks(causal: bool, seq_lens, zigzag: bool) -> StepMasks:
+    """The step masks of one dense sequence held by ranks of `seq_lens` rows each, in the
+    contiguous or the zigzag layout."""
+    return step_masks_of(AttentionMask(causal), dense_slot_segments(seq_lens, zigzag))
 
 
-@dataclass(frozen=True)
-class RingPieces:
-    """Where every rank's rows sit in the global sequence.
-
-    lengths[r]: rank r's local length (its K/V block's too).
-    first_chunk[r]: zigzag only, the rows of rank r's first chunk (chunk r of the 2P
-    chunks; its second, chunk 2P-1-r, has the rest). Contiguous: equal to lengths."""
-
-    lengths: tuple[int, ...]
-    first_chunk: tuple[int, ...]
-    zigzag: bool
-
-    @classmethod
-    def of(cls, lengths, zigzag: bool) -> RingPieces:
-        """The pieces of ranks holding `lengths` rows in the contiguous layout, or in the
-        zigzag layout of their sum (chunks as zigzag_chunk_lengths cuts them)."""
-        lengths = tuple(lengths)
-        if not zigzag:
-            return cls(lengths, lengths, False)
-        chunks = zigzag_chunk_lengths(sum(lengths), len(lengths))
-        return cls(lengths, tuple(chunks[: len(lengths)]), True)
-
-
-def zigzag_chunk_lengths(total: int, world_size: int) -> list[int]:
-    """The lengths of the 2P zigzag chunks of a sequence of `total` rows, cut as
-    torch.tensor_split cuts it: the first total % 2P chunks one row longer."""
-    count = 2 * world_size
-    return [total // count + (chunk < total % count) for chunk in range(count)]
-
-
-def zigzag_piece_lengths(total: int, world_size: int) -> list[int]:
-    """Every rank's local length in the zigzag layout of `total` rows: chunks r and 2P-1-r."""
-    chunks = zigzag_chunk_lengths(total, world_size)
-    return [chunks[rank] + chunks[2 * world_size - 1 - rank] for rank in range(world_size)]
-
-
-def step_block(step: int, rank: int, pieces: RingPieces, causal: bool):
-    """The StepBlock of ring step `step` on `rank`, or None when the step computes
-    nothing (contiguous causal, block from a later rank; an empty piece). See the module
-    docstring."""
-    src = (rank - step) % len(pieces.lengths)
-    seqlen, block_len = pieces.lengths[rank], pieces.lengths[src]
-    if not causal:
-        block = StepBlock(0, seqlen, block_len, False)
-    elif src == rank:
-        # Zigzag too: the local rows are in global order, chunk r then chunk 2P-1-r.
-        block = StepBlock(0, seqlen, seqlen, True)
-    elif not pieces.zigzag:
-        block = StepBlock(0, seqlen, block_len, False) if src < rank else None
-    elif src < rank:  # chunks (src, 2P-1-src): only chunk src precedes both local chunks
-        block = StepBlock(0, seqlen, pieces.first_chunk[src], False)
-    else:  # src > r: both of the block's chunks precede local chunk 2P-1-r, none chunk r
-        first = pieces.first_chunk[rank]
-        block = StepBlock(first, seqlen - first, block_len, False)
-    if block is None or block.q_len == 0 or block.kv_len == 0:
-        return None
-    return block
-
-
-def step_mask(step: int, rank: int, pieces: RingPieces, causal: bool, documents: DocumentLayout | None):
-    """What ring step `step` computes on `rank`, as a StepMask, or None for nothing:
-    step_block's one block for a dense sequence; for packed documents (the slots of
-    `documents` are the ranks) the document layout's mask of the two ranks' rows."""
-    if documents is not None:
-        return documents.step_mask(rank, (rank - step) % len(pieces.lengths), causal)
-    block = step_block(step, rank, pieces, causal)
-    if block is None:
-        return None
-    return StepMask((BlockPair(block.q_start, block.q_len, 0, block.kv_len, block.causal),))
-
-
-def _forward_step(steps, mask: StepMask, q, k, v, out, lse, scale, first_step=False) -> None:
+def forward_step(steps: StepBackend, mask: StepMask, q, k, v, out, lse, scale, first_step=False) -> None:
     """Folds the rows of one step's K/V block that `mask` selects into (out, lse).
     first_step: (out, lse) hold nothing yet and the step kernels write every row
-    (_first_step_writes_every_row)."""
-    more = {"first_step": True} if first_step else {}
-    if mask.has_intervals and hasattr(steps, "forward_intervals"):
-        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device), **more)
+    (first_step_writes_every_row)."""
+    if mask.uses_intervals and steps.takes_intervals:
+        steps.forward_intervals(q, k, v, out, lse, scale, mask.intervals(q.device), first_step=first_step)
         return
     for block in mask.blocks:
         q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
         kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
         arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), scale)
         if block.mask is None:
-            steps.forward(*arguments, block.causal, **more)
+            steps.forward(*arguments, block.causal, first_step=first_step)
         else:
             steps.forward_masked(*arguments, block.mask, block.empty_rows)
 
 
-def _first_step_writes_every_row(steps, mask: StepMask | None, seqlen: int) -> bool:
+def first_step_writes_every_row(steps: StepBackend, mask: StepMask | None, seqlen: int) -> bool:
     """Whether the step kernels' first step writes every row of (out, lse) under `mask`
     (step 0's), so that the running state need not be initialised: kernels that say so
     (first_step_writes_every_row) write every row of each launch, and the launch covers
     all rows (one interval launch, or one unmasked block of every row)."""
-    if mask is None or not getattr(steps, "first_step_writes_every_row", False):
+    if mask is None or not steps.first_step_writes_every_row:
         return False
-    if mask.has_intervals:
-        return hasattr(steps, "forward_intervals")
+    if mask.uses_intervals and steps.takes_intervals:
+        return True
     (block, *others) = mask.blocks
     return not others and block.mask is None and block.q_start == 0 and block.q_len == seqlen
 
 
-def _backward_step(steps, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale) -> None:
+def backward_step(steps: StepBackend, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale) -> None:
     """Adds one step's share of the gradients (the rows `mask` selects): to dq, and to
     the block's dK|dV accumulator, which grad_kv() returns as (dk, dv) once it is here
     (it may still be arriving from the previous rank: the step kernels compute what they
     can before they ask for it)."""
-    if mask.has_intervals and hasattr(steps, "backward_intervals"):
+    if mask.uses_intervals and steps.takes_intervals:
         steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask.intervals(q.device))
         return
     for block in mask.blocks:
@@ -240,10 +160,10 @@ def _block_shape(k: torch.Tensor, length: int) -> tuple[int, ...]:
     return (k.shape[0], length, *k.shape[2:])
 
 
-def _block_numels(k: torch.Tensor, rank: int, pieces: RingPieces) -> list[int]:
+def _block_numels(k: torch.Tensor, rank: int, lengths) -> list[int]:
     """Elements of the K|V (or dK|dV) buffer of the block `rank` holds at each step."""
-    world_size = len(pieces.lengths)
-    return [2 * math.prod(_block_shape(k, pieces.lengths[(rank - step) % world_size])) for step in range(world_size)]
+    world_size = len(lengths)
+    return [2 * math.prod(_block_shape(k, lengths[(rank - step) % world_size])) for step in range(world_size)]
 
 
 # ----------------------------------------------------------------------------------
@@ -251,21 +171,21 @@ def _block_numels(k: torch.Tensor, rank: int, pieces: RingPieces) -> list[int]:
 # ----------------------------------------------------------------------------------
 
 
-def _pieces(ring, seqlen: int, zigzag: bool, seq_lens) -> RingPieces:
-    lengths = [seqlen] * ring.world_size if seq_lens is None else seq_lens
-    assert len(lengths) == ring.world_size and lengths[ring.rank] == seqlen, (lengths, ring.rank, seqlen)
-    return RingPieces.of(lengths, zigzag)
+def _check_slots(ring, seqlen: int, masks: StepMasks) -> None:
+    assert len(masks.lengths) == ring.world_size and masks.lengths[ring.rank] == seqlen, (
+        masks.lengths, ring.rank, seqlen)  # fmt: skip
 
 
-def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None, documents=None):
+def ring_forward(q, k, v, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
-    steps: the per-step kernels (seqpar_kernels.parallel.ring_steps); exchange: makes the
-    rings, exchange(group_name, tag) -> comm.ring.Ring or anything with its interface
-    (seqpar_kernels.testing replaces it to time the compute alone); seq_lens: every
-    rank's local length (None: all equal to this rank's); documents: a DocumentLayout
-    whose slots are the ranks (packed documents: attention stays inside each), or None
-    for one dense sequence."""
+    q: (B, S, H, D); k, v: (B, S, H_kv, D); scale > 0.
+    steps: the step backend (engine/step_backends.py); masks: the attention mask over
+    the ranks' rows (slot r = rank r's global ranges; dense_step_masks for one dense
+    sequence); exchange: makes the rings, exchange(group_name, tag) -> comm.ring.Ring or
+    anything with its interface (seqpar_kernels.testing replaces it to time the compute
+    alone).
+    Returns out (B, S, H, D) in q's dtype and lse (B, H, S) fp32."""
     batch, seqlen, heads, _ = q.shape
     ring = exchange(group_name, KV_TAG)
     lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
@@ -274,32 +194,29 @@ def ring_forward(q, k, v, causal, scale, zigzag, group_name, steps, exchange=Rin
     if batch * heads * k.shape[2] * q.shape[3] == 0:
         return q.new_zeros(q.shape), lse
     world_size, rank = ring.world_size, ring.rank
-    pieces = _pieces(ring, seqlen, zigzag, seq_lens)
+    _check_slots(ring, seqlen, masks)
     # The first step's kernels may fill the running output themselves: then it starts
-    # uninitialised (the fp32 output is the size of q twice over in bf16; a zero fill is
-    # a pass over it that step 0 would overwrite).
-    first_step_writes = _first_step_writes_every_row(steps, step_mask(0, rank, pieces, causal, documents), seqlen)
+    # uninitialised (a zero fill is a pass over it that step 0 would overwrite).
+    first_step_writes = first_step_writes_every_row(steps, masks.step(rank, rank), seqlen)
     out = (torch.empty if first_step_writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-    numels = _block_numels(k, rank, pieces)
+    numels = _block_numels(k, rank, masks.lengths)
     kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if world_size > 1 else None
     for step in range(world_size):
         if step + 1 < world_size:
             kv.post()  # the next block travels while this one is computed
         src = (rank - step) % world_size
-        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, pieces.lengths[src]))
-        mask = step_mask(step, rank, pieces, causal, documents)
+        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, masks.lengths[src]))
+        mask = masks.step(rank, src)
         if mask is not None:
-            _forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=step == 0 and first_step_writes)
+            forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=step == 0 and first_step_writes)
         if step + 1 < world_size:
             kv.advance()
     return out.to(q.dtype), lse
 
 
-def ring_backward(
-    dout, q, k, v, out, lse, causal, scale, zigzag, group_name, steps, exchange=Ring, seq_lens=None, documents=None
-):
+def ring_backward(dout, q, k, v, out, lse, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring):
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
-    are its final results. steps, exchange, seq_lens, documents: as in ring_forward."""
+    are its final results. steps, masks, exchange: as in ring_forward."""
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     fp32 = dict(dtype=torch.float32, device=q.device)
@@ -308,10 +225,10 @@ def ring_backward(
     world_size, rank = ring.world_size, ring.rank
     if batch * heads * k.shape[2] * q.shape[3] == 0:  # as in ring_forward
         return _backward_outputs(dq, own, q, k)
-    pieces = _pieces(ring, seqlen, zigzag, seq_lens)
+    _check_slots(ring, seqlen, masks)
     delta = steps.prepare_backward(out, dout)
     if world_size > 1:
-        numels = _block_numels(k, rank, pieces)
+        numels = _block_numels(k, rank, masks.lengths)
         capacity = max(numels)
         kv = DoubleBuffer(ring, _pack_pair(k, v, capacity), numels)
         grad_ring = exchange(group_name, GRAD_KV_TAG)
@@ -324,9 +241,9 @@ def ring_backward(
         if step + 1 < world_size:
             kv.post()
         src = (rank - step) % world_size
-        block_shape = _block_shape(k, pieces.lengths[src])
+        block_shape = _block_shape(k, masks.lengths[src])
         k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shape)
-        mask = step_mask(step, rank, pieces, causal, documents)
+        mask = masks.step(rank, src)
         # Where this step's dK|dV share goes. Step 0: the home share; step 1: starts the
         # accumulator that leaves; later steps: the accumulator arriving from the
         # previous rank, waited for only when the step kernels ask for it (after dq and
@@ -343,7 +260,7 @@ def ring_backward(
             return _unpack_pair(own if step == 0 else travelling, block_shape)
 
         if mask is not None:
-            _backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale)
+            backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale)
         grad_kv()  # a step that computed nothing still relays the accumulator
         if step >= 1:
             receives = numels[(step + 1) % world_size]

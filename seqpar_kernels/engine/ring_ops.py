@@ -1,9 +1,9 @@
 """seqpar::ring_attention_forward and seqpar::ring_attention_backward: Python custom ops
 (they call torch.distributed), with their fake kernels and autograd.
 
-The group travels by name, as in ops/all_to_all.py. What the ops run: the ring driver,
-seqpar_kernels/parallel/ring_driver.py, with the step kernels of
-seqpar_kernels/parallel/ring_steps.py. Public entry point and argument checks:
+The group travels by name, as in ops/all_to_all.py. What the ops run: the ring driver
+(engine/ring_driver.py) with a step backend (engine/step_backends.py) over the attention
+mask their arguments describe (engine/masks.py). Public entry point and argument checks:
 seqpar_kernels/parallel/ring.py. Tests: tests/test_ring_attention.py.
 """
 
@@ -13,10 +13,10 @@ from typing import List, Optional
 
 import torch
 
+from seqpar_kernels.engine.masks import AttentionMask, StepMasks, decode_segments, step_masks_of
+from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward
+from seqpar_kernels.engine.step_backends import step_kernels_for
 from seqpar_kernels.ops.all_to_all import register_as_collective
-from seqpar_kernels.parallel.documents import layout_of
-from seqpar_kernels.parallel.ring_driver import ring_backward, ring_forward
-from seqpar_kernels.parallel.ring_steps import step_kernels_for
 
 
 @torch.library.custom_op("seqpar::ring_attention_forward", mutates_args=())
@@ -40,37 +40,37 @@ def ring_attention_forward(
     not here).
     zigzag: causal positions follow the zigzag layout (rank r holds chunks r and 2P-1-r
     of the 2P chunks torch.tensor_split cuts the sequence into). Ignored when not causal.
-    step_kernels: which kernels compute each step (parallel/ring_steps.py: a name of
+    step_kernels: which backend computes each step (engine/step_backends.py: a name of
     STEP_KERNELS, or AUTO).
     seq_lens: every rank's S, in group rank order.
     cu_seqlens, segments: packed documents (None: one dense sequence). cu_seqlens: the
     (D + 1,) int64 CPU document bounds of the global sequence; segments: (count, 3)
     int64 CPU rows (rank, global start, length), the ranges each rank holds in
-    increasing order (parallel/documents.py encode_segments). Attention stays inside
+    increasing order (engine/masks.py encode_segments). Attention stays inside
     each document; zigzag is then False.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log; -inf for a row that saw no key, whose out is 0)."""
     steps = step_kernels_for(step_kernels, q)
-    documents = _documents(cu_seqlens, segments, seq_lens)
-    return ring_forward(q, k, v, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
-                        documents=documents)
+    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments)
+    return ring_forward(q, k, v, softmax_scale, group_name, steps, masks)
 
 
-def _documents(cu_seqlens, segments, seq_lens):
-    """The DocumentLayout the ops' packed-document arguments describe, or None."""
+def _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments) -> StepMasks:
+    """The attention mask over the ranks' rows that the ops' arguments describe."""
     if cu_seqlens is None:
-        return None
-    documents = layout_of(cu_seqlens, segments, len(seq_lens))
-    assert list(documents.lengths) == list(seq_lens), (documents.lengths, seq_lens)
-    return documents
+        return dense_step_masks(causal, seq_lens, zigzag)
+    masks = step_masks_of(AttentionMask(causal, tuple(cu_seqlens.tolist())), decode_segments(segments, len(seq_lens)))
+    assert list(masks.lengths) == list(seq_lens), (masks.lengths, seq_lens)
+    return masks
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 
 
 @ring_attention_forward.register_fake
-def _ring_attention_forward_fake(q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens,
-                                 cu_seqlens=None, segments=None):
+def _ring_attention_forward_fake(
+    q, k, v, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens=None, segments=None
+):
     batch, seqlen, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
@@ -96,17 +96,30 @@ def ring_attention_backward(
     dtype, shaped like q, k, v. out and lse are the forward's (final) results; dK/dV
     of each block accumulate in fp32 while they travel the ring."""
     steps = step_kernels_for(step_kernels, q)
-    documents = _documents(cu_seqlens, segments, seq_lens)
-    return ring_backward(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, steps, seq_lens=seq_lens,
-                         documents=documents)
+    masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments)
+    return ring_backward(dout, q, k, v, out, lse, softmax_scale, group_name, steps, masks)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 
 
 @ring_attention_backward.register_fake
-def _ring_attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels,
-                                  seq_lens, cu_seqlens=None, segments=None):
+def _ring_attention_backward_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal,
+    softmax_scale,
+    zigzag,
+    group_name,
+    step_kernels,
+    seq_lens,
+    cu_seqlens=None,
+    segments=None,
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

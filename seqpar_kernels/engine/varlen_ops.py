@@ -1,8 +1,8 @@
 """seqpar::varlen_attention_forward and seqpar::varlen_attention_backward: attention over
 packed documents in one process, with their fake kernels and autograd.
 
-What they run: seqpar_kernels/parallel/varlen_local.py (torch's flash varlen kernels on
-GPUs, the ring's step kernels over the document mask otherwise). Public entry point:
+What they run: engine/varlen_local.py (torch's flash varlen kernels on GPUs, the ring's
+step backends over the document mask otherwise). Public entry point:
 ulysses_attention(varlen=plan) (parallel/ulysses.py). Tests: tests/test_varlen.py.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar_kernels.parallel.varlen_local import varlen_backward, varlen_forward
+from seqpar_kernels.engine.varlen_local import varlen_backward, varlen_forward
 
 
 @torch.library.custom_op("seqpar::varlen_attention_forward", mutates_args=())
@@ -32,8 +32,15 @@ def _varlen_attention_forward_fake(q, k, v, causal, softmax_scale, cu_seqlens):
 
 @torch.library.custom_op("seqpar::varlen_attention_backward", mutates_args=())
 def varlen_attention_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, softmax_scale: float, cu_seqlens: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of varlen_attention_forward's out: (dq, dk, dv), contiguous, in q's
     dtype, shaped like q, k, v."""

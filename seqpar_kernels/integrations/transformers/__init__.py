@@ -1,0 +1,72 @@
+"""Sequence parallelism for Hugging Face transformers models.
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    sp_transformers.apply(model, mode="ring", layout="balanced")     # once, after loading
+    batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced")   # every step
+    hidden = model.model(**batch).last_hidden_state                 # (B, S_local, hidden)
+    loss = sp_transformers.sequence_parallel_cross_entropy(hidden, model.lm_head.weight, batch["shift_labels"])
+    loss.backward(); sp_transformers.all_reduce_gradients(model)
+
+or, with the Hugging Face Trainer (started by torchrun):
+
+    trainer = sp_transformers.SequenceParallelTrainer(model=model, args=args, train_dataset=...,
+                                                      mode="ring", layout="balanced")
+    trainer.train()
+
+Modules:
+    attention   the attention implementations transformers dispatches to (register,
+                apply) and their mask functions
+    trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
+                imported on first use)
+    loss        the loss of a model's LM head on its hidden states
+    memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
+                the backward needs, held in host memory)
+
+Supported releases: transformers 4.56 and newer (the models that dispatch attention
+through AttentionInterface and build masks through masking_utils).
+"""
+
+from __future__ import annotations
+
+# attention first: it raises the ImportError that names the missing dependency.
+from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, apply, register
+from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
+from seqpar_kernels.parallel.cross_entropy import (
+    sequence_parallel_cross_entropy,
+    sequence_parallel_cross_entropy_from_logits,
+)
+from seqpar_kernels.parallel.training import (
+    SequenceParallelism,
+    SequenceShard,
+    all_reduce_gradients,
+    shard_batch,
+)
+
+__all__ = [
+    "register",
+    "apply",
+    "shard_batch",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_cross_entropy_from_logits",
+    "all_reduce_gradients",
+    "SequenceParallelism",
+    "SequenceShard",
+    "IMPLEMENTATIONS",
+    "SequenceParallelTrainer",
+    "SequenceParallelTrainerMixin",
+    "tile_mlp",
+    "untile_mlp",
+    "offload_activations",
+]
+
+_TRAINER_NAMES = ("SequenceParallelTrainer", "SequenceParallelTrainerMixin")
+
+
+def __getattr__(name: str):
+    # The Trainer's names import transformers.Trainer and accelerate only when asked for.
+    if name in _TRAINER_NAMES:
+        from seqpar_kernels.integrations.transformers import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,536 @@
+"""Sequence parallelism in the Hugging Face Trainer.
+
+    from seqpar_kernels.integrations.transformers import SequenceParallelTrainer
+
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=..., data_collator=...,
+                                      mode="ring", layout="balanced", sequence_parallel_size=4)
+    trainer.train(); trainer.evaluate()
+
+    class MySFTTrainer(SequenceParallelTrainerMixin, SFTTrainer): ...   # the mixin first
+
+Started by torchrun (one process per GPU, or per CPU rank: NCCL on GPUs, gloo on CPUs,
+as the Trainer sets up torch.distributed). The world's ranks form groups of
+sequence_parallel_size consecutive ranks (rank = replica x size + piece); each group
+trains on one sequence split across its ranks, the groups are data-parallel replicas.
+
+What it gives: step for step, what the plain Trainer gives in one process on the same
+data with the global batch (per-device batch x replicas): every logged loss and
+grad_norm, eval_loss, the weights. How:
+
+Data. Every rank of a group reads the same batches, the replicas different ones: the
+Trainer's dataloaders (accelerate shards them by world rank) are sharded by replica
+instead. Each batch is sharded with shard_batch (this rank's tokens, shifted labels, the
+packed documents' plan); a checksum of every rank's batch, gathered with the token
+counts, raises ValueError on every rank if two ranks of a group read different ones.
+Where the data does not fill the last global batch, accelerate tops up the replicas'
+last batches with samples from the start (even_batches); their labels are set to -100,
+so that the step is the one-process Trainer's smaller last batch.
+
+Loss and gradients. The Trainer wraps the model in DDP (or FSDP) over the whole world,
+which averages the gradients over all W = replicas x size ranks. This rank's backward
+gives its tokens' share of its group's loss (sequence_parallel_cross_entropy's
+convention), so the loss it backpropagates is scaled by W x (its group's tokens) / D,
+D the one-process Trainer's denominator: num_items_in_batch counted as the Trainer
+counts it, over every micro-batch of the step and every replica (or, for a model that
+takes no num_items_in_batch, the micro-batch's tokens over the replicas, and the Trainer
+divides by the accumulation steps itself). The average over the world is then the
+one-process gradient, whole before the Trainer clips it. The value this rank returns
+(what the Trainer logs, averaged over the world) is replicas x (its group's loss sum) /
+D: the world's average is the one-process loss.
+
+Evaluation. Every rank returns the batch's loss over every replica's tokens (one small
+all-reduce), and the losses the Trainer gathers count as the one-process Trainer's
+global batch counts them; eval_loss is the one-process one.
+
+Memory. The model's forward runs with logits for no token (logits_to_keep); the loss is
+computed from the base model's hidden states, a chunk of tokens at a time
+(sequence_parallel_cross_entropy), inside the model's forward (where FSDP holds the LM
+head unsharded). tiled_mlp= runs every decoder MLP in tiles of tokens (memory.tile_mlp);
+offload_activations= keeps what the forward saves for the backward (with the Trainer's
+gradient_checkpointing: each layer's input) in host memory (memory.offload_activations).
+
+What raises (ValueError, at construction): label smoothing, compute_loss_func,
+compute_metrics and preprocess_logits_for_metrics (they need the logits of the whole
+sequence), DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
+parallelism_config, the "batch_rebalance" sampling strategy, a world size that
+sequence_parallel_size does not divide; when train() or evaluate() makes a dataloader:
+batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
+IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
+rank: keys shard_batch does not know, ranks of a group holding different batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+try:
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    from transformers import Trainer
+except ImportError as error:  # pragma: no cover - exercised only without them
+    raise ImportError(
+        "SequenceParallelTrainer needs Hugging Face transformers 4.56 or newer and accelerate: "
+        'pip install "seqpar-kernels[transformers]"'
+    ) from error
+
+from seqpar_kernels.integrations.transformers.attention import apply
+from seqpar_kernels.integrations.transformers.loss import check_model_head, loss_through_forward, model_loss
+from seqpar_kernels.integrations.transformers.memory import offload_activations as offloading
+from seqpar_kernels.integrations.transformers.memory import tile_mlp
+from seqpar_kernels.parallel.training import LAYOUTS, MODES, shard_batch
+
+__all__ = ["SequenceParallelTrainer", "SequenceParallelTrainerMixin"]
+
+IGNORE_INDEX = -100
+# A batch sharded by get_batch_samples carries its token counts under this key (popped
+# before the model sees the batch).
+_COUNTS_KEY = "seqpar_token_counts"
+# Saved tensors smaller than this stay on the device under offload_activations=True
+# (what a layer saves besides its checkpoint: rotary tables, norms' statistics).
+OFFLOAD_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class SequenceParallelLayout:
+    """How the world's ranks split into sequence-parallel groups and replicas.
+
+    world_size  W, every rank of the job
+    size        P, ranks per sequence-parallel group (sequence_parallel_size)
+    replicas    R = W / P, data-parallel replicas (one group each)
+    replica     this rank's group: rank // P
+    piece       this rank's place in its group: rank % P
+    mode        "ulysses", "ring" or "usp" (in one process without torch.distributed,
+                "usp" runs as "ring": the same result on a group of one)
+    ulysses_degree  USP's Ulysses degree (1 for ring, P for ulysses)
+    groups      the keyword arguments of apply() and shard_batch(): group= or mesh=
+    loss_groups those of the loss: group= or mesh="""
+
+    world_size: int
+    size: int
+    replicas: int
+    replica: int
+    piece: int
+    mode: str
+    ulysses_degree: int
+    groups: dict
+    loss_groups: dict
+
+
+def _positive_int_or_none(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
+    """USP's default Ulysses degree: the largest divisor of size that divides the
+    model's key/value heads (Ulysses then sends no repeated K/V), the ring the rest."""
+    return max(degree for degree in range(1, size + 1) if size % degree == 0 and (kv_heads or 1) % degree == 0)
+
+
+def make_layout(mode: str, sequence_parallel_size: int | None, ulysses_degree: int | None, device: torch.device,
+                kv_heads: int | None = None) -> SequenceParallelLayout:  # fmt: skip
+    """The groups of a world of replicas (collective: every rank calls it alike, as it
+    creates process groups). Without torch.distributed: one process, a group of one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if sequence_parallel_size not in (None, 1):
+            raise ValueError(
+                f"sequence_parallel_size={sequence_parallel_size} needs that many processes (torchrun); this "
+                "process runs alone"
+            )
+        alone = "ring" if mode == "usp" else mode
+        return SequenceParallelLayout(1, 1, 1, 0, 0, alone, 1, {"group": None}, {"group": None})
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    size = world_size if sequence_parallel_size is None else sequence_parallel_size
+    if world_size % size != 0:
+        raise ValueError(
+            f"sequence_parallel_size={size} must divide the world size {world_size} (the other factor is the "
+            "number of data-parallel replicas)"
+        )
+    replicas = world_size // size
+    if mode == "usp":
+        degree = default_ulysses_degree(size, kv_heads) if ulysses_degree is None else ulysses_degree
+        if size % degree != 0:
+            raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
+        mesh = init_device_mesh(device.type, (replicas, size // degree, degree),
+                                mesh_dim_names=("replica", "ring", "ulysses"))  # fmt: skip
+        grid = mesh["ring", "ulysses"]
+        groups = loss_groups = {"mesh": grid}
+    else:
+        degree = size if mode == "ulysses" else 1
+        mesh = init_device_mesh(device.type, (replicas, size), mesh_dim_names=("replica", "sequence"))
+        groups = loss_groups = {"group": mesh.get_group("sequence")}
+    return SequenceParallelLayout(world_size, size, replicas, rank // size, rank % size, mode, degree, groups,
+                                  loss_groups)  # fmt: skip
+
+
+def _batch_checksum(batch) -> torch.Tensor:
+    """An int64 fingerprint (0-dim, on the batch's device) of a batch's token tensors: the
+    same bytes give the same value on every rank (the sums wrap around alike)."""
+    total = None
+    for index, key in enumerate(("input_ids", "labels", "position_ids", "attention_mask")):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            flat = value.reshape(-1).long()
+            weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) % 65521 + 1 + index
+            term = (flat * weights).sum() + flat.numel()
+            total = term if total is None else total + term
+    return total
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """What a replica-sharded dataloader's padding depends on: the samples of an epoch,
+    a replica's samples per batch, whether the last partial batch is dropped."""
+
+    samples: int
+    per_replica: int
+    drop_last: bool
+
+
+class SequenceParallelTrainerMixin:
+    """Sequence parallelism for transformers.Trainer and its subclasses (TRL's trainers):
+    put it first, class MyTrainer(SequenceParallelTrainerMixin, SomeTrainer). It
+    replaces the subclass's compute_loss with the sequence-parallel loss.
+
+    Arguments, besides the Trainer's:
+        mode: "ulysses", "ring" or "usp" (seqpar_kernels.integrations.transformers.apply's)
+        layout: "contiguous" or "balanced" (ring and usp: causal work balanced)
+        sequence_parallel_size: ranks per sequence-parallel group (default: every rank,
+            one group); the world size over it is the number of data-parallel replicas
+        ulysses_degree: USP's Ulysses degree (default: the largest divisor of the group
+            size that divides the model's key/value heads); the ring takes the rest
+        tiled_mlp: False; True: every decoder MLP runs in tiles of hidden-size tokens
+            (memory.tile_mlp); an int: tokens per tile
+        offload_activations: False; True: what the training forward saves for the
+            backward (with gradient_checkpointing: each layer's input) waits in host
+            memory, copied on a side stream on GPUs (memory.offload_activations)
+        step_backend: what computes the ring's steps ("auto", "triton", "aten")
+    The model: a transformers causal LM that apply() accepts (text, attention through
+    AttentionInterface) with a plain Linear LM head; it is switched to the mode's
+    attention at construction."""
+
+    def __init__(self, *args, mode: str = "ulysses", layout: str = "contiguous",
+                 sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
+                 tiled_mlp: bool | int = False, offload_activations: bool = False, step_backend: str = "auto",
+                 **kwargs):  # fmt: skip
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        _positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
+        _positive_int_or_none("ulysses_degree", ulysses_degree)
+        if ulysses_degree is not None and mode != "usp":
+            raise ValueError(f"ulysses_degree is USP's; mode={mode!r} takes none")
+        if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
+            raise ValueError(f"tiled_mlp must be True, False or a positive int (tokens per tile), got {tiled_mlp!r}")
+        if not isinstance(offload_activations, bool):
+            raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
+        self.sequence_parallel_options = dict(
+            mode=mode,
+            layout=layout,
+            sequence_parallel_size=sequence_parallel_size,
+            ulysses_degree=ulysses_degree,
+            tiled_mlp=tiled_mlp,
+            offload_activations=offload_activations,
+            step_backend=step_backend,
+        )
+        self.sequence_parallel: SequenceParallelLayout | None = None
+        self._epochs: dict[str, _Epoch | None] = {}
+        self._eval_rows = 1
+        super().__init__(*args, **kwargs)
+        self._check_trainer_arguments()
+        self._prepare_model(self.model)
+
+    # ---- set-up -------------------------------------------------------------------
+
+    def _check_trainer_arguments(self) -> None:
+        args = self.args
+        unsupported = {
+            "label_smoothing_factor": args.label_smoothing_factor != 0,
+            "compute_loss_func": self.compute_loss_func is not None,
+            "compute_metrics (the logits of the whole sequence are never gathered)": self.compute_metrics is not None,
+            "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics is not None,
+            "several GPUs in one process (DataParallel): start one process per GPU": args.n_gpu > 1,
+            "DeepSpeed": getattr(self, "is_deepspeed_enabled", False),
+            "accelerate's parallelism_config": getattr(args, "parallelism_config", None) is not None,
+            "train_sampling_strategy='batch_rebalance'": getattr(args, "train_sampling_strategy", None)
+            == "batch_rebalance",
+        }
+        named = [name for name, present in unsupported.items() if present]
+        if named:
+            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(named)}")
+
+    def _prepare_model(self, model) -> None:
+        """Switch the model's attention to the mode (and tile its MLPs); the groups are
+        made on the first call (collective)."""
+        options = self.sequence_parallel_options
+        inner = self.accelerator.unwrap_model(model)
+        if self.sequence_parallel is None:
+            config = getattr(inner, "config", None)
+            text_config = getattr(config, "get_text_config", lambda: config)()
+            kv_heads = getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads",
+                                                                                    None)  # fmt: skip
+            self.sequence_parallel = make_layout(options["mode"], options["sequence_parallel_size"],
+                                                 options["ulysses_degree"], self.args.device, kv_heads)  # fmt: skip
+        check_model_head(inner)
+        layout = self.sequence_parallel
+        apply(inner, layout.mode, layout=options["layout"], step_backend=options["step_backend"], **layout.groups)
+        if options["tiled_mlp"]:
+            tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        if getattr(self, "sequence_parallel_options", None) is not None:
+            self._prepare_model(model)
+        return model
+
+    # ---- data ---------------------------------------------------------------------
+
+    def _read_by_replica(self, dataloader, kind: str):
+        """The Trainer's dataloader, sharded by replica instead of by rank: every rank of
+        a group gets the same batches."""
+        layout = self.sequence_parallel
+        batches = getattr(dataloader, "batch_sampler", None)
+        if not isinstance(batches, BatchSamplerShard):
+            batches = getattr(dataloader, "sampler", None)
+        dataset = getattr(dataloader, "dataset", None)
+        if isinstance(dataloader, DataLoaderDispatcher):
+            raise ValueError(
+                f"{type(self).__name__}: accelerate dispatches this dataloader's batches from rank 0 "
+                "(dispatch_batches, the default for an IterableDataset); sequence parallelism needs every rank of "
+                "a group to read the same batch: pass accelerator_config={'dispatch_batches': False}"
+            )
+        self._epochs[kind] = None
+        if isinstance(batches, BatchSamplerShard):
+            if not batches.even_batches and layout.replicas > 1:
+                raise ValueError(
+                    f"{type(self).__name__}: even_batches=False would give the replicas different numbers of "
+                    "batches, while every step's collectives need them all"
+                )
+            batches.num_processes, batches.process_index = layout.replicas, layout.replica
+            inner = batches.batch_sampler
+            sampler = getattr(inner, "sampler", None)
+            if getattr(inner, "batch_size", None) is not None and sampler is not None and hasattr(sampler, "__len__"):
+                per_replica = inner.batch_size // layout.replicas if batches.split_batches else inner.batch_size
+                self._epochs[kind] = _Epoch(len(sampler), per_replica, bool(inner.drop_last))
+        elif isinstance(dataset, IterableDatasetShard):
+            dataset.num_processes, dataset.process_index = layout.replicas, layout.replica
+        elif layout.world_size > 1 and layout.size > 1 and dataloader is not None:
+            raise ValueError(
+                f"{type(self).__name__}: cannot tell how accelerate sharded this dataloader "
+                f"({type(dataloader).__name__}); sequence parallelism needs every rank of a group to read the same "
+                "batches"
+            )
+        return dataloader
+
+    def get_train_dataloader(self):
+        return self._read_by_replica(super().get_train_dataloader(), "train")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._read_by_replica(super().get_eval_dataloader(eval_dataset), "eval")
+
+    def get_test_dataloader(self, test_dataset):
+        return self._read_by_replica(super().get_test_dataloader(test_dataset), "eval")
+
+    def get_total_train_batch_size(self, args) -> int:
+        return super().get_total_train_batch_size(args) // self.sequence_parallel.size
+
+    def _real_samples(self, kind: str) -> int | None:
+        """At the last batch of an epoch that does not fill every replica's batch, this
+        replica's real samples (accelerate topped up the rest); else None."""
+        epoch = self._epochs.get(kind)
+        state = self.accelerator.gradient_state
+        if epoch is None or epoch.drop_last or not state.end_of_dataloader:
+            return None
+        layout = self.sequence_parallel
+        remainder = epoch.samples % (epoch.per_replica * layout.replicas)
+        if remainder == 0:
+            return None
+        return min(max(remainder - layout.replica * epoch.per_replica, 0), epoch.per_replica)
+
+    @staticmethod
+    def _drop_samples_after(batch: dict, real: int) -> dict:
+        """The batch with the labels of its samples from index `real` on set to -100:
+        rows of a batch of whole sequences, documents of a packed row (position ids
+        restarting at 0, as DataCollatorWithFlattening makes)."""
+        labels = batch.get("labels")
+        if labels is None:
+            labels = batch["input_ids"]
+        labels = labels.clone()
+        positions = batch.get("position_ids")
+        if labels.shape[0] > 1 or positions is None:
+            labels[real:] = IGNORE_INDEX
+        else:
+            starts = torch.nonzero(positions[0] == 0).flatten().tolist()
+            if real < len(starts):
+                labels[0, starts[real] :] = IGNORE_INDEX
+        return {**batch, "labels": labels}
+
+    def _with_padding_dropped(self, batches, kind: str):
+        """batches (an iterator), with the last batch's top-up samples ignored."""
+        for batch in batches:
+            real = self._real_samples(kind)
+            yield batch if real is None else self._drop_samples_after(batch, real)
+
+    # ---- sharding and counting ----------------------------------------------------
+
+    def _shard(self, batch) -> dict:
+        layout = self.sequence_parallel
+        if "labels" not in batch:
+            raise ValueError(
+                f"{type(self).__name__}: the batch has no labels (keys {sorted(batch)}); the data collator must "
+                "give them (DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening)"
+            )
+        return shard_batch(batch, mode=layout.mode, layout=self.sequence_parallel_options["layout"],
+                           ignore_index=IGNORE_INDEX, **layout.groups)  # fmt: skip
+
+    def _gather_rows(self, row: torch.Tensor) -> list[list[int]]:
+        """Every rank's row (an int64 vector, the same length on every rank), in rank
+        order: one all-gather, one host sync."""
+        layout = self.sequence_parallel
+        if layout.world_size == 1:
+            return [row.tolist()]
+        gathered = row.new_empty(layout.world_size * row.numel())
+        dist.all_gather_into_tensor(gathered, row)
+        return gathered.view(layout.world_size, row.numel()).tolist()
+
+    def _check_same_batches(self, batches: list) -> None:
+        """Raise ValueError on every rank if two ranks of a group hold different
+        batches (one small all-gather of their checksums, before any sharding)."""
+        layout = self.sequence_parallel
+        if layout.size == 1:
+            return
+        rows = self._gather_rows(torch.stack([_batch_checksum(batch) for batch in batches]))
+        groups = [rows[replica * layout.size : (replica + 1) * layout.size] for replica in range(layout.replicas)]
+        disagree = [replica for replica, group in enumerate(groups) if any(row != group[0] for row in group)]
+        if disagree:
+            raise ValueError(
+                f"{type(self).__name__}: the ranks of sequence-parallel group(s) {disagree} read different "
+                "batches (a collator or sampler with randomness of its own?); every rank of a group must read the "
+                "same batch"
+            )
+
+    def _shard_and_count(self, batches: list, trainer_count=None) -> tuple[list, float | None]:
+        """Every batch sharded for this rank, carrying (its group's real tokens, every
+        replica's) under _COUNTS_KEY; and trainer_count (the Trainer's
+        num_items_in_batch on this rank) as the one-process Trainer counts it. Two small
+        all-gathers over the world: the batches' checksums, then the counts."""
+        layout = self.sequence_parallel
+        batches = [self._prepare_inputs(batch) for batch in batches]
+        self._check_same_batches(batches)
+        local = [self._shard(batch) for batch in batches]
+        own = torch.zeros((), dtype=torch.int64, device=local[0]["shift_labels"].device)
+        if trainer_count is not None:
+            own += torch.as_tensor(trainer_count, device=own.device).round().long()
+        counts = [(shard["shift_labels"] != IGNORE_INDEX).sum() for shard in local]
+        rows = self._gather_rows(torch.stack(counts + [own]))
+        group_rows = rows[layout.replica * layout.size : (layout.replica + 1) * layout.size]
+        for index, shard in enumerate(local):
+            shard[_COUNTS_KEY] = (float(sum(row[index] for row in group_rows)), float(sum(row[index] for row in rows)))
+        one_process = None
+        if trainer_count is not None:
+            if self.args.average_tokens_across_devices and layout.world_size > 1:
+                one_process = float(trainer_count) / layout.size  # the Trainer summed P copies of each replica's
+            else:
+                one_process = float(sum(row[-1] for row in rows)) / layout.size
+        return local, one_process
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, sharded for this rank, and num_items_in_batch as
+        the one-process Trainer has it (None where it counts none)."""
+        batches, num_items = super().get_batch_samples(self._with_padding_dropped(epoch_iterator, "train"),
+                                                       num_batches, device)  # fmt: skip
+        if not batches:
+            return batches, num_items
+        local, one_process = self._shard_and_count(batches, num_items)
+        if one_process is not None:
+            num_items = torch.tensor(one_process, dtype=torch.float64, device=device)
+        return local, num_items
+
+    # ---- the loss -----------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss of this rank's tokens, scaled for the Trainer (see the module's
+        docstring); inputs: a batch sharded by get_batch_samples, or a full batch
+        (evaluation, or a direct call), sharded here."""
+        layout = self.sequence_parallel
+        training = model.training and torch.is_grad_enabled()
+        if _COUNTS_KEY in inputs:
+            local = dict(inputs)
+        else:
+            if not training:
+                real = self._real_samples("eval")
+                inputs = inputs if real is None else self._drop_samples_after(inputs, real)
+                self._eval_rows = self._one_process_rows(real)
+            [local], _ = self._shard_and_count([inputs])
+        group_tokens, all_tokens = local.pop(_COUNTS_KEY)
+        shift_labels = local.pop("shift_labels")
+        inner = self.accelerator.unwrap_model(model)  # inside DDP, FSDP, torch.compile
+        no_logits = torch.empty(0, dtype=torch.long, device=shift_labels.device)
+        outputs = {}
+
+        def forward():
+            outputs["model"] = model(**local, logits_to_keep=no_logits, use_cache=False)
+            return outputs["model"]
+
+        def loss_of(hidden):
+            return model_loss(inner, hidden, shift_labels, **layout.loss_groups)
+
+        offload = training and self.sequence_parallel_options["offload_activations"]
+        with offloading(min_bytes=OFFLOAD_MIN_BYTES) if offload else contextlib.nullcontext():
+            share = loss_through_forward(forward, inner, inner.base_model, loss_of)  # its group's mean
+        group_sum = share.detach().double() * group_tokens
+        if training:
+            denominator = all_tokens if num_items_in_batch is None else float(num_items_in_batch)
+            value_scale = layout.replicas * group_tokens / max(denominator, 1.0)
+            # DDP and FSDP average the gradients over the world: each rank's share is
+            # scaled by the world size, so that their average is the one-process gradient.
+            grad_scale = value_scale * layout.world_size / layout.replicas
+            loss = share.detach() * value_scale + (share - share.detach()) * grad_scale
+        else:
+            if layout.world_size > 1:  # each group's sum, once from each of its P ranks
+                dist.all_reduce(group_sum)
+                group_sum = group_sum / layout.size
+            loss = (group_sum / max(all_tokens, 1.0)).float()
+        if return_outputs:
+            result = outputs["model"]
+            result["loss"] = loss
+            return loss, result
+        return loss
+
+    # ---- evaluation ---------------------------------------------------------------
+
+    def _one_process_rows(self, real: int | None) -> int:
+        """How many times the one-process Trainer counts its global batch's loss: its
+        eval batch size (per-device x replicas), the real samples of a last partial batch."""
+        layout = self.sequence_parallel
+        if real is None:
+            return self.args.eval_batch_size * layout.replicas
+        epoch = self._epochs["eval"]
+        return epoch.samples % (epoch.per_replica * layout.replicas)
+
+    def _gather_eval_losses(self, losses, *args, **kwargs):
+        """The Trainer's gather of the losses: every rank holds the global batch's loss,
+        counted as many times as the one-process Trainer counts it."""
+        return losses.reshape(-1)[:1].repeat(self._eval_rows)
+
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._gather_eval_losses  # the Trainer resets it after the loop
+        return super().evaluation_loop(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        raise ValueError(
+            f"{type(self).__name__}.predict: predictions are the logits of the whole sequence, which sequence "
+            "parallelism never gathers; use evaluate() for the loss"
+        )
+
+
+class SequenceParallelTrainer(SequenceParallelTrainerMixin, Trainer):
+    """transformers.Trainer with sequence parallelism: SequenceParallelTrainerMixin's
+    arguments (mode, layout, sequence_parallel_size, ulysses_degree, tiled_mlp,
+    offload_activations, step_backend) besides the Trainer's."""

@@ -1,0 +1,196 @@
+"""On one GPU (skipped without one): the GPU paths no other test file reaches there.
+
+- The "aten" step backend's real library calls (seqpar_kernels/parallel/block_attention.py
+  CudaLibraryBlocks: flash-attention 2, cuDNN, the memory-efficient kernel, with and
+  without the additive mask of packed documents) over the steps of a ring (a causal
+  diagonal block, then full blocks), each block's (out, lse) merged by the CUDA
+  attention_merge_, then every block's backward given the final out and lse, against
+  fp64 attention over all the keys by the accuracy rule (tools/reference.py). Without a
+  GPU, test_step_backends.py runs the same code on CPU stand-ins of those kernels.
+- Ring, Ulysses and USP attention over an NCCL process group of one rank (its
+  collectives: the ranks' check, Ulysses' all-to-all), forward and backward, against
+  fp64 attention by the same rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine import step_backends
+from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks
+from tools import reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def _randn(generator, *shape, dtype):
+    return torch.randn(*shape, generator=generator, dtype=torch.float64, device="cuda").to(dtype)
+
+
+def _attention(q, k, v, scale, keep):
+    """Plain attention in q's dtype, scores materialised: q (B, S, H, D), k/v (B, T, H_kv,
+    D), keep (S, T) bool. The exact answer for fp64 inputs, the yardstick otherwise."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v)
+
+
+def _failures(ours, exact, plain, dtype) -> list[str]:
+    failures = []
+    for name, got, want, yardstick in zip(NAMES, ours, exact, plain):
+        err, plain_err = reference.max_error(got, want), reference.max_error(yardstick, want)
+        bound = reference.error_bound(dtype, plain_err, reference.magnitude(want))
+        if not (torch.isfinite(got).all() and err <= bound):
+            failures.append(f"{name}: err {err:.3g} > {bound:.3g} (plain torch in {dtype} {plain_err:.3g})")
+    return failures
+
+
+# (kernel, dtype, q heads, kv heads, head dim): each library kernel at the head dims and
+# GQA/MQA mappings the ring hands it (flash-attention reads kv heads as they are, cuDNN and
+# the memory-efficient kernel get them repeated), odd block lengths.
+LIBRARY_CASES = [
+    (FLASH, torch.bfloat16, 4, 2, 128),
+    (FLASH, torch.float16, 4, 1, 256),
+    (CUDNN, torch.bfloat16, 4, 2, 128),
+    (CUDNN, torch.float16, 4, 4, 64),
+    (EFFICIENT, torch.bfloat16, 4, 2, 80),
+]
+
+
+@pytest.mark.parametrize("kernel, dtype, heads, kv_heads, head_dim", LIBRARY_CASES,
+                         ids=lambda value: str(value).removeprefix("torch."))  # fmt: skip
+def test_aten_steps_on_the_library_kernels(kernel, dtype, heads, kv_heads, head_dim):
+    # A ring step by step on one GPU: this rank's 333 queries over a causal diagonal block
+    # of 333 keys, then full blocks of 700 and 260 keys of earlier ranks.
+    generator = torch.Generator(device="cuda").manual_seed(31)
+    q_len, full_lens = 333, (700, 260)
+    q, dout = (_randn(generator, 1, q_len, heads, head_dim, dtype=dtype) for _ in range(2))
+    blocks = [
+        (
+            _randn(generator, 1, length, kv_heads, head_dim, dtype=dtype),
+            _randn(generator, 1, length, kv_heads, head_dim, dtype=dtype),
+        )
+        for length in (q_len, *full_lens)
+    ]
+    scale = head_dim**-0.5
+    steps = step_backends.AtenSteps(cpu_blocks=None, cuda_blocks=CudaLibraryBlocks(kernel=kernel))
+    out = torch.zeros(1, q_len, heads, head_dim, dtype=torch.float32, device="cuda")
+    lse = torch.full((1, heads, q_len), float("-inf"), dtype=torch.float32, device="cuda")
+    for index, (k, v) in enumerate(blocks):
+        steps.forward(q, k, v, out, lse, scale, index == 0)
+    final = out.to(dtype)  # what the ring returns and its backward is given
+    dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    grads_kv = [[torch.zeros(k.shape, dtype=torch.float32, device="cuda") for _ in range(2)] for k, _ in blocks]
+    for index, ((k, v), grad_kv) in enumerate(zip(blocks, grads_kv)):
+        steps.backward(dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, scale, index == 0)
+    ours = [final, dq, torch.cat([dk for dk, _ in grads_kv], 1), torch.cat([dv for _, dv in grads_kv], 1)]
+
+    k_all, v_all = (torch.cat([block[i] for block in blocks], 1) for i in (0, 1))
+    keep = torch.ones(q_len, k_all.shape[1], dtype=torch.bool, device="cuda")
+    keep[:, :q_len] = torch.ones(q_len, q_len, dtype=torch.bool, device="cuda").tril()
+    exact = reference.with_grads(lambda *t: _attention(*t, scale, keep), [t.double() for t in (q, k_all, v_all)],
+                                 dout.double())  # fmt: skip
+    plain = reference.with_grads(lambda *t: _attention(*t, scale, keep), [q, k_all, v_all], dout)
+    failures = _failures(ours, [exact[0], *exact[2:]], [plain[0], *plain[2:]], dtype)
+    assert not failures, "\n".join(failures)
+
+
+def test_aten_masked_steps_on_the_memory_efficient_kernel():
+    # Packed documents (attention inside each, not causal): blocks under an additive mask
+    # (the memory-efficient kernel), each with rows that see none of its keys (their lse
+    # set to -inf before the merge leaves them untouched).
+    generator = torch.Generator(device="cuda").manual_seed(32)
+    dtype, heads, kv_heads, head_dim, q_len, k_len = torch.bfloat16, 4, 2, 64, 150, 190
+    q, dout = (_randn(generator, 1, q_len, heads, head_dim, dtype=dtype) for _ in range(2))
+    blocks = [(_randn(generator, 1, k_len, kv_heads, head_dim, dtype=dtype),
+               _randn(generator, 1, k_len, kv_heads, head_dim, dtype=dtype)) for _ in range(2)]  # fmt: skip
+    # Documents [0, 100), [100, 250), [250, 400) by position; the queries at 190-339, the
+    # keys of block 0 at 0-189 (queries 250-339 see none), of block 1 at 340-529 (queries
+    # 190-249 see none).
+    document = lambda positions: torch.bucketize(positions, torch.tensor([100, 250]), right=True)  # noqa: E731
+    q_doc = document(torch.arange(190, 340))
+    keeps = [(q_doc[:, None] == document(torch.arange(first, first + k_len))[None, :]).cuda()
+             for first in (0, 340)]  # fmt: skip
+    scale = head_dim**-0.5
+    steps = step_backends.AtenSteps(cpu_blocks=None, cuda_blocks=CudaLibraryBlocks())  # EFFICIENT: masked blocks
+    out = torch.zeros(1, q_len, heads, head_dim, dtype=torch.float32, device="cuda")
+    lse = torch.full((1, heads, q_len), float("-inf"), dtype=torch.float32, device="cuda")
+    masks = [torch.zeros(keep.shape, device="cuda").masked_fill(~keep, float("-inf")) for keep in keeps]
+    for (k, v), keep, mask in zip(blocks, keeps, masks):
+        steps.forward_masked(q, k, v, out, lse, scale, mask, ~keep.any(1))
+    final = out.to(dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    grads_kv = [[torch.zeros(k.shape, dtype=torch.float32, device="cuda") for _ in range(2)] for k, _ in blocks]
+    for (k, v), grad_kv, mask in zip(blocks, grads_kv, masks):
+        steps.backward_masked(dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, scale, mask)
+    ours = [final, dq, torch.cat([dk for dk, _ in grads_kv], 1), torch.cat([dv for _, dv in grads_kv], 1)]
+
+    keep = torch.cat(keeps, 1)
+    assert keep.any(1).all() and not keeps[0].any(1).all() and not keeps[1].any(1).all()
+    k_all, v_all = (torch.cat([block[i] for block in blocks], 1) for i in (0, 1))
+    exact = reference.with_grads(lambda *t: _attention(*t, scale, keep), [t.double() for t in (q, k_all, v_all)],
+                                 dout.double())  # fmt: skip
+    plain = reference.with_grads(lambda *t: _attention(*t, scale, keep), [q, k_all, v_all], dout)
+    failures = _failures(ours, [exact[0], *exact[2:]], [plain[0], *plain[2:]], dtype)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------
+# NCCL, one rank
+# ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nccl_world(tmp_path):
+    """The world: an NCCL process group of one rank on cuda:0 (file:// rendezvous),
+    destroyed after the test."""
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this process")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1,
+                            device_id=device)  # fmt: skip
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_ulysses_and_usp_over_nccl_with_one_rank(nccl_world, causal):
+    generator = torch.Generator(device="cuda").manual_seed(33)
+    dtype, seqlen, heads, kv_heads, head_dim = torch.bfloat16, 1000, 8, 2, 128
+    q, dout = (_randn(generator, 2, seqlen, heads, head_dim, dtype=dtype) for _ in range(2))
+    k, v = (_randn(generator, 2, seqlen, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    scale = head_dim**-0.5
+    keep = torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda")
+    if causal:
+        keep = keep.tril()
+    exact = reference.with_grads(lambda *t: _attention(*t, scale, keep), [t.double() for t in (q, k, v)],
+                                 dout.double())  # fmt: skip
+    plain = reference.with_grads(lambda *t: _attention(*t, scale, keep), [q, k, v], dout)
+    ulysses_group, ring_group = sp.make_usp_groups(1, group=nccl_world)
+    assert dist.get_backend(nccl_world) == "nccl" and dist.get_world_size(ring_group) == 1
+    functions = {
+        "ring (auto)": lambda *t: sp.ring_attention(*t, group=nccl_world, causal=causal),
+        "ring (triton)": lambda *t: sp.ring_attention(*t, group=nccl_world, causal=causal, step_backend="triton"),
+        "ring (aten, zigzag)": lambda *t: sp.ring_attention(*t, group=nccl_world, causal=causal, layout="zigzag",
+                                                            step_backend="aten"),
+        "ulysses": lambda *t: sp.ulysses_attention(*t, group=nccl_world, causal=causal),
+        "usp": lambda *t: sp.usp_attention(*t, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal),
+    }  # fmt: skip
+    failures = []
+    for name, function in functions.items():
+        ours = reference.with_grads(function, [q, k, v], dout)
+        failures += [f"{name} {failure}" for failure in _failures([ours[0], *ours[2:]], [exact[0], *exact[2:]],
+                                                                  [plain[0], *plain[2:]], dtype)]  # fmt: skip
+    assert not failures, "\n".join(failures)

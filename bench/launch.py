@@ -78,8 +78,6 @@ def check_options(options: Options) -> None:
         raise SystemExit(f"--world-size must be at least 1, got {world_size}")
     if options.quick and options.full:
         raise SystemExit("--quick and --full exclude each other")
-    if options.quick and options.short:
-        raise SystemExit("--quick and --short exclude each other")
 
 
 def threads_per_rank(local_world_size: int) -> int:

@@ -1,9 +1,12 @@
 """python -m bench: the seqpar-kernels microbenchmark suite.
 
-    python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL
+    python -m bench                      4 CPU ranks over gloo, or every local GPU over NCCL:
+                                         every family at representative sizes (minutes)
+    python -m bench --full               the largest sizes (about 27 minutes on 2 cores)
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
-    python -m bench --short              full shapes, fewer timed rounds, no tile sweep (the
-                                         short GPU check: scripts/gpu_check.sh --short)
+    python -m bench --plan [--full]      what a run would do and about how long it takes
+    python -m bench --short              the default sizes, fewer timed rounds, no tile sweep
+                                         (the short GPU check: scripts/gpu_check.sh --short)
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
                                          attention, then its GPU step kernel and overlap probe),
                                          usp (every grid U x R of the ranks), varlen (packed
@@ -14,11 +17,13 @@
                                          integration; skipped without transformers)
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
-Prints one line per case as it goes, then a summary with the targets (bench/targets.py:
-bytes at theory, agreement, pack/unpack bandwidth and speed, ring and USP accuracy, zigzag share
-of ideal, overlap, step kernel speed, the loss's memory bound; the transformers modes' loss and
-gradients against one process's count as agreement) marked met or not met, and writes
-<device>-<backend><P>-<date>.csv, .json and .png under --out.
+Prints the plan first (each family's sizes and about how long it takes: bench/plan.py), a
+line per family with the time left, one line per case as it goes, then a summary with the
+targets (bench/targets.py: bytes at theory, agreement, pack/unpack bandwidth and speed, ring
+and USP accuracy, zigzag share of ideal, overlap, step kernel speed, the loss's memory bound;
+the transformers modes' loss and gradients against one process's count as agreement) marked
+met or not met, and writes <device>-<backend><P>-<date>[-quick|-full].csv, .json and .png
+under --out.
 """
 
 from __future__ import annotations
@@ -40,11 +45,16 @@ def parse_options(argv: list[str] | None = None) -> Options:
                              "ignored under torchrun)")  # fmt: skip
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl when CUDA GPUs are present, else gloo")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (seconds)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (seconds)")
+    sizes.add_argument("--full", action="store_true",
+                       help="the largest sizes (default: representative sizes, minutes in all)")  # fmt: skip
+    parser.add_argument("--plan", action="store_true",
+                        help="print what the run would do and about how long it takes, and run nothing")  # fmt: skip
     parser.add_argument(
         "--short",
         action="store_true",
-        help="full shapes, 10 to 30 timed rounds a case and no tile sweep (the short GPU check)",
+        help="the default sizes, 10 to 30 timed rounds a case and no tile sweep (the short GPU check)",
     )
     parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
                         help="run only this benchmark (repeatable; default: all)")  # fmt: skip
@@ -55,6 +65,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
         world_size=args.world_size,
         backend=args.backend,
         quick=args.quick,
+        full=args.full,
+        plan_only=args.plan,
         only=tuple(dict.fromkeys(args.only or BENCHES)),  # in order, each once
         out=args.out,
         short=args.short,

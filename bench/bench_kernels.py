@@ -34,6 +34,7 @@ import torch
 from bench.baselines import heads_to_front, repeat_kv_heads, unfused_attention_merge_
 from bench.cases import run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, gbps, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement
@@ -82,6 +83,17 @@ def cases(ctx: Context) -> list[KernelCase]:
         KernelCase(1, 2048, 16, 2, 128, bf16),
         KernelCase(1, 2048, 16, 16, 64, torch.float32),
     ]
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("2 tiny cases", 3),
+    default=Size(
+        "pack and unpack of 4 q/k/v layouts at S_l = 2048, H = 16 (MHA, GQA, fp32)",
+        10,
+        gpu_runs="3 layouts at S_l = 8K to 16K, H = 32, D = 128",
+    ),
+    full=Size("the default's cases", 10, gpu_runs="the default's cases"),
+)
 
 
 def destinations_for(ctx: Context) -> int:

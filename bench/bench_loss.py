@@ -14,12 +14,12 @@ Row (bench column "loss"), forward + backward (the hidden and weight gradients),
             side; speedup = baseline / ours
 
 Memory per rank does not depend on the world size (the loss's collectives move two
-numbers), so the family runs in one process: rank 0, with its share of the machine's
-cores and a group of its own (the loss over the world would wait for the other ranks),
-while the other ranks wait (python -m bench --only loss --world-size 1 gives it every
-core). The sizes: vocabulary 128K (131072), 4K to 64K tokens per rank, hidden size
-64: the logits' size and the softmax work do not depend on the hidden size, and 64
-keeps the GEMMs of 64K tokens at about a minute per forward + backward on 2 cores.
+numbers), so the family runs in one process: rank 0, with every core of the machine on
+CPU (ours and the baseline alike) and a group of its own (the loss over the world would
+wait for the other ranks), while the other ranks wait at a barrier. The sizes:
+vocabulary 128K (131072), DEFAULT_TOKENS per rank (--full: FULL_TOKENS, 4K to 64K),
+hidden size 64: the logits' size and the softmax work do not depend on the hidden size,
+and 64 keeps the GEMMs of 64K tokens at about a minute per forward + backward on 2 cores.
 
 The baseline holds about MATERIALISED_PEAK_FACTOR x the fp32 logits (the logits, their
 log-softmax, the gradient), 12 GiB at 8K tokens x 128K: it is run only when that
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from bench.cases import run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import LOSS_BENCH, Row
 from bench.timing import time_side_by_side
 from seqpar_kernels import sequence_parallel_cross_entropy
@@ -61,7 +62,11 @@ BASELINE_NOTE = (
 
 VOCAB = 131072
 HIDDEN = 64
-TOKENS = (4096, 8192, 16384, 32768, 65536)
+# --full: up to 64K tokens, where the materialised logits (96 GiB) no longer fit; the
+# default: two sizes at which both run, the materialised peak growing with the tokens
+# while ours stays one chunk (a minute or two on 2 cores).
+FULL_TOKENS = (4096, 8192, 16384, 32768, 65536)
+DEFAULT_TOKENS = (1024, 4096)
 # --quick: small enough for seconds, with chunks well below the tokens so that the
 # bound still means something.
 QUICK_VOCAB, QUICK_HIDDEN, QUICK_TOKENS, QUICK_CHUNK = 8192, 32, (256, 1024), 64
@@ -72,7 +77,7 @@ IGNORED_SHARE = 0.1
 # parameters' gradients.
 MATERIALISED_PEAK_FACTOR = 3
 MEMORY_MARGIN = 3 * 2**30
-# Per case: the big ones take about a minute a call (TOKENS above), so few rounds;
+# Per case: the big ones take about a minute a call (FULL_TOKENS), so few rounds;
 # small ones get more, up to seconds_per_case.
 REPETITIONS = dict(warmup=1, reps=3, max_reps=10, seconds_per_case=20.0)
 # The loss's independent reference: F.cross_entropy over this many tokens at a time.
@@ -125,7 +130,20 @@ class LossCase:
 def loss_cases(ctx: Context) -> list[LossCase]:
     if ctx.quick:
         return [LossCase(tokens, QUICK_VOCAB, QUICK_HIDDEN, QUICK_CHUNK) for tokens in QUICK_TOKENS]
-    return [LossCase(tokens, VOCAB, HIDDEN, None) for tokens in TOKENS]
+    return [LossCase(tokens, VOCAB, HIDDEN, None) for tokens in (FULL_TOKENS if ctx.full else DEFAULT_TOKENS)]
+
+
+SIZES = Sizes(
+    quick=Size("vocabulary 8192, 256 and 1024 tokens", 2),
+    default=Size(
+        f"vocabulary 128K, {' and '.join(f'{t // 1024}K' for t in DEFAULT_TOKENS)} tokens, both sides on every core", 70
+    ),
+    full=Size(
+        f"vocabulary 128K, {', '.join(f'{t // 1024}K' for t in FULL_TOKENS)} tokens (materialised "
+        "logits where they fit)",
+        1080,
+    ),
+)
 
 
 def available_memory() -> int | None:
@@ -247,9 +265,11 @@ def run(ctx: Context) -> list[Row]:
     group = dist.new_group([0]) if ctx.world_size > 1 else None
     if ctx.is_root:
         ctx.log(BASELINE_NOTE)
-        ctx.log(f"loss: one process (rank 0, {torch.get_num_threads()} threads); available memory "
-                f"{(available_memory() or 0) / GiB:.1f} GiB (the baseline runs where its estimate fits)")  # fmt: skip
-        for case in loss_cases(ctx):
-            rows += run_case(ctx, LOSS_BENCH, measure_loss, case, group)
+        with ctx.every_core():  # ours and the baseline alike
+            ctx.log(f"loss: one process (rank 0, {torch.get_num_threads()} threads: every core, both sides); "
+                    f"available memory {(available_memory() or 0) / GiB:.1f} GiB (the baseline runs where its "
+                    f"estimate fits)")  # fmt: skip
+            for case in loss_cases(ctx):
+                rows += run_case(ctx, LOSS_BENCH, measure_loss, case, group)
     ctx.barrier()  # the other ranks wait here, leaving the cores to rank 0
     return rows

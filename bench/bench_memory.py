@@ -55,6 +55,7 @@ import torch.distributed as dist
 from bench.bench_transformers import ModelSize
 from bench.cases import run_case
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import MEMORY_BENCH, Row
 from seqpar_kernels.testing import peak_cpu_memory
 
@@ -121,10 +122,17 @@ class MemoryCase:
         return f"{self.model.label}; 1 x {self.tokens} tokens"
 
 
+SIZES = Sizes(
+    quick=Size(f"a tiny Llama, {' and '.join(map(str, QUICK_TOKENS))} tokens", 10),
+    default=Size(f"Llama of 2 layers, hidden 128, {', '.join(map(str, TOKENS))} tokens, 5 configurations", 60),
+    full=Size(f"Llama of 4 layers, hidden 256, {', '.join(map(str, FULL_TOKENS))} tokens", 600),
+)
+
+
 def sizes(ctx: Context) -> tuple[ModelSize, tuple[int, ...]]:
     if ctx.quick:
         return QUICK_MODEL, QUICK_TOKENS
-    if getattr(ctx, "full", False):
+    if ctx.full:
         return FULL_MODEL, FULL_TOKENS
     return MODEL, TOKENS
 

@@ -14,6 +14,7 @@ import torch
 from bench.baselines import SentBytes, unfused_reshard
 from bench.cases import exchange_row, run_case
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
@@ -61,6 +62,17 @@ def cases(ctx: Context) -> list[ReshardCase]:
         ReshardCase((1, 16, 1024, 1152), "S->T", fp32),
         ReshardCase((1, 15, 1000, 1152), "S->T", bf16),  # T uneven over 4 ranks
     ]
+
+
+SIZES = Sizes(  # the default is the full list: the family takes under a minute on CPU
+    quick=Size("2 tiny cases", 4),
+    default=Size(
+        "6 cases of video latents (1, 16, 256 or 1024, 1152): both directions, bf16 and fp32, a sliced input, uneven T",
+        15,
+        gpu_runs="5 cases up to (2, 32, 4096, 1152)",
+    ),
+    full=Size("the default's cases", 15, gpu_runs="the default's cases"),
+)
 
 
 def split_sizes(total: int, world_size: int) -> list[int]:

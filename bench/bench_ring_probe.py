@@ -22,6 +22,7 @@ import torch
 
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_driver
 from bench.rows import PROBE_BENCH, Row, short_dtype
 from bench.timing import time_side_by_side
@@ -71,6 +72,13 @@ def probe_cases(ctx: Context) -> list[ProbeCase]:
         ProbeCase(4096, 32, 32, 128, bf16, 8, "contiguous", False, True),
         ProbeCase(4096, 32, 32, 128, bf16, 8, "zigzag", True, True),
     ]
+
+
+SIZES = Sizes(  # GPU only: nothing runs on CPU (the ring family's CPU line names none)
+    quick=Size("", 0, gpu_runs="probe: 2 tiny rings"),
+    default=Size("", 0, gpu_runs="probe: 5 rings of 8 virtual steps, S_l = 1K to 4K, H = 32, D = 128"),
+    full=Size("", 0, gpu_runs="probe: the default's rings"),
+)
 
 
 def measure_probe(case: ProbeCase, ctx: Context) -> Row:

@@ -44,6 +44,7 @@ from bench import hardware, step_table
 from bench.baselines import leaves, sdpa
 from bench.cases import run_on_one_gpu, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import accuracy_verdict, chunked_attention, within_error_rule
@@ -90,6 +91,13 @@ def step_cases(ctx: Context) -> list[StepCase]:
             for causal in (False, True):
                 cases.append(StepCase(1, seqlen, heads, 128, torch.bfloat16, causal, backward))
     return cases
+
+
+SIZES = Sizes(  # GPU only: nothing runs on CPU
+    quick=Size("GPU only", 0, gpu_runs="step kernels at S = 512"),
+    default=Size("GPU only", 0, gpu_runs="step kernels at S = 4K, 8K, 16K, D = 128, and the tile sweep"),
+    full=Size("GPU only", 0, gpu_runs="the default's cases"),
+)
 
 
 def sdpa_backends():

@@ -7,7 +7,8 @@ rank; nothing is downloaded), fp32: hidden 256, 4 layers, 8 query heads / 2 kv h
 dimension 32, MLP 688, vocabulary 32000. The batch: documents of random lengths (1 to a
 third of the tokens, seeded) packed into one row by transformers'
 DataCollatorWithFlattening (position ids restarting at 0, labels -100 at each document's
-first token), 1024 and 4096 tokens in all (--quick: a tiny model, 64 tokens).
+first token), 1024 and 2048 tokens in all (--full: 1024 and 4096; --quick: a tiny model,
+64 tokens).
 
 Candidates, timed side by side in one time_side_by_side call per case (interleaved
 rounds, a sample is the slowest rank's time):
@@ -63,17 +64,16 @@ skipped and why, and records no row.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from bench.cases import run_case, timed_row
-from bench.context import Context
+from bench.context import Context, machine_threads
+from bench.plan import Size, Sizes
 from bench.rows import TRANSFORMERS_BENCH, Row
 from bench.timing import time_side_by_side
 from seqpar_kernels.testing import peak_cpu_memory
@@ -98,8 +98,10 @@ GRAD_RTOL = 1e-4
 SEED = 0
 # Per case: a step takes about a second (1024 tokens) to ten (4096; the single process's
 # masked attention over the whole row); every candidate has run twice before timing
-# (the check, the memory), so one warm-up round.
+# (the check, the memory), so one warm-up round. The default fills half the time with
+# rounds (5 at least either way).
 REPETITIONS = dict(warmup=1, reps=5, max_reps=15, seconds_per_case=60.0)
+DEFAULT_REPETITIONS = dict(REPETITIONS, seconds_per_case=30.0)
 MiB = 2**20
 
 
@@ -121,7 +123,10 @@ class ModelSize:
 
 FULL_MODEL = ModelSize(vocab=32000, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2, head_dim=32)
 QUICK_MODEL = ModelSize(vocab=512, hidden=64, intermediate=128, layers=2, heads=8, kv_heads=2, head_dim=8)
-TOKENS = (1024, 4096)
+# --full: 1024 and 4096 tokens; the default stops at 2048 (the single process's masked
+# attention grows with the square of the tokens: 8 s a step at 4096 on 2 cores).
+FULL_TOKENS = (1024, 4096)
+DEFAULT_TOKENS = (1024, 2048)
 QUICK_TOKENS = (64,)
 
 
@@ -156,7 +161,18 @@ def transformers_unavailable() -> str | None:
 def cases(ctx: Context) -> list[TransformersCase]:
     if ctx.quick:
         return [TransformersCase(QUICK_MODEL, tokens) for tokens in QUICK_TOKENS]
-    return [TransformersCase(FULL_MODEL, tokens) for tokens in TOKENS]
+    return [TransformersCase(FULL_MODEL, tokens) for tokens in (FULL_TOKENS if ctx.full else DEFAULT_TOKENS)]
+
+
+SIZES = Sizes(
+    quick=Size("a tiny Llama, 64 tokens", 8),
+    default=Size(
+        f"Llama of 19.2M parameters, {' and '.join(map(str, DEFAULT_TOKENS))} packed tokens, "
+        "3 modes against one process",
+        120,
+    ),
+    full=Size(f"the same model, {' and '.join(map(str, FULL_TOKENS))} packed tokens", 210),
+)
 
 
 def packed_batch(tokens: int, vocab: int, seed: int) -> tuple[dict, list[int]]:
@@ -193,28 +209,6 @@ def usp_mesh(ctx: Context):
     return init_device_mesh(ctx.device.type, (ctx.world_size // ulysses, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
-def machine_threads() -> int:
-    """The cores this process may run on (the whole machine's, where the ranks share it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def single_process_threads(ctx: Context):
-    """On CPU: every core for the single process's call (the other ranks wait meanwhile)."""
-    if ctx.on_gpu:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(machine_threads())
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @dataclass
 class Candidate:
     """One candidate's model and step on this rank (step None: nothing to do here)."""
@@ -235,7 +229,7 @@ def single_candidate(ctx: Context, model, batch: dict) -> Candidate:
         return Candidate(SINGLE, None, None)
 
     def step():
-        with single_process_threads(ctx):
+        with ctx.every_core():
             model.zero_grad(set_to_none=True)
             loss = model(**batch).loss  # transformers shifts the labels itself
             loss.backward()
@@ -353,7 +347,7 @@ def measure(case: TransformersCase, ctx: Context, mesh) -> list[Row]:
     single_peak = peak_memory(ctx, single)
     peaks = {candidate.name: every_rank(ctx, peak_memory(ctx, candidate)) for candidate in modes}
 
-    timing_ctx = ctx if ctx.quick else dataclasses.replace(ctx, **REPETITIONS)
+    timing_ctx = ctx if ctx.quick else dataclasses.replace(ctx, **(REPETITIONS if ctx.full else DEFAULT_REPETITIONS))
     timings = time_side_by_side({candidate.name: candidate.run for candidate in [single, *modes]}, timing_ctx)
 
     threads = "every core" if not ctx.on_gpu else "one GPU"

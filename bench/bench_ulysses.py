@@ -19,6 +19,7 @@ import seqpar_kernels.parallel.ulysses as ulysses_module
 from bench.baselines import SentBytes, unfused_ulysses_attention
 from bench.cases import exchange_row, run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
@@ -84,6 +85,17 @@ def exchange_cases(ctx: Context) -> list[UlyssesCase]:
         UlyssesCase(1, 8192, 16, 4, 128, bf16),
         UlyssesCase(1, 8192, 16, 2, 128, bf16),
     ]
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("3 tiny cases", 10),
+    default=Size(
+        "4 attention cases at S = 2048 (fp32: 1024), H = 16, D = 64, MHA and GQA; 4 exchange-only cases up to S = 8192",
+        40,
+        gpu_runs="S = 32K attention, 128K exchange-only, H = 32, D = 128",
+    ),
+    full=Size("the default's cases", 40, gpu_runs="the default's cases"),
+)
 
 
 def local_qkv(case: UlyssesCase, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,6 +46,7 @@ import seqpar_kernels.comm.ring as ring_module
 from bench.baselines import leaves, single_device_attention
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype, usp_grid_label
 from bench.timing import time_side_by_side
 from bench.verify import checked_heads, judge_attention
@@ -114,6 +115,18 @@ def usp_cases(ctx: Context) -> list[UspCase]:
             for layout, causal in masks:
                 cases.append(UspCase(1, local_len, heads, kv_heads, head_dim, bf16, layout, causal, backward))
     return cases
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("S = 64, 2 cases", 3),
+    default=Size(
+        "S = 2048 forward, 1024 forward + backward, D = 64: MHA H = 8 full and zigzag, GQA 8/2, "
+        "H = 2 zigzag; 8 cases, every grid",
+        55,
+        gpu_runs="S_l = 4096 per rank, H = 32, D = 128",
+    ),
+    full=Size("the default's cases", 55, gpu_runs="the default's cases"),
+)
 
 
 # ----------------------------------------------------------------------------------

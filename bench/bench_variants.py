@@ -29,6 +29,7 @@ import torch
 from bench.baselines import leaves
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, checked_heads, measure_volume, within_error_rule
@@ -75,6 +76,14 @@ def variant_cases(ctx: Context) -> list[WindowCase]:
                     cases.append(WindowCase(1, local_len, heads, kv_heads, head_dim, dtype, "contiguous", True,
                                             backward, window))  # fmt: skip
     return cases
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("S_l = 16, 3 windows, forward and forward + backward", 5),
+    default=Size("S_l = 512 forward, 256 forward + backward, H = 8 / 2 kv, D = 64, bf16 and fp32: 3 windows each, "
+                 "12 cases", 60, gpu_runs="S_l = 8192, H = 32 / 8 kv, D = 128, bf16: 6 cases"),
+    full=Size("the default's cases", 60, gpu_runs="the default's cases"),
+)  # fmt: skip
 
 
 def ring_steps(case: WindowCase, world_size: int) -> int:

@@ -67,6 +67,7 @@ from bench.baselines import leaves, single_device_attention
 from bench.bench_usp import Candidate, Grid, gather_pieces, measure_group_bytes, piece_positions, theory_bytes
 from bench.cases import AttentionCase, run_case, timed_row
 from bench.context import Context
+from bench.plan import Size, Sizes
 from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, accuracy_verdict, checked_heads, chunked_attention
@@ -277,6 +278,18 @@ def varlen_cases(ctx: Context) -> list[VarlenCase]:
             cases.append(VarlenCase(1, local_len, heads, kv_heads, head_dim, torch.bfloat16, "zigzag", True,
                                     backward, method, grid, cu_seqlens))  # fmt: skip
     return cases
+
+
+SIZES = Sizes(  # the default is the full list
+    quick=Size("N = 256, every function and layout", 7),
+    default=Size(
+        "N = 2048 forward, 1024 forward + backward, H = 8 / 2 kv, D = 64, 34 documents: ring, "
+        "Ulysses, USP, layouts; 8 cases",
+        25,
+        gpu_runs="S_l = 8192 per rank, H = 32 / 8 kv, D = 128",
+    ),
+    full=Size("the default's cases", 25, gpu_runs="the default's cases"),
+)
 
 
 # ----------------------------------------------------------------------------------

@@ -4,14 +4,15 @@ on every rank, inference under no_grad) under each mode of
 seqpar_kernels.integrations.diffusers, side by side with diffusers' own context
 parallelism where it runs, and with one process.
 
-Sizes (SIZES: the one place; --quick takes "quick"): latent frames x height x width x
+Models (MODELS: the one place; SIZES says what each size runs): latent frames x height x width x
 channels and the model's width from the published configurations, scaled to fit:
   Latte (maxin-cn/Latte-1: 16 frames of 64 x 64 x 4 latents at 512 px, patch 2, 16 heads
         of 72, 28 spatial-temporal pairs, T5 captions of 120 tokens)
   Wan   (Wan2.1-T2V-1.3B: 81 frames at 480 x 832 -> 21 x 60 x 104 x 16 latents, patch
         (1, 2, 2), 12 heads of 128, 30 blocks, 512 text tokens)
 "default" keeps the frames, channels and head counts and scales the rest down (a few
-seconds per candidate on 4 CPU ranks); "full" is the published shape and depth (GPUs).
+seconds per candidate on 4 CPU ranks); "full" is the published shape and depth, on GPUs
+(--full on CPUs runs the default's: the published shapes take hours there).
 Random weights, the same on every rank; nothing is downloaded.
 
 Candidates, timed side by side in one time_side_by_side call per model (interleaved
@@ -49,9 +50,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bench.bench_transformers import machine_threads, single_process_threads, usp_mesh
+from bench.bench_transformers import usp_mesh
 from bench.cases import run_case, timed_row
-from bench.context import Context
+from bench.context import Context, machine_threads
+from bench.plan import Size, Sizes
 from bench.rows import VIDEO_BENCH, Row, short_dtype
 from bench.timing import time_side_by_side
 from seqpar_kernels import comm_stats
@@ -99,7 +101,7 @@ class VideoModel:
 
 LATTE = "maxin-cn/Latte-1"
 WAN = "Wan2.1-T2V-1.3B"
-SIZES = {
+MODELS = {
     "quick": (VideoModel("Latte", 4, 8, 8, 4, 4, 8, 1, 8, 16, source=LATTE),
               VideoModel("Wan", 3, 8, 8, 16, 4, 8, 1, 8, 16, source=WAN)),
     "default": (VideoModel("Latte", 16, 16, 16, 4, 16, 8, 2, 30, 64, source=LATTE),
@@ -107,6 +109,20 @@ SIZES = {
     "full": (VideoModel("Latte", 16, 64, 64, 4, 16, 72, 28, 120, 4096, source=LATTE),
              VideoModel("Wan", 21, 60, 104, 16, 12, 128, 30, 512, 4096, source=WAN)),
 }  # fmt: skip
+
+
+def models_at(ctx: Context) -> str:
+    """The MODELS entry a run takes: --full takes the published shapes on GPUs only."""
+    return "default" if ctx.size == "full" and not ctx.on_gpu else ctx.size
+
+
+SIZES = Sizes(
+    quick=Size("Latte and Wan, tiny shapes", 10),
+    default=Size("Latte 16 x 16 x 16 x 4 latents and Wan 21 x 12 x 20 x 16, 2 blocks: DSP, Ulysses, ring, "
+                 "USP and diffusers' own against one process", 45),
+    full=Size("the default's shapes (the published ones on GPUs)", 45,
+              gpu_runs="Latte 16 x 64 x 64 x 4 (28 pairs) and Wan 21 x 60 x 104 x 16 (30 blocks)"),
+)  # fmt: skip
 
 
 def diffusers_unavailable() -> str | None:
@@ -222,7 +238,7 @@ def measure(size: VideoModel, ctx: Context, mesh) -> list[Row]:
 
     def single():
         if ctx.is_root:
-            with single_process_threads(ctx):
+            with ctx.every_core():
                 return forward(model, inputs)
         return None
 
@@ -282,6 +298,6 @@ def run(ctx: Context) -> list[Row]:
     mesh = usp_mesh(ctx)  # collective: every rank, once
     timing_ctx = ctx if ctx.quick else dataclasses.replace(ctx, warmup=1, reps=3, max_reps=7, seconds_per_case=10.0)
     rows = []
-    for size in SIZES["quick" if ctx.quick else "default"]:
+    for size in MODELS[models_at(ctx)]:
         rows += run_case(timing_ctx, VIDEO_BENCH, measure, size, mesh)
     return rows

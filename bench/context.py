@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bench import hardware
+from bench.plan import size_name
 from bench.rows import Row
 
 
@@ -30,11 +33,17 @@ class Context:
     # Takes every row as bench/cases.py's run_case makes it (bench/suite.py: rewrites the
     # results files at once).
     record_row: Callable[[Row], None] | None = None
-    # The full shapes with fewer timed rounds and no tile sweep: the short GPU check
+    full: bool = False  # the suite's largest sizes (--full); neither this nor quick: the default
+    # The default sizes with fewer timed rounds and no tile sweep: the short GPU check
     # (scripts/gpu_check.sh --short).
     short: bool = False
     # Takes entries for the run's JSON (bench/suite.py: written at once; rank 0's count).
     record_metadata: Callable[[dict], None] | None = None
+
+    @property
+    def size(self) -> str:
+        """ "quick", "default" or "full": the sizes a family runs (bench/plan.py)."""
+        return size_name(self.quick, self.full)
 
     @property
     def is_root(self) -> bool:
@@ -63,6 +72,21 @@ class Context:
         gc.collect()
         if self.on_gpu:
             torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def every_core(self):
+        """On CPU, this rank computes with every core of the machine inside (the one-process
+        benches, while the other ranks wait at a barrier: both sides of a comparison run
+        inside); on GPU nothing changes."""
+        if self.on_gpu:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(machine_threads())
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def sync(self) -> None:
         """Waits for this rank's queued device work (a no-op on CPU, where ops block)."""
@@ -101,3 +125,11 @@ class Context:
     def peak_flops(self) -> tuple[float | None, str]:
         """(dense bf16 TFLOP/s, source): the spec sheet for known GPUs, else None."""
         return hardware.peak_bf16_tflops(self.device, self.device_name)
+
+
+def machine_threads() -> int:
+    """The cores this process may run on (the whole machine's, where the ranks share it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

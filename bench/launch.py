@@ -22,7 +22,8 @@ import torch.multiprocessing
 
 from bench import hardware
 from bench.context import Context
-from bench.suite import run_suite
+from bench.plan import RunPlan, size_name
+from bench.suite import BENCHES, run_suite
 
 # Ranks a CPU-only run starts by default: enough for uneven splits and a real all-to-all.
 DEFAULT_CPU_WORLD_SIZE = 4
@@ -43,7 +44,13 @@ class Options:
     quick: bool
     only: tuple[str, ...]  # benchmarks to run, in order
     out: Path
-    short: bool = False  # full shapes, SHORT_REPETITIONS, no tile sweep
+    full: bool = False  # the suite's largest sizes (bench/plan.py); neither: the default sizes
+    plan_only: bool = False  # print the plan (sizes, estimates) and run nothing
+    short: bool = False  # the default sizes with SHORT_REPETITIONS and no tile sweep (the GPU check)
+
+    @property
+    def size(self) -> str:
+        return size_name(self.quick, self.full)
 
     def resolved_backend(self) -> str:
         return self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -69,6 +76,8 @@ def check_options(options: Options) -> None:
         raise SystemExit(f"--world-size {world_size} with nccl needs as many local GPUs, found {gpus}")
     if world_size < 1:
         raise SystemExit(f"--world-size must be at least 1, got {world_size}")
+    if options.quick and options.full:
+        raise SystemExit("--quick and --full exclude each other")
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -99,7 +108,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
     )  # fmt: skip
     ctx = Context(
         rank=rank, world_size=world_size, backend=backend, device=device,
-        device_name=hardware.device_name(device), quick=options.quick, short=options.short,
+        device_name=hardware.device_name(device), quick=options.quick, full=options.full, short=options.short,
         **(QUICK_REPETITIONS if options.quick else SHORT_REPETITIONS if options.short else REPETITIONS),
     )  # fmt: skip
     try:
@@ -114,6 +123,11 @@ def _started_rank(rank: int, world_size: int, init_method: str, options: Options
 
 def launch(options: Options) -> None:
     check_options(options)
+    if options.plan_only:
+        plan = RunPlan({name: BENCHES[name] for name in options.only}, options.size,
+                       on_gpu=options.resolved_backend() == "nccl")  # fmt: skip
+        print("\n".join(plan.lines(options.resolved_world_size(), options.resolved_backend())), flush=True)
+        return
     if under_torchrun():
         run_rank(
             int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),

@@ -38,6 +38,7 @@ from bench import (
 )
 from bench.cases import failed_row
 from bench.context import Context
+from bench.plan import RunPlan
 from bench.plot import plot_results
 from bench.results import progress_line, summary_table, write_results
 from bench.rows import Row, is_failed
@@ -114,6 +115,7 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         "load_average_end": load_average(),
         "threads_per_rank": torch.get_num_threads(),
         "quick": ctx.quick,
+        "size": ctx.size,
         "short": ctx.short,
         "warmup_rounds": ctx.warmup,
         "timed_rounds": f"{timed_rounds(ctx)} per case (column reps)",
@@ -147,9 +149,9 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
 
 
 def results_stem(ctx: Context, out_dir: Path, started: datetime.datetime) -> Path:
-    """<out>/<device>-<backend><P>-<YYYYMMDD-HHMM>[-quick|-short]: sorts by device, then date."""
+    """<out>/<device>-<backend><P>-<YYYYMMDD-HHMM>[-quick|-full][-short]: sorts by device, then date."""
     name = f"{hardware.device_slug(ctx.device_name)}-{ctx.backend}{ctx.world_size}-{started:%Y%m%d-%H%M}"
-    return out_dir / (name + ("-quick" if ctx.quick else "-short" if ctx.short else ""))
+    return out_dir / (name + ("" if ctx.size == "default" else f"-{ctx.size}") + ("-short" if ctx.short else ""))
 
 
 @dataclass
@@ -227,14 +229,20 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
             "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss, transformers: see their own "
             "notes)")  # fmt: skip
+    plan = RunPlan({name: BENCHES[name] for name in only}, ctx.size, ctx.on_gpu)
+    for line in plan.lines(ctx.world_size, ctx.backend):
+        ctx.log(line)
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
+    results.metadata["plan"] = plan.record()  # per family: the estimate, then the time taken
     ctx.record_metadata = results.add_metadata
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")
     done = set()
     for name in only:
-        ctx.log(f"== {name} ==")
+        ctx.log(plan.start(name))
         run_bench(ctx, name, results, done)
+        ctx.log(plan.finish(name))
+        results.metadata["plan"] = plan.record()
     rows = results.rows
     failed = ctx.reduce_over_ranks(torch.tensor([sum(is_failed(row) for row in rows)])).item()
     if not ctx.is_root:

@@ -106,7 +106,10 @@ SHORT_TESTS=(
   tests/test_block_copy.py
   tests/test_attention_merge.py
   tests/test_gpu_paths.py
-  tests/test_attention_step_kernels.py
+  tests/test_attention_step_forward.py
+  tests/test_attention_step_backward.py
+  tests/test_attention_step_intervals.py
+  tests/test_attention_step_tiles.py
   tests/test_ring_attention.py::test_one_gpu_matches_reference
   tests/test_ring_schedule.py::test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies
   tests/test_attention_layouts.py::test_cuda_paths_take_any_layout

@@ -12,10 +12,16 @@ ReplacedExchange(mode, virtual_world_size=None, virtual_rank=0)
 peak_cpu_memory(fn, *args, **kwargs)
     (fn's result, the most bytes the CPU allocator held during the call beyond what
     it held before), from the allocator's own reports to torch.profiler (torch has
-    no torch.cpu.max_memory_allocated).
+    no torch.cpu.max_memory_allocated), without the profiler's routine stderr lines.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
 
 import torch
 from torch.autograd import DeviceType
@@ -24,7 +30,13 @@ from torch.profiler import ProfilerActivity, profile
 from seqpar_kernels.comm.ring import Ring, RingWork
 from seqpar_kernels.parallel.ring import ring_attention_with_step_kernels
 
-__all__ = ["ring_attention_with_step_kernels", "ReplacedExchange", "EXCHANGE_MODES", "peak_cpu_memory"]
+__all__ = [
+    "ring_attention_with_step_kernels",
+    "ReplacedExchange",
+    "EXCHANGE_MODES",
+    "peak_cpu_memory",
+    "without_profiler_chatter",
+]
 
 
 EXCHANGE_MODES = ("none", "copy", "serial_copy")
@@ -120,9 +132,19 @@ def peak_cpu_memory(fn, *args, **kwargs) -> tuple[object, int]:
     profiler warns of "a block of unknown size"), so it is not subtracted: the peak
     can only come out high, never low. What is counted: the calling thread's
     allocations and those of the threads it hands its thread-local state to (the
-    autograd engine's), not buffers that intra-op worker threads allocate on their own."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    autograd engine's), not buffers that intra-op worker threads allocate on their own.
+
+    The profiler's start and stop print routine lines to stderr that read as failures
+    (PROFILER_CHATTER): they are dropped, and everything else printed meanwhile is passed
+    on (profiler_chatter_dropped); fn's own output is not touched."""
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with profiler_chatter_dropped():
+        profiler.start()
+    try:
         result = fn(*args, **kwargs)
+    finally:
+        with profiler_chatter_dropped():
+            profiler.stop()
     events = [
         event for event in profiler.profiler.kineto_results.events()
         if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
@@ -132,3 +154,45 @@ def peak_cpu_memory(fn, *args, **kwargs) -> tuple[object, int]:
         held += event.nbytes()
         peak = max(peak, held)
     return result, peak
+
+
+# What torch's profiler (kineto, in C++: straight to file descriptor 2) prints when all is
+# well: a USDT line at every start and stop, and, in a CUDA build of torch on a machine
+# without a usable GPU, an ERROR line at the first stop (kineto asks CUDA for the devices'
+# properties). Only these exact lines are dropped: any other line, a kineto ERROR among
+# them, still shows.
+PROFILER_CHATTER = (re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$"),)
+NO_GPU_CHATTER = re.compile(r"^ERROR:.*\] gpuGetDeviceCount failed with code \d+\s*$")
+
+
+def without_profiler_chatter(text: str, gpu_available: bool) -> str:
+    """text less the lines of PROFILER_CHATTER (and NO_GPU_CHATTER without a GPU)."""
+    chatter = PROFILER_CHATTER if gpu_available else (*PROFILER_CHATTER, NO_GPU_CHATTER)
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(pattern.match(line) for pattern in chatter))  # fmt: skip
+
+
+@contextlib.contextmanager
+def profiler_chatter_dropped():
+    """Inside: file descriptor 2 goes to a temporary file (C++ writes there, around
+    sys.stderr); on leaving, what was written, less the profiler's chatter, goes to
+    stderr. Where descriptor 2 cannot be redirected, nothing is filtered."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = without_profiler_chatter(captured.read().decode(errors="replace"), torch.cuda.is_available())
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()

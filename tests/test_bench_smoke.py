@@ -6,17 +6,23 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from bench import hardware
 from bench.cases import failed_row
+from bench.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan, module_size
 from bench.results import progress_line, summary_table
 from bench.rows import Row, is_failed
+from bench.suite import BENCHES
 from bench.targets import target_checks
 
 ROOT = Path(__file__).resolve().parent.parent
+# Lines that read as a failure: kineto's ERROR / USDT lines, tracebacks and their
+# "SomeError: ..." lines, FAILED rows.
+ALARMING = re.compile(r"^(ERROR|USDT|WARNING|Traceback)|FAILED|gpuGetDeviceCount|\w+Error:")
 
 
 def test_bench_quick_runs_and_writes_results(tmp_path):
@@ -35,6 +41,16 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     csv_files = list(tmp_path.glob("*.csv"))
     assert len(csv_files) == 1 and list(tmp_path.glob("*.png")) and list(tmp_path.glob("*.json"))
+    # Nothing reads as a failure where nothing failed: the memory measurements (loss,
+    # transformers) run torch's profiler, whose routine lines are dropped.
+    alarming = [line for line in (result.stdout + result.stderr).splitlines() if ALARMING.search(line)]
+    assert not alarming, alarming
+    # The plan first, then a line per family with the time left; the JSON keeps each
+    # family's estimate and time.
+    assert result.stdout.count("plan: quick sizes, about ") == 1, result.stdout[:3000]
+    document = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert document["size"] == "quick" and list(document["plan"]) == list(BENCHES), document["plan"]
+    assert all(family["elapsed_s"] is not None for family in document["plan"].values()), document["plan"]
     rows = list(csv.DictReader(csv_files[0].open()))
     assert {row["bench"] for row in rows} >= {"reshard", "ulysses"}
     # Data movement must be identical to the baseline's; attention must match the
@@ -102,6 +118,17 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
         assert all(int(row["ours_peak_bytes"]) > 0 for row in measured), memory
         fits = [row for row in memory if row["check"] == "fit"]
         assert len(fits) == 5 and all("bytes per token" in row["detail"] for row in fits), fits
+
+
+def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
+    # The estimates a module declares (bench/plan.py's SIZES) were measured on the
+    # reference machine; the plan the default run prints adds them up.
+    for name, modules in BENCHES.items():
+        for module in modules:
+            assert all(module_size(module, size) is not None for size in SIZE_NAMES), (name, module.__name__)
+    quick, default, full = (RunPlan(BENCHES, size, on_gpu=False).total_estimate for size in SIZE_NAMES)
+    assert default <= DEFAULT_BUDGET_S and REFERENCE_CORES == 2, default
+    assert quick < default < full, (quick, default, full)
 
 
 def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):

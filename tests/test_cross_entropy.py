@@ -19,6 +19,8 @@ Rank functions run every case of a world in one call (a pool.run is a round trip
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 
 import pytest
@@ -30,7 +32,7 @@ from on_ranks import on_every_rank, timeout_group
 
 import seqpar_kernels as sp
 from seqpar_kernels.parallel.cross_entropy import DEFAULT_CHUNK_ELEMENTS, default_chunk_size
-from seqpar_kernels.testing import peak_cpu_memory
+from seqpar_kernels.testing import peak_cpu_memory, without_profiler_chatter
 from tools import reference
 
 FP32_LOSS_TOLERANCE = 1e-6
@@ -416,6 +418,46 @@ def test_peak_cpu_memory_measures_a_known_allocation():
 
     result, peak = peak_cpu_memory(allocate)
     assert result == 2**21 + 2**19 and peak == 12 * 2**20
+
+
+# A fresh process, so that the profiler starts for the first time inside the measurement
+# (kineto's one-time lines come then): two measurements, the first of a function that
+# prints to stderr itself, the second of one that raises.
+QUIET_PROFILER = """
+import os, torch
+from seqpar_kernels.testing import peak_cpu_memory, without_profiler_chatter
+
+def allocate():
+    os.write(2, b"the measured function's own line\\n")
+    return torch.empty(2**20)
+
+print("peak", peak_cpu_memory(allocate)[1])
+try:
+    peak_cpu_memory(lambda: 1 / 0)
+except ZeroDivisionError:
+    print("raised")
+"""
+
+
+def test_peak_cpu_memory_prints_nothing_that_reads_as_a_failure():
+    result = subprocess.run([sys.executable, "-c", QUIET_PROFILER], capture_output=True, text=True,
+                            timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["peak", str(4 * 2**20), "raised"], result.stdout
+    # Without the filter: "USDT: ... profiler_start" / "profiler_stop" at every start and stop,
+    # and "ERROR: ... gpuGetDeviceCount failed with code 35" in a CUDA build without a GPU.
+    assert result.stderr == "the measured function's own line\n", result.stderr
+
+
+def test_only_the_profilers_routine_lines_are_dropped():
+    start = "USDT:2026-11-26 08:12:35 7351:7351 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
+    stop = "USDT:2026-11-26 08:12:35 7351:7351 SyncActivityProfilerHandler.cpp:46] profiler_stop\n"
+    no_gpu = "ERROR:2026-11-26 08:12:35 7351:7351 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+    failure = "ERROR:2026-11-26 08:12:35 7351:7351 CuptiActivityProfiler.cpp:250] failed to enable activities\n"
+    text = start + failure + no_gpu + "a warning of torch's\n" + stop
+    assert without_profiler_chatter(text, gpu_available=False) == failure + "a warning of torch's\n"
+    # With a GPU, kineto failing to count the devices is a real failure.
+    assert without_profiler_chatter(text, gpu_available=True) == failure + no_gpu + "a warning of torch's\n"
 
 
 @pytest.mark.parametrize("logit_softcap", [0.0, 30.0])

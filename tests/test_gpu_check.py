@@ -64,7 +64,12 @@ def test_short_plan_fits_one_command_and_asks_no_package_index(tmp_path):
     run = re.search(r"the run's folder would be (\S+)", result.stdout)[1]
     assert Path(run).parent == tmp_path and run.endswith("-short") and "nvidia-h100-80gb-hbm3" in run
     assert f"--junitxml={run}/junit.xml" in commands["test"] and "not\\ gpu_long" in commands["test"]
-    assert "tests/test_gpu_paths.py" in commands["test"] and "tests/test_attention_step_kernels.py" in commands["test"]
+    assert "tests/test_gpu_paths.py" in commands["test"] and "tests/test_attention_step_forward.py" in commands["test"]
+    # Every test the GPU runs exists (a missing file stops pytest before the first test).
+    selected = re.findall(r"(tests/test_\w+\.py)(?:::(\w+))?", commands["test"])
+    for path, test in selected:
+        assert (ROOT / path).exists(), path
+        assert not test or f"def {test}(" in (ROOT / path).read_text(), (path, test)
     assert "-m bench --short --world-size 1" in commands["bench"] and f"--out {run}" in commands["bench"]
     # Offline: pip is told to use no index, scripts/setup.sh installs nothing, and the one
     # pip command left (the build) asks no index either.

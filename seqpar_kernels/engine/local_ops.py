@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from seqpar_kernels.engine.attention_autograd import register_attention_autograd
 from seqpar_kernels.engine.local_attention import local_backward, local_forward
 from seqpar_kernels.engine.masks import AttentionMask
 
@@ -86,25 +87,4 @@ def _local_attention_backward_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = tuple(args)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    # lse is not differentiable (as the ring op's); its gradient, if any, is ignored.
-    q, k, v, out, lse = ctx.saved_tensors
-    no_grads = [None] * len(ctx.args)
-    if grad_out is None:
-        return None, None, None, *no_grads
-    # The sinks as data: the backward op is not differentiated again.
-    args = (*ctx.args[:-1], None if ctx.args[-1] is None else ctx.args[-1].detach())
-    dq, dk, dv, dsinks = local_attention_backward(grad_out, q, k, v, out, lse, *args)
-    if ctx.args[-1] is not None:  # sinks, the last argument
-        no_grads[-1] = dsinks
-    return dq, dk, dv, *no_grads
-
-
-local_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+register_attention_autograd(local_attention_forward, local_attention_backward)

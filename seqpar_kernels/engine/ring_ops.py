@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from seqpar_kernels.engine.attention_autograd import register_attention_autograd
 from seqpar_kernels.engine.masks import AttentionMask, StepMasks, decode_segments, step_masks_of
 from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward, sinks_gradient
 from seqpar_kernels.engine.step_backends import step_kernels_for
@@ -134,26 +135,4 @@ def _ring_attention_backward_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-def _forward_setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = tuple(args)
-
-
-def _forward_backward(ctx, grad_out, grad_lse):
-    # lse is treated as a non-differentiable output (as flash-attn's returned lse):
-    # its gradient, if any, is ignored; ring_attention hands it out detached.
-    q, k, v, out, lse = ctx.saved_tensors
-    no_grads = [None] * len(ctx.args)
-    if grad_out is None:
-        return None, None, None, *no_grads
-    # The sinks as data: the backward op is not differentiated again.
-    args = (*ctx.args[:-1], None if ctx.args[-1] is None else ctx.args[-1].detach())
-    dq, dk, dv, dsinks = ring_attention_backward(grad_out, q, k, v, out, lse, *args)
-    if ctx.args[-1] is not None:  # sinks, the last argument
-        no_grads[-1] = dsinks
-    return dq, dk, dv, *no_grads
-
-
-ring_attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+register_attention_autograd(ring_attention_forward, ring_attention_backward)

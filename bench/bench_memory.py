@@ -24,6 +24,9 @@ torch.cuda.max_memory_allocated. Offloaded tensors live outside the allocator (p
 host memory on GPUs, numpy buffers on CPU), so they are not counted. baseline_peak_bytes:
 "1 rank" at the same T. ours_s / baseline_s: one step each (not a timing: the time
 family is transformers). check: the step's loss against "1 rank"'s (fp32: 1e-5 relative).
+The "1 rank" steps keep rank 0's share of the cores (not every core, as the loss and
+transformers families give their one process): they measure memory, not time, and
+threads would only add the intra-op pools' buffers to the peak they are compared with.
 
 Then, per configuration, a line fitted through its (T, peak) points (least squares):
 bytes per token of the sequence (per rank) and the intercept; and the longest sequence

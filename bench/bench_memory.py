@@ -126,8 +126,8 @@ class MemoryCase:
 
 
 SIZES = Sizes(
-    quick=Size(f"a tiny Llama, {' and '.join(map(str, QUICK_TOKENS))} tokens", 10),
-    default=Size(f"Llama of 2 layers, hidden 128, {', '.join(map(str, TOKENS))} tokens, 5 configurations", 60),
+    quick=Size(f"a tiny Llama, {' and '.join(map(str, QUICK_TOKENS))} tokens", 3),
+    default=Size(f"Llama of 2 layers, hidden 128, {', '.join(map(str, TOKENS))} tokens, 5 configurations", 10),
     full=Size(f"Llama of 4 layers, hidden 256, {', '.join(map(str, FULL_TOKENS))} tokens", 600),
 )
 
@@ -190,7 +190,9 @@ class Stepper:
                              max_position_embeddings=max(FULL_TOKENS))  # fmt: skip
         torch.manual_seed(SEED)  # the same weights on every rank and in every configuration
         self.model = LlamaForCausalLM(config).to(ctx.device)
-        self.model.gradient_checkpointing_enable()
+        # Its newer name where transformers has it (the old one warns of its removal).
+        checkpointing = getattr(self.model, "activation_checkpointing_enable", None)
+        (checkpointing or self.model.gradient_checkpointing_enable)()
         self.model.train()
         self.group, self.configuration, self.ctx = group, configuration, ctx
         sp_transformers.apply(self.model, "ring", layout="balanced", group=group)

@@ -68,10 +68,10 @@ SIZES = Sizes(  # the default is the full list: the family takes under a minute 
     quick=Size("2 tiny cases", 4),
     default=Size(
         "6 cases of video latents (1, 16, 256 or 1024, 1152): both directions, bf16 and fp32, a sliced input, uneven T",
-        15,
+        20,
         gpu_runs="5 cases up to (2, 32, 4096, 1152)",
     ),
-    full=Size("the default's cases", 15, gpu_runs="the default's cases"),
+    full=Size("the default's cases", 20, gpu_runs="the default's cases"),
 )
 
 

@@ -124,7 +124,7 @@ SIZES = Sizes(
     default=Size(
         "S = 2048 forward, 1024 forward + backward, H = 8, D = 64: bf16 MHA in every layout, "
         "zigzag GQA and fp32: 10 cases",
-        90,
+        75,
         gpu_runs="S_l = 4096 per rank, H = 32 (GQA: 8 kv), D = 128, bf16, every layout: 12 cases",
     ),
     full=Size(

@@ -169,7 +169,7 @@ SIZES = Sizes(
     default=Size(
         f"Llama of 19.2M parameters, {' and '.join(map(str, DEFAULT_TOKENS))} packed tokens, "
         "3 modes against one process",
-        120,
+        100,
     ),
     full=Size(f"the same model, {' and '.join(map(str, FULL_TOKENS))} packed tokens", 210),
 )

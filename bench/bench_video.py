@@ -117,10 +117,10 @@ def models_at(ctx: Context) -> str:
 
 
 SIZES = Sizes(
-    quick=Size("Latte and Wan, tiny shapes", 10),
+    quick=Size("Latte and Wan, tiny shapes", 7),
     default=Size("Latte 16 x 16 x 16 x 4 latents and Wan 21 x 12 x 20 x 16, 2 blocks: DSP, Ulysses, ring, "
-                 "USP and diffusers' own against one process", 45),
-    full=Size("the default's shapes (the published ones on GPUs)", 45,
+                 "USP and diffusers' own against one process", 10),
+    full=Size("the default's shapes (the published ones on GPUs)", 10,
               gpu_runs="Latte 16 x 64 x 64 x 4 (28 pairs) and Wan 21 x 60 x 104 x 16 (30 blocks)"),
 )  # fmt: skip
 
@@ -159,7 +159,8 @@ def build(size: VideoModel, device: torch.device, dtype: torch.dtype):
         )  # fmt: skip
         shape = dict(batch=size.batch, tokens=[size.frames * size.height * size.width // 4], heads=size.heads,
                      head_dim=size.head_dim, layers=size.layers, out_per_token=4 * size.channels)  # fmt: skip
-    model = model.to(device=device, dtype=dtype).eval()
+    # Built in fp32; cast only to another dtype (diffusers advises against any .to(dtype)).
+    model = (model.to(device=device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)).eval()
     generator = torch.Generator(device=device).manual_seed(SEED + 1)
     inputs = dict(
         hidden_states=torch.randn(size.batch, size.channels, size.frames, size.height, size.width,

@@ -432,6 +432,8 @@ def allocate():
     return torch.empty(2**20)
 
 print("peak", peak_cpu_memory(allocate)[1])
+from_before = [torch.empty(2**18)]
+print("freed", peak_cpu_memory(from_before.clear)[1])  # the allocator's unknown-size warning
 try:
     peak_cpu_memory(lambda: 1 / 0)
 except ZeroDivisionError:
@@ -443,9 +445,10 @@ def test_peak_cpu_memory_prints_nothing_that_reads_as_a_failure():
     result = subprocess.run([sys.executable, "-c", QUIET_PROFILER], capture_output=True, text=True,
                             timeout=120, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["peak", str(4 * 2**20), "raised"], result.stdout
+    assert result.stdout.split() == ["peak", str(4 * 2**20), "freed", "0", "raised"], result.stdout
     # Without the filter: "USDT: ... profiler_start" / "profiler_stop" at every start and stop,
-    # and "ERROR: ... gpuGetDeviceCount failed with code 35" in a CUDA build without a GPU.
+    # "[W ... CPUAllocator.cpp ...] Memory block of unknown size ..." when the block from
+    # before is freed, and "ERROR: ... gpuGetDeviceCount failed with code 35" in a CUDA build without a GPU.
     assert result.stderr == "the measured function's own line\n", result.stderr
 
 
@@ -454,7 +457,10 @@ def test_only_the_profilers_routine_lines_are_dropped():
     stop = "USDT:2026-11-26 08:12:35 7351:7351 SyncActivityProfilerHandler.cpp:46] profiler_stop\n"
     no_gpu = "ERROR:2026-11-26 08:12:35 7351:7351 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
     failure = "ERROR:2026-11-26 08:12:35 7351:7351 CuptiActivityProfiler.cpp:250] failed to enable activities\n"
-    text = start + failure + no_gpu + "a warning of torch's\n" + stop
+    unknown_block = ("[rank0]:[W1126 12:43:52.891947534 CPUAllocator.cpp:245] Memory block of unknown size was "
+                     "allocated before the profiling started, profiler results will not include the deallocation "
+                     "event\n")  # fmt: skip
+    text = start + failure + unknown_block + no_gpu + "a warning of torch's\n" + stop
     assert without_profiler_chatter(text, gpu_available=False) == failure + "a warning of torch's\n"
     # With a GPU, kineto failing to count the devices is a real failure.
     assert without_profiler_chatter(text, gpu_available=True) == failure + no_gpu + "a warning of torch's\n"

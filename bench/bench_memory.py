@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bench.bench_transformers import ModelSize
+from bench.bench_transformers import ModelSize, TransformersCase
 from bench.cases import run_case
 from bench.context import Context
 from bench.plan import Size, Sizes
@@ -111,17 +111,8 @@ def configurations(world_size: int) -> list[Configuration]:
 
 
 @dataclass(frozen=True)
-class MemoryCase:
-    model: ModelSize
-    tokens: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def label(self) -> str:
-        return f"T={self.tokens}"
+class MemoryCase(TransformersCase):
+    """A model and a length, as the transformers family's: one sequence rather than a packed batch."""
 
     @property
     def shape(self) -> str:

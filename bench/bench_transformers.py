@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from bench.cases import run_case, timed_row
-from bench.context import Context, machine_threads
+from bench.context import Context
 from bench.plan import Size, Sizes
 from bench.rows import TRANSFORMERS_BENCH, Row
 from bench.timing import time_side_by_side
@@ -380,9 +380,7 @@ def run(ctx: Context) -> list[Row]:
         ctx.log(f"transformers: skipped ({reason})")
         return []
     ctx.log(BASELINE_NOTE)
-    if not ctx.on_gpu:
-        ctx.log(f"transformers: the single process on rank 0 with {machine_threads()} threads, the modes on "
-                f"{ctx.world_size} ranks of {torch.get_num_threads()} threads each: the same cores")  # fmt: skip
+    ctx.log_every_core("transformers")
     mesh = usp_mesh(ctx)  # collective: every rank, once
     rows = []
     for case in cases(ctx):

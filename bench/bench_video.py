@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from bench.bench_transformers import usp_mesh
 from bench.cases import run_case, timed_row
-from bench.context import Context, machine_threads
+from bench.context import Context
 from bench.plan import Size, Sizes
 from bench.rows import VIDEO_BENCH, Row, short_dtype
 from bench.timing import time_side_by_side
@@ -293,9 +293,7 @@ def run(ctx: Context) -> list[Row]:
         ctx.log(f"video: skipped ({reason})")
         return []
     ctx.log(BASELINE_NOTE)
-    if not ctx.on_gpu:
-        ctx.log(f"video: the single process on rank 0 with {machine_threads()} threads, the modes on "
-                f"{ctx.world_size} ranks of {torch.get_num_threads()} threads each: the same cores")  # fmt: skip
+    ctx.log_every_core("video")
     mesh = usp_mesh(ctx)  # collective: every rank, once
     timing_ctx = ctx if ctx.quick else dataclasses.replace(ctx, warmup=1, reps=3, max_reps=7, seconds_per_case=10.0)
     rows = []

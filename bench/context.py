@@ -88,6 +88,12 @@ class Context:
         finally:
             torch.set_num_threads(before)
 
+    def log_every_core(self, family: str) -> None:
+        """On CPU, says how the family's single process (every_core) and its ranks share the cores."""
+        if not self.on_gpu:
+            self.log(f"{family}: the single process on rank 0 with {machine_threads()} threads, the modes on "
+                     f"{self.world_size} ranks of {torch.get_num_threads()} threads each: the same cores")  # fmt: skip
+
     def sync(self) -> None:
         """Waits for this rank's queued device work (a no-op on CPU, where ops block)."""
         if self.on_gpu:

@@ -111,18 +111,25 @@ class RunPlan:
     families: dict[str, tuple[ModuleType, ...]]  # name -> modules, in run order
     size: str
     on_gpu: bool
+    own: dict[str, tuple[ModuleType, ...]] = field(init=False)  # name -> the modules it runs first
+    runs_with: dict[str, str] = field(init=False)  # a family whose modules all ran before -> where
     estimates: dict[str, float | None] = field(init=False)
     elapsed: dict[str, float] = field(default_factory=dict)  # finished family -> seconds
     _started: float = field(default_factory=time.perf_counter)
     _family_started: float = 0.0
 
     def __post_init__(self) -> None:
-        # A module shared by two families (the ring's probe) runs once: counted at its first.
-        seen: set[ModuleType] = set()
-        self.estimates = {}
+        # A module two families share (the ring's probe) runs once, with the first of them.
+        first: dict[ModuleType, str] = {}
         for name, modules in self.families.items():
-            self.estimates[name] = family_estimate(tuple(m for m in modules if m not in seen), self.size, self.on_gpu)
-            seen.update(modules)
+            for module in modules:
+                first.setdefault(module, name)
+        self.own = {name: tuple(m for m in modules if first[m] == name) for name, modules in self.families.items()}
+        self.runs_with = {name: first[modules[0]] for name, modules in self.families.items() if not self.own[name]}
+        self.estimates = self._estimates(self.size)
+
+    def _estimates(self, size: str) -> dict[str, float | None]:
+        return {name: family_estimate(own, size, self.on_gpu) for name, own in self.own.items()}
 
     @property
     def total_estimate(self) -> float | None:
@@ -141,20 +148,18 @@ class RunPlan:
             lines = [f"plan: {self.size} sizes, about {self._total_text(self.size)} in all ({others}; "
                      f"{machine_note(world_size, backend, self.on_gpu)})"]  # fmt: skip
         width = max(len(name) for name in self.families)
-        seen: dict[ModuleType, str] = {}
-        for name, modules in self.families.items():
-            if all(module in seen for module in modules):
-                lines.append(f"  {name:<{width}}  {duration(0):>10}  (runs with {seen[modules[0]]})")
+        for name, own in self.own.items():
+            if name in self.runs_with:
+                lines.append(f"  {name:<{width}}  {duration(0):>10}  (runs with {self.runs_with[name]})")
                 continue
-            seen.update({module: name for module in modules if module not in seen})
-            declared = [size for module in modules if (size := module_size(module, self.size)) is not None]
+            declared = [size for module in own if (size := module_size(module, self.size)) is not None]
             runs = "; ".join(text for size in declared if (text := (self.on_gpu and size.gpu_runs) or size.runs))
             lines.append(f"  {name:<{width}}  {duration(self.estimates[name]):>10}  {runs or '(no sizes declared)'}")
         return lines
 
     def _total_text(self, size: str) -> str:
         """The families' estimates at `size`, summed, naming those without one."""
-        estimates = {name: family_estimate(modules, size, self.on_gpu) for name, modules in self.families.items()}
+        estimates = self._estimates(size)
         unknown = [name for name, seconds in estimates.items() if seconds is None]
         if len(unknown) == len(estimates):
             return "? (not measured)"

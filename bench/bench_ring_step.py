@@ -168,18 +168,19 @@ def step_candidates(case: StepCase, backends: dict, q, k, v, dout) -> dict:
 
     # The aten backend's step, with running results of its own.
     from seqpar_kernels.engine.step_backends import STEP_KERNELS
+    from seqpar_kernels.engine.steps import StepSpec
 
     aten = STEP_KERNELS["aten"]
     aten_out, aten_lse = torch.zeros(q.shape, **fp32), torch.full(lse.shape, float("-inf"), **fp32)
     aten_grads = [torch.zeros(t.shape, **fp32) for t in (q, k, v)]
 
     def aten_forward():
-        aten.forward(q, k, v, aten_out, aten_lse, scale, case.causal)
+        aten.forward(q, k, v, aten_out, aten_lse, StepSpec(scale), case.causal)
         return [aten_out]
 
     def aten_backward():
-        aten.backward(dout, q, k, v, out_low, final_lse, None, aten_grads[0], lambda: aten_grads[1:], scale,
-                      case.causal)  # fmt: skip
+        aten.backward(dout, q, k, v, out_low, final_lse, None, aten_grads[0], lambda: aten_grads[1:],
+                      StepSpec(scale), case.causal)  # fmt: skip
         return aten_grads
 
     candidates = {"ours": ours_backward if case.backward else ours_forward,

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward
+from seqpar_kernels.attention_mask import AttentionMask
+from seqpar_kernels.engine.ring_driver import ring_backward, ring_forward
+from seqpar_kernels.engine.step_masks import dense_step_masks
+from seqpar_kernels.engine.steps import StepSpec
 
 # Timing candidates beside "ours" and "baseline": the ring with its exchange removed, and
 # its exchanges with no compute.
@@ -17,7 +20,7 @@ EXCHANGE_ONLY = "exchange only"
 
 def run_driver(q, k, v, dout, options, exchange, backward: bool) -> list[torch.Tensor]:
     """The ring driver's forward (and backward) called directly, its rings made by
-    `exchange`: out [, dq, dk, dv]. options: (scale, group name, step backend, step
+    `exchange`: out [, dq, dk, dv]. options: (step spec, group name, step backend, step
     masks), as seqpar_kernels.engine.ring_driver.ring_forward takes them."""
     with torch.no_grad():
         out, lse = ring_forward(q, k, v, *options, exchange=exchange)
@@ -28,5 +31,5 @@ def run_driver(q, k, v, dout, options, exchange, backward: bool) -> list[torch.T
 
 def driver_options(q, causal: bool, zigzag: bool, group_name: str, world_size: int, steps) -> tuple:
     """run_driver's options for a dense sequence of world_size pieces of q's length."""
-    masks = dense_step_masks(causal, [q.shape[1]] * world_size, zigzag)
-    return (1.0 / q.shape[-1] ** 0.5, group_name, steps, masks)
+    masks = dense_step_masks(AttentionMask(causal), [q.shape[1]] * world_size, zigzag)
+    return (StepSpec(1.0 / q.shape[-1] ** 0.5), group_name, steps, masks)

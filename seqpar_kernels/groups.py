@@ -44,16 +44,21 @@ def metadata_device(group: dist.ProcessGroup, data_device: torch.device | None =
     return torch.device("cpu")
 
 
-def all_gather_ints(values: list[int], group_name: str, data_device: torch.device | None = None) -> list[list[int]]:
-    """Every rank's `values` (one list per rank, same length on every rank). One small
-    collective; on NCCL it synchronises the host with the device. `data_device`: see
-    metadata_device."""
+def all_gather_ints(values, group_name: str, data_device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's `values` (a list of ints, or an integer tensor whose elements are
+    read without a host sync before the gather; one row per rank, the same length on
+    every rank). One small collective; on NCCL it synchronises the host with the
+    device. `data_device`: see metadata_device."""
     if group_name == SINGLE_PROCESS:
-        return [list(values)]
+        return [values.reshape(-1).tolist() if isinstance(values, torch.Tensor) else list(values)]
     group = group_from_name(group_name)
-    local = torch.tensor(values, dtype=torch.int64, device=metadata_device(group, data_device))
-    gathered = local.new_empty(dist.get_world_size(group) * len(values))
+    device = metadata_device(group, data_device)
+    if isinstance(values, torch.Tensor):
+        local = values.reshape(-1).to(device=device, dtype=torch.int64)
+    else:
+        local = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = local.new_empty(dist.get_world_size(group) * local.numel())
     # all_gather_single is the newer name (torch >= 2.14) of all_gather_into_tensor.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(gathered, local, group=group)
-    return gathered.view(-1, len(values)).tolist()
+    return gathered.view(-1, local.numel()).tolist()

@@ -125,9 +125,14 @@ def usp_piece_lengths(total: int, ulysses_size: int, ring_size: int, zigzag: boo
     sequence of `total` rows (contiguous: piece i * U + j of tensor_split into R * U;
     zigzag: piece j of tensor_split of ring slot i's zigzag rows)."""
     if not zigzag:
-        sizes = tensor_split_sizes(total, ring_size * ulysses_size)
-        return [sizes[i * ulysses_size : (i + 1) * ulysses_size] for i in range(ring_size)]
+        return usp_rows(tensor_split_sizes(total, ring_size * ulysses_size), ulysses_size)
     return [tensor_split_sizes(slot, ulysses_size) for slot in zigzag_piece_lengths(total, ring_size)]
+
+
+def usp_rows(per_piece: Sequence[int], ulysses_size: int) -> list[list[int]]:
+    """A per-piece list (piece i * U + j) as rows: rows[i][j] is ring slot i's Ulysses
+    index j's; sum(rows[i]) is slot i's total when the values are lengths."""
+    return [list(per_piece[start : start + ulysses_size]) for start in range(0, len(per_piece), ulysses_size)]
 
 
 def usp_piece_segments(

@@ -11,6 +11,7 @@ from triton_interpreter import runs_triton_on
 
 from seqpar_kernels.kernels import attention_step_launch as launchers
 from seqpar_kernels.kernels import attention_step_tiles as step_tiles
+from seqpar_kernels.parallel.attention_checks import fold_scale_sign
 
 
 @runs_triton_on(DEVICE)
@@ -162,16 +163,19 @@ def test_forward_first_step_writes_every_row_over_garbage(mode):
 
 @runs_triton_on(DEVICE)
 @pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero-scale", "negative-scale"])
-def test_steps_take_any_finite_scale(scale):
+def test_steps_take_any_finite_scale_once_its_sign_is_folded(scale):
     # The forward sweep folds the scale into its exponent, which needs a scale
-    # >= 0; the launcher gives a negative one to q.  Forward and backward over a
-    # causal diagonal block and a full block, against fp64 autograd.
+    # >= 0; the public functions give a negative one to q (fold_scale_sign), and a
+    # zero one makes q zero.  Forward and backward over a causal diagonal block and
+    # a full block, against fp64 autograd with the scale as given.
     torch.manual_seed(15)
     b, sq, h, hk, d = 1, 40, 2, 1, 64
     steps, k_all, v_all, keep = cases.ring_blocks(b, sq, hk, d, full_lens=[37])
     q, dout = cases.randn(b, sq, h, d), cases.randn(b, sq, h, d)
-    dq = cases.zeros(b, sq, h, d)
-    out, lse, dk_all, dv_all = cases.run_steps(q, steps, k_all, [37], dout, dq, scale)
+    folded_q, folded_scale = fold_scale_sign(q, scale)
+    folded_dq = cases.zeros(b, sq, h, d)
+    out, lse, dk_all, dv_all = cases.run_steps(folded_q, steps, k_all, [37], dout, folded_dq, folded_scale)
+    dq = -folded_dq if scale < 0 else folded_dq * 0.0
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k_all, v_all))
     ref_out, ref_lse = cases.reference_attention(qr, kr, vr, scale, keep)
     ref_out.backward(dout.double())

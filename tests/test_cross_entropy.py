@@ -31,7 +31,7 @@ from conftest import pool_for
 from on_ranks import on_every_rank, timeout_group
 
 import seqpar_kernels as sp
-from seqpar_kernels.parallel.cross_entropy import DEFAULT_CHUNK_ELEMENTS, default_chunk_size
+from seqpar_kernels.engine.cross_entropy import DEFAULT_CHUNK_ELEMENTS, default_chunk_size
 from seqpar_kernels.testing import peak_cpu_memory, without_profiler_chatter
 from tools import reference
 

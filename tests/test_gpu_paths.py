@@ -21,6 +21,7 @@ import torch.distributed as dist
 import seqpar_kernels as sp
 from seqpar_kernels.engine import step_backends
 from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks
+from seqpar_kernels.engine.steps import StepSpec
 from tools import reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -84,12 +85,14 @@ def test_aten_steps_on_the_library_kernels(kernel, dtype, heads, kv_heads, head_
     out = torch.zeros(1, q_len, heads, head_dim, dtype=torch.float32, device="cuda")
     lse = torch.full((1, heads, q_len), float("-inf"), dtype=torch.float32, device="cuda")
     for index, (k, v) in enumerate(blocks):
-        steps.forward(q, k, v, out, lse, scale, index == 0)
+        steps.forward(q, k, v, out, lse, StepSpec(scale), index == 0)
     final = out.to(dtype)  # what the ring returns and its backward is given
     dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
     grads_kv = [[torch.zeros(k.shape, dtype=torch.float32, device="cuda") for _ in range(2)] for k, _ in blocks]
     for index, ((k, v), grad_kv) in enumerate(zip(blocks, grads_kv)):
-        steps.backward(dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, scale, index == 0)
+        steps.backward(
+            dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, StepSpec(scale), index == 0
+        )
     ours = [final, dq, torch.cat([dk for dk, _ in grads_kv], 1), torch.cat([dv for _, dv in grads_kv], 1)]
 
     k_all, v_all = (torch.cat([block[i] for block in blocks], 1) for i in (0, 1))
@@ -124,12 +127,14 @@ def test_aten_masked_steps_on_the_memory_efficient_kernel():
     lse = torch.full((1, heads, q_len), float("-inf"), dtype=torch.float32, device="cuda")
     masks = [torch.zeros(keep.shape, device="cuda").masked_fill(~keep, float("-inf")) for keep in keeps]
     for (k, v), keep, mask in zip(blocks, keeps, masks):
-        steps.forward_masked(q, k, v, out, lse, scale, mask, ~keep.any(1))
+        steps.forward_masked(q, k, v, out, lse, StepSpec(scale), mask, ~keep.any(1))
     final = out.to(dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
     grads_kv = [[torch.zeros(k.shape, dtype=torch.float32, device="cuda") for _ in range(2)] for k, _ in blocks]
     for (k, v), grad_kv, mask in zip(blocks, grads_kv, masks):
-        steps.backward_masked(dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, scale, mask)
+        steps.backward_masked(
+            dout, q, k, v, final, lse, None, dq, lambda grad_kv=grad_kv: grad_kv, StepSpec(scale), mask
+        )
     ours = [final, dq, torch.cat([dk for dk, _ in grads_kv], 1), torch.cat([dv for _, dv in grads_kv], 1)]
 
     keep = torch.cat(keeps, 1)

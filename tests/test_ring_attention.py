@@ -30,6 +30,7 @@ from triton_interpreter import runs_triton_on
 
 import seqpar_kernels as sp
 from seqpar_kernels.engine.step_backends import AUTO, CPU_FLASH_READS_GQA, STEP_KERNELS
+from seqpar_kernels.engine.steps import StepSpec
 from seqpar_kernels.layouts import zigzag_piece_lengths
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from tools import reference
@@ -229,9 +230,9 @@ def test_cpu_flash_kernel_reads_gqa_where_the_guard_says_so(kv_heads, causal):
     results = []
     for steps in (STEP_KERNELS["aten"], STEP_KERNELS["aten-repeated-kv"]):
         out, lse = torch.zeros(q.shape), torch.full((batch, heads, seqlen), float("-inf"))
-        steps.forward(q, k, v, out, lse, scale, causal)
+        steps.forward(q, k, v, out, lse, StepSpec(scale), causal)
         grads = [torch.zeros(t.shape) for t in (q, k, v)]
-        steps.backward(dout, q, k, v, out, lse, None, grads[0], lambda: grads[1:], scale, causal)
+        steps.backward(dout, q, k, v, out, lse, None, grads[0], lambda: grads[1:], StepSpec(scale), causal)
         results.append([out, lse, *grads])
     # The kv gradients add up a group's heads in another order: rounding apart (1.4e-6
     # at most on torch 2.14, where the rest is bitwise equal); a kernel that misreads

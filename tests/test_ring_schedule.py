@@ -12,8 +12,10 @@ import torch
 from on_ranks import rank_and_world
 
 import seqpar_kernels as sp
-from seqpar_kernels.engine.ring_driver import dense_step_masks
+from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.engine.step_masks import dense_step_masks
+from seqpar_kernels.engine.steps import StepSpec
 from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -47,7 +49,7 @@ def _step_scores(step, rank, pieces):
     ring step `step`, as the driver's step mask says: each block pair's rows x keys, a
     causal pair masked by local index (the diagonal's exact count)."""
     src = (rank - step) % len(pieces.lengths)
-    mask = dense_step_masks(True, pieces.lengths, pieces.zigzag).step(rank, src)
+    mask = dense_step_masks(AttentionMask(True), pieces.lengths, pieces.zigzag).step(rank, src)
     if mask is None:
         return []
     rows, keys = global_positions(rank, pieces), global_positions(src, pieces)
@@ -191,7 +193,12 @@ def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch,
 
     def ring(mode, rank):
         exchange = ReplacedExchange(mode, virtual_world_size=4, virtual_rank=rank)
-        options = (128**-0.5, "", steps, dense_step_masks(True, [2048] * 4, layout == "zigzag"))
+        options = (
+            StepSpec(128**-0.5),
+            "",
+            steps,
+            dense_step_masks(AttentionMask(True), [2048] * 4, layout == "zigzag"),
+        )
         out, lse = ring_forward(q, k, v, *options, exchange=exchange)
         return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
 

@@ -285,27 +285,30 @@ def test_the_benchmark_records_a_measured_family(tmp_path, monkeypatch):
 def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     # One process: step 0 is the whole ring. The driver hands the first step an
     # uninitialised output (filled with NaN here, as torch.empty may hold anything).
-    from seqpar_kernels.engine.ring_driver import dense_step_masks, first_step_writes_every_row, ring_forward
+    from seqpar_kernels.attention_mask import AttentionMask
+    from seqpar_kernels.engine.ring_driver import ring_forward
+    from seqpar_kernels.engine.step_masks import dense_step_masks
+    from seqpar_kernels.engine.steps import StepSpec, first_step_writes_every_row
 
     triton_steps = step_backends.STEP_KERNELS["triton"]
-    masks = dense_step_masks(causal, [5], False)
+    masks = dense_step_masks(AttentionMask(causal), [5], False)
     assert first_step_writes_every_row(triton_steps, masks.step(0, 0), 5)
     assert not first_step_writes_every_row(step_backends.STEP_KERNELS["aten"], masks.step(0, 0), 5)
     forward = type(triton_steps).forward
     first_steps = []
 
-    def forward_on_garbage(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
+    def forward_on_garbage(self, q, k, v, out, lse, spec, causal, first_step=False):
         if first_step:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
         first_steps.append(first_step)
-        return forward(self, q, k, v, out, lse, scale, causal, first_step=first_step, softcap=softcap)
+        return forward(self, q, k, v, out, lse, spec, causal, first_step=first_step)
 
     monkeypatch.setattr(type(triton_steps), "forward", forward_on_garbage)
     generator = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 5, heads, 16, generator=generator) for heads in (4, 2, 2))
-    out, lse = ring_forward(q, k, v, 0.25, "", triton_steps, masks)
-    expected, expected_lse = ring_forward(q, k, v, 0.25, "", step_backends.STEP_KERNELS["aten"], masks)
+    out, lse = ring_forward(q, k, v, StepSpec(0.25), "", triton_steps, masks)
+    expected, expected_lse = ring_forward(q, k, v, StepSpec(0.25), "", step_backends.STEP_KERNELS["aten"], masks)
     assert first_steps == [True]
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=2e-6, rtol=0)

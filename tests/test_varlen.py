@@ -23,7 +23,8 @@ from test_usp import usp_groups
 from triton_interpreter import runs_triton_on
 
 import seqpar_kernels as sp
-from seqpar_kernels.engine.masks import AttentionMask, step_masks_of
+from seqpar_kernels.attention_mask import AttentionMask
+from seqpar_kernels.engine.step_masks import step_masks_of
 from seqpar_kernels.layouts import VarlenLayout
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from tools import reference
@@ -476,7 +477,7 @@ def test_bad_attention_calls_raise_on_every_rank():
 
 def step_mask(layout, q_slot, k_slot, causal):
     """The ring's StepMask of slot q_slot's queries against slot k_slot's keys."""
-    return step_masks_of(AttentionMask(causal, layout.cu_seqlens), layout.slots).step(q_slot, k_slot)
+    return step_masks_of(AttentionMask(causal, cu_seqlens=layout.cu_seqlens), layout.slots).step(q_slot, k_slot)
 
 
 def _mask_by_definition(layout, q_slot, k_slot, causal):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar_kernels.groups import GroupInfo, resolve_group
+from seqpar_kernels.layouts import usp_rows
 
 MESH_DIM_NAMES = ("ring", "ulysses")
 
@@ -46,6 +47,11 @@ class Grid:
     @property
     def group_names(self) -> tuple[str, str]:
         return self.ulysses.name, self.ring.name
+
+    def rows(self, per_piece) -> list[list[int]]:
+        """A per-piece list (e.g. every piece's length) as the grid's rows: rows[i] is
+        ring slot i's Ulysses ranks' values (layouts.usp_rows)."""
+        return usp_rows(per_piece, self.ulysses.world_size)
 
 
 def resolve_grid(describe: str, mesh=None, ulysses_group=None, ring_group=None) -> Grid:

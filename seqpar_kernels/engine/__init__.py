@@ -1,5 +1,7 @@
-"""What the public functions drive: the ring's schedule and loops (ring_driver), the step
-backends behind one interface (step_backends) and the block kernels they may use
-(block_attention), attention masks (masks: causal, documents, windows, chunks),
-one-process attention under any of them (local_attention), and the custom ops of the
-ring and of the one-process attention (ring_ops, local_ops)."""
+"""What the public functions drive: the ring's schedule and loops (ring_driver), one step
+and its StepSpec (steps), the step backends behind one interface (step_backends) and
+the block kernels they may use (block_attention), what each step computes under an
+attention mask (step_masks), one-process attention under any mask (local_attention),
+the custom ops of the ring and of the one-process attention (ring_ops, local_ops) and
+what they share (attention_ops: the mask's encoding, their autograd), and the chunked
+cross entropy of one process (cross_entropy)."""

@@ -13,14 +13,9 @@ from typing import Optional
 
 import torch
 
-from seqpar_kernels.engine.attention_autograd import register_attention_autograd
+from seqpar_kernels.engine.attention_ops import mask_of, register_attention_autograd
 from seqpar_kernels.engine.local_attention import local_backward, local_forward
-from seqpar_kernels.engine.masks import AttentionMask
-
-
-def _mask(causal, cu_seqlens, window_left, window_right, chunk_size) -> AttentionMask:
-    documents = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    return AttentionMask(causal, documents, (window_left, window_right), chunk_size or None)
+from seqpar_kernels.engine.steps import StepSpec
 
 
 @torch.library.custom_op("seqpar::local_attention_forward", mutates_args=())
@@ -41,11 +36,12 @@ def local_attention_forward(
 
     q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; any strides.
     cu_seqlens: None, or (documents + 1,) int64 CPU document bounds from 0 to S (batch 1).
-    window_left, window_right, chunk_size (0: none), softcap (0: none), sinks ((H,) or
-    None): engine/masks.py AttentionMask's and ring_attention_forward's.
+    causal, window_left, window_right, chunk_size (0: none): the AttentionMask as
+    engine/attention_ops.py mask_arguments encodes it; softcap (0: none), sinks ((H,) or
+    None): ring_attention_forward's.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural log)."""
-    mask = _mask(causal, cu_seqlens, window_left, window_right, chunk_size)
-    return local_forward(q, k, v, mask, softmax_scale, softcap, sinks)
+    mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
+    return local_forward(q, k, v, mask, StepSpec(softmax_scale, softcap), sinks)
 
 
 @local_attention_forward.register_fake
@@ -72,8 +68,8 @@ def local_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of local_attention_forward's out: (dq, dk, dv, dsinks), contiguous, dq,
     dk, dv in q's dtype shaped like q, k, v; dsinks in the sinks' dtype ((0,) without)."""
-    mask = _mask(causal, cu_seqlens, window_left, window_right, chunk_size)
-    dq, dk, dv, dsinks = local_backward(dout, q, k, v, out, lse, mask, softmax_scale, softcap, sinks)
+    mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
+    dq, dk, dv, dsinks = local_backward(dout, q, k, v, out, lse, mask, StepSpec(softmax_scale, softcap), sinks)
     dsinks = q.new_empty((0,)) if dsinks is None else dsinks
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks
 

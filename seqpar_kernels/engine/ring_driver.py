@@ -31,7 +31,7 @@ largest block, and each exchange sends and receives exactly the blocks' rows. Un
 zigzag the 2P chunks follow torch.tensor_split of the global length.
 
 Which part of a block a step computes: the StepMask of the two slots' rows under the
-attention mask (engine/masks.py StepMasks, rows placed by seqpar_kernels/layouts.py):
+attention mask (engine/step_masks.py StepMasks, rows placed by seqpar_kernels/layouts.py):
     non-causal                     every step: all of q x all of the block
     causal, contiguous layout      src == r: causal diagonal; src < r: full; src > r: skip
     causal, zigzag layout          (rank r holds chunks r and 2P-1-r of 2P)
@@ -47,7 +47,7 @@ attention mask (engine/masks.py StepMasks, rows placed by seqpar_kernels/layouts
                                    those at or before it); a step with none computes
                                    nothing. On CPUs the step kernels run once per
                                    (query stretch, key stretch) of a document, small
-                                   neighbouring ones joined under a mask (masks.coalesce);
+                                   neighbouring ones joined under a mask (step_masks.coalesce);
                                    on GPUs once per step, with each query row's interval
                                    of key rows.
 
@@ -65,80 +65,9 @@ import math
 import torch
 
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
-from seqpar_kernels.engine.masks import AttentionMask, StepMask, StepMasks, step_masks_of
 from seqpar_kernels.engine.step_backends import StepBackend
-from seqpar_kernels.layouts import dense_slot_segments
-
-# ----------------------------------------------------------------------------------
-# One step
-# ----------------------------------------------------------------------------------
-
-
-def dense_step_masks(mask: AttentionMask | bool, seq_lens, zigzag: bool) -> StepMasks:
-    """The step masks of one dense sequence held by ranks of `seq_lens` rows each, in the
-    contiguous or the zigzag layout; mask: an AttentionMask without documents, or causal."""
-    mask = mask if isinstance(mask, AttentionMask) else AttentionMask(mask)
-    return step_masks_of(mask, dense_slot_segments(seq_lens, zigzag))
-
-
-def forward_step(
-    steps: StepBackend, mask: StepMask, q, k, v, out, lse, scale, first_step=False, softcap: float = 0.0
-) -> None:
-    """Folds the rows of one step's K/V block that `mask` selects into (out, lse).
-    first_step: (out, lse) hold nothing yet and the step kernels write every row
-    (first_step_writes_every_row). softcap: scores capped as softcap * tanh(s / softcap)."""
-    if mask.uses_intervals and steps.takes_intervals:
-        intervals = mask.intervals(q.device)
-        steps.forward_intervals(q, k, v, out, lse, scale, intervals, first_step=first_step, softcap=softcap)
-        return
-    for block in mask.blocks:
-        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
-        arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), scale)
-        if block.mask is None:
-            steps.forward(*arguments, block.causal, first_step=first_step, softcap=softcap)
-        else:
-            steps.forward_masked(*arguments, block.mask, block.empty_rows, softcap=softcap)
-
-
-def first_step_writes_every_row(steps: StepBackend, mask: StepMask | None, seqlen: int) -> bool:
-    """Whether the step kernels' first step writes every row of (out, lse) under `mask`
-    (step 0's), so that the running state need not be initialised: kernels that say so
-    (first_step_writes_every_row) write every row of each launch, and the launch covers
-    all rows (one interval launch, or one unmasked block of every row)."""
-    if mask is None or not steps.first_step_writes_every_row:
-        return False
-    if mask.uses_intervals and steps.takes_intervals:
-        return True
-    (block, *others) = mask.blocks
-    return not others and block.mask is None and block.q_start == 0 and block.q_len == seqlen
-
-
-def backward_step(
-    steps: StepBackend, mask: StepMask, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, softcap: float = 0.0
-) -> None:
-    """Adds one step's share of the gradients (the rows `mask` selects): to dq, and to
-    the block's dK|dV accumulator, which grad_kv() returns as (dk, dv) once it is here
-    (it may still be arriving from the previous rank: the step kernels compute what they
-    can before they ask for it)."""
-    if mask.uses_intervals and steps.takes_intervals:
-        intervals = mask.intervals(q.device)
-        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=softcap)
-        return
-    for block in mask.blocks:
-        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
-        stat_rows = lambda x: None if x is None else x.narrow(2, block.q_start, block.q_len)  # noqa: E731
-        block_grad_kv = lambda kv_rows=kv_rows: tuple(kv_rows(t) for t in grad_kv())  # noqa: E731
-        arguments = (
-            q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
-            q_rows(dq), block_grad_kv, scale,
-        )  # fmt: skip
-        if block.mask is None:
-            steps.backward(*arguments, block.causal, softcap=softcap)
-        else:
-            steps.backward_masked(*arguments, block.mask, softcap=softcap)
-
+from seqpar_kernels.engine.step_masks import StepMasks
+from seqpar_kernels.engine.steps import StepSpec, backward_step, first_step_writes_every_row, forward_step, merge_sinks_
 
 # ----------------------------------------------------------------------------------
 # K|V packing: one flat buffer per block
@@ -183,18 +112,17 @@ def _check_slots(ring, seqlen: int, masks: StepMasks) -> None:
         masks.lengths, ring.rank, seqlen)  # fmt: skip
 
 
-def ring_forward(
-    q, k, v, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring, softcap: float = 0.0, sinks=None
-):
+def ring_forward(q, k, v, spec: StepSpec, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring, sinks=None):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
-    q: (B, S, H, D); k, v: (B, S, H_kv, D); scale > 0.
+    q: (B, S, H, D); k, v: (B, S, H_kv, D).
+    spec: the softmax scale (> 0) and soft cap of every step (engine/steps.py).
     steps: the step backend (engine/step_backends.py); masks: the attention mask over
     the ranks' rows (slot r = rank r's global ranges; dense_step_masks for one dense
     sequence); exchange: makes the rings, exchange(group_name, tag) -> comm.ring.Ring or
     anything with its interface (seqpar_kernels.testing replaces it to time the compute
-    alone). softcap: scores capped (0: not). sinks: None, or (H,) per-head logits that
-    join each row's softmax denominator (merged into the final (out, lse) in fp32).
+    alone). sinks: None, or (H,) per-head logits that join each row's softmax
+    denominator (merged into the final (out, lse) in fp32).
     Returns out (B, S, H, D) in q's dtype and lse (B, H, S) fp32."""
     batch, seqlen, heads, _ = q.shape
     ring = exchange(group_name, KV_TAG)
@@ -220,7 +148,7 @@ def ring_forward(
         mask = masks.step(rank, src)
         if mask is not None:
             first = step == 0 and first_step_writes
-            forward_step(steps, mask, q, k_block, v_block, out, lse, scale, first_step=first, softcap=softcap)
+            forward_step(steps, mask, q, k_block, v_block, out, lse, spec, first_step=first)
         if step < last:
             kv.advance()
     if sinks is not None:
@@ -235,31 +163,10 @@ def last_step(masks: StepMasks, world_size: int) -> int:
     return masks.reach() if masks.mask.is_local else world_size - 1
 
 
-def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """Folds per-head sink logits (H,) into the final fp32 out (B, S, H, D) and lse
-    (B, H, S), in place: each row's softmax denominator gains exp(sinks[h]), with no value
-    row, so lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse')."""
-    sink = sinks.to(device=lse.device, dtype=torch.float32)[None, :, None]
-    merged = torch.logaddexp(lse, sink)
-    out.mul_(torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(merged)
-
-
-def sinks_gradient(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d sinks (H,) of this rank's rows, given the final (sink-merged) out, lse:
-    a sink's probability is exp(sink - lse), and d out / d sink = -p_sink * out, so the
-    gradient is -sum over rows of p_sink * rowsum(dout * out). In sinks' dtype."""
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)
-    p_sink = torch.exp(sinks.float()[None, :, None] - lse)
-    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-
-
-def ring_backward(
-    dout, q, k, v, out, lse, scale, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring,
-    softcap: float = 0.0,
-):  # fmt: skip
+def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: StepBackend, masks: StepMasks,
+                  exchange=Ring):  # fmt: skip
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
-    are its final results (sinks merged). steps, masks, exchange, softcap: as in
+    are its final results (sinks merged). spec, steps, masks, exchange: as in
     ring_forward."""
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -306,7 +213,7 @@ def ring_backward(
             return _unpack_pair(own if step == 0 else travelling, block_shape)
 
         if mask is not None:
-            backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, scale, softcap)
+            backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, spec)
         grad_kv()  # a step that computed nothing still relays the accumulator
         if step >= 1:
             if step < last:  # on to the next holder of this block

@@ -3,7 +3,7 @@
 
 The group travels by name, as in ops/all_to_all.py. What the ops run: the ring driver
 (engine/ring_driver.py) with a step backend (engine/step_backends.py) over the attention
-mask their arguments describe (engine/masks.py). Public entry point and argument checks:
+mask their arguments describe (engine/step_masks.py). Public entry point and argument checks:
 seqpar_kernels/parallel/ring.py. Tests: tests/test_ring_attention.py.
 """
 
@@ -13,10 +13,11 @@ from typing import List, Optional
 
 import torch
 
-from seqpar_kernels.engine.attention_autograd import register_attention_autograd
-from seqpar_kernels.engine.masks import AttentionMask, StepMasks, decode_segments, step_masks_of
-from seqpar_kernels.engine.ring_driver import dense_step_masks, ring_backward, ring_forward, sinks_gradient
+from seqpar_kernels.engine.attention_ops import decode_segments, mask_of, register_attention_autograd
+from seqpar_kernels.engine.ring_driver import ring_backward, ring_forward
 from seqpar_kernels.engine.step_backends import step_kernels_for
+from seqpar_kernels.engine.step_masks import StepMasks, dense_step_masks, step_masks_of
+from seqpar_kernels.engine.steps import StepSpec, sinks_gradient
 from seqpar_kernels.ops.all_to_all import register_as_collective
 
 
@@ -49,26 +50,24 @@ def ring_attention_forward(
     step_kernels: which backend computes each step (engine/step_backends.py: a name of
     STEP_KERNELS, or AUTO).
     seq_lens: every rank's S, in group rank order.
-    cu_seqlens, segments: packed documents (None: one dense sequence). cu_seqlens: the
-    (D + 1,) int64 CPU document bounds of the global sequence; segments: (count, 3)
-    int64 CPU rows (rank, global start, length), the ranges each rank holds in
-    increasing order (engine/masks.py encode_segments). Attention stays inside
-    each document; zigzag is then False.
-    window_left, window_right, chunk_size (0: none): engine/masks.py AttentionMask's,
-    in positions of the sequence (of the document under cu_seqlens).
+    causal, cu_seqlens, window_left, window_right, chunk_size: the AttentionMask
+    (seqpar_kernels/attention_mask.py) as engine/attention_ops.py mask_arguments encodes
+    it; positions of the sequence (of the document under cu_seqlens).
+    segments: with cu_seqlens, the (count, 3) int64 CPU rows (rank, global start, length)
+    of the ranges each rank holds in increasing order (attention_ops.encode_segments);
+    zigzag is then False.
     softcap: scores capped as softcap * tanh(s / softcap) (0: not).
     sinks: None, or (H,) per-head logits joining each row's softmax denominator.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log, sinks included; -inf for a row that saw no key and has no sink, whose out is 0)."""
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
     steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
-    return ring_forward(q, k, v, softmax_scale, group_name, steps, masks, softcap=softcap, sinks=sinks)
+    return ring_forward(q, k, v, StepSpec(softmax_scale, softcap), group_name, steps, masks, sinks=sinks)
 
 
 def _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size) -> StepMasks:
     """The attention mask over the ranks' rows that the ops' arguments describe."""
-    documents = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    mask = AttentionMask(causal, documents, (window_left, window_right), chunk_size or None)
+    mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
     if cu_seqlens is None:
         return dense_step_masks(mask, seq_lens, zigzag)
     masks = step_masks_of(mask, decode_segments(segments, len(seq_lens)))
@@ -113,7 +112,8 @@ def ring_attention_backward(
     results; dK/dV of each block accumulate in fp32 while they travel the ring."""
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
     steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
-    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, softmax_scale, group_name, steps, masks, softcap=softcap)
+    spec = StepSpec(softmax_scale, softcap)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, spec, group_name, steps, masks)
     return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks)
 
 

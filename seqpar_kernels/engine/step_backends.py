@@ -52,15 +52,15 @@ class StepBackend(Protocol):
     Capabilities:
         takes_intervals               forward_intervals / backward_intervals run a step of
                                       packed documents in one launch with per-row key
-                                      intervals (engine/masks.py StepMask.intervals);
+                                      intervals (engine/step_masks.py StepMask.intervals);
                                       without it the driver calls forward / forward_masked
                                       per block of the step.
         first_step_writes_every_row   with first_step=True a launch writes every row of
                                       (out, lse) it covers, reading neither: the driver
                                       then starts the running state uninitialised.
 
-    softcap (every method): scores capped as softcap * tanh(scale * q.k / softcap) before
-    the softmax; 0 is no cap."""
+    spec (every method): the call's StepSpec (engine/steps.py): the softmax scale (> 0)
+    and the soft cap of the scores (0: none)."""
 
     takes_intervals: bool
     first_step_writes_every_row: bool
@@ -68,25 +68,23 @@ class StepBackend(Protocol):
     def prepare_backward(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor | None:
         """What every backward step reads besides out and dout (delta), once per call."""
 
-    def forward(self, q, k, v, out, lse, scale: float, causal: bool, first_step=False, softcap=0.0) -> None:
+    def forward(self, q, k, v, out, lse, spec, causal: bool, first_step=False) -> None:
         """Folds all of q against all of k, v (causal: the diagonal block) into (out, lse)."""
 
-    def forward_masked(self, q, k, v, out, lse, scale: float, mask, empty_rows, softcap=0.0) -> None:
+    def forward_masked(self, q, k, v, out, lse, spec, mask, empty_rows) -> None:
         """forward under an fp32 additive (q rows, k rows) mask; empty_rows (q rows,)
         bool marks the rows whose mask is all -inf."""
 
-    def forward_intervals(self, q, k, v, out, lse, scale: float, intervals, first_step=False, softcap=0.0) -> None:
+    def forward_intervals(self, q, k, v, out, lse, spec, intervals, first_step=False) -> None:
         """forward where query row i attends key rows [row_start[i], row_end[i])."""
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, causal, softcap=0.0) -> None:
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, spec, causal) -> None:
         """Adds the block's gradients to dq and to grad_kv()'s (dk, dv)."""
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, mask, softcap=0.0) -> None:
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, spec, mask) -> None:
         """backward under forward_masked's mask."""
 
-    def backward_intervals(
-        self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, scale, intervals, softcap=0.0
-    ) -> None:  # fmt: skip
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv: GradKV, spec, intervals) -> None:
         """backward of forward_intervals."""
 
 
@@ -109,41 +107,41 @@ class AtenSteps:
     def prepare_backward(self, out, dout):
         return None  # the library backward computes rowsum(dout * out) itself
 
-    def forward(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
-        block_out, block_lse = self._forward(q, k, v, scale, causal, None, softcap)
+    def forward(self, q, k, v, out, lse, spec, causal, first_step=False):
+        block_out, block_lse = self._forward(q, k, v, spec, causal, None)
         attention_merge_(out, lse, block_out, block_lse)
 
-    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows, softcap=0.0):
+    def forward_masked(self, q, k, v, out, lse, spec, mask, empty_rows):
         # The kernels return lse 0 (not -inf) or NaN outputs for a row whose mask is all
         # -inf: its lse is set to -inf so that the merge leaves it untouched.
-        block_out, block_lse = self._forward(q, k, v, scale, False, mask, softcap)
+        block_out, block_lse = self._forward(q, k, v, spec, False, mask)
         attention_merge_(out, lse, block_out, block_lse.masked_fill(empty_rows, float("-inf")))
 
-    def _forward(self, q, k, v, scale, causal, mask, softcap):
-        blocks = self._blocks(q, softcap)
-        more = (softcap,) if blocks is MATH_BLOCKS else ()
-        return blocks.forward(q, k, v, scale, causal, mask, *more)
+    def _forward(self, q, k, v, spec, causal, mask):
+        blocks = self._blocks(q, spec.softcap)
+        more = (spec.softcap,) if blocks is MATH_BLOCKS else ()
+        return blocks.forward(q, k, v, spec.scale, causal, mask, *more)
 
-    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False, softcap=0.0):
+    def forward_intervals(self, q, k, v, out, lse, spec, intervals, first_step=False):
         raise NotImplementedError("the aten step backend takes masked blocks, not intervals")
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal, softcap=0.0):
-        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, causal, None, softcap)
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, causal):
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, spec, causal, None)
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask, softcap=0.0):
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, mask):
         # exp(s + mask - lse) is exactly 0 where the mask is -inf: the masked keys and the
         # empty rows get nothing.
-        self._backward(dout, q, k, v, out, lse, dq, grad_kv, scale, False, mask, softcap)
+        self._backward(dout, q, k, v, out, lse, dq, grad_kv, spec, False, mask)
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=0.0):
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, intervals):
         raise NotImplementedError("the aten step backend takes masked blocks, not intervals")
 
-    def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, scale, causal, mask, softcap):
+    def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, spec, causal, mask):
         # Given the final out and lse, the kernels rebuild this block's probabilities as
         # exp(s - lse) and its delta from the final out: the block's exact share.
-        blocks = self._blocks(q, softcap)
-        more = (softcap,) if blocks is MATH_BLOCKS else ()
-        grad_q, grad_k, grad_v = blocks.backward(dout, q, k, v, out, lse, scale, causal, mask, *more)
+        blocks = self._blocks(q, spec.softcap)
+        more = (spec.softcap,) if blocks is MATH_BLOCKS else ()
+        grad_q, grad_k, grad_v = blocks.backward(dout, q, k, v, out, lse, spec.scale, causal, mask, *more)
         dq.add_(grad_q)
         dk, dv = grad_kv()
         dk.add_(grad_k)
@@ -167,37 +165,37 @@ class TritonSteps:
     def prepare_backward(self, out, dout):
         return self._kernels().attention_backward_preprocess(out, dout)
 
-    def forward(self, q, k, v, out, lse, scale, causal, first_step=False, softcap=0.0):
+    def forward(self, q, k, v, out, lse, spec, causal, first_step=False):
         kernels = self._kernels()
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        options = dict(softmax_scale=scale, mask_mode=mode, first_step=first_step, softcap=softcap)
+        options = dict(softmax_scale=spec.scale, mask_mode=mode, first_step=first_step, softcap=spec.softcap)
         kernels.attention_step_forward(q, k, v, out, lse, **options)
 
-    def forward_masked(self, q, k, v, out, lse, scale, mask, empty_rows, softcap=0.0):
+    def forward_masked(self, q, k, v, out, lse, spec, mask, empty_rows):
         raise NotImplementedError("the Triton step backend takes intervals, not masked blocks")
 
-    def forward_intervals(self, q, k, v, out, lse, scale, intervals, first_step=False, softcap=0.0):
+    def forward_intervals(self, q, k, v, out, lse, spec, intervals, first_step=False):
         kernels = self._kernels()
-        options = dict(softmax_scale=scale, mask_mode=kernels.MASK_INTERVALS, first_step=first_step, softcap=softcap)
+        options = dict(softmax_scale=spec.scale, mask_mode=kernels.MASK_INTERVALS, first_step=first_step,
+                       softcap=spec.softcap)  # fmt: skip
         kernels.attention_step_forward(q, k, v, out, lse, intervals=intervals, **options)
 
-    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, causal, softcap=0.0):
+    def backward(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, causal):
         kernels = self._kernels()
         mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
-        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, None, softcap)
+        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, spec, mode, None)
 
-    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, mask, softcap=0.0):
+    def backward_masked(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, mask):
         raise NotImplementedError("the Triton step backend takes intervals, not masked blocks")
 
-    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, scale, intervals, softcap=0.0):
-        mode = self._kernels().MASK_INTERVALS
-        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals, softcap)
+    def backward_intervals(self, dout, q, k, v, out, lse, delta, dq, grad_kv, spec, intervals):
+        self._backward(dout, q, k, v, lse, delta, dq, grad_kv, spec, self._kernels().MASK_INTERVALS, intervals)
 
-    def _backward(self, dout, q, k, v, lse, delta, dq, grad_kv, scale, mode, intervals, softcap):
+    def _backward(self, dout, q, k, v, lse, delta, dq, grad_kv, spec, mode, intervals):
         # The dq kernel first, then the dk/dv kernel into grad_kv()'s (dk, dv), asked for
         # only once dq is launched.
         kernels = self._kernels()
-        options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, softcap=softcap)
+        options = dict(softmax_scale=spec.scale, mask_mode=mode, intervals=intervals, softcap=spec.softcap)
         kernels.attention_step_backward_dq(q, k, v, dout, lse, delta, dq, **options)
         kernels.attention_step_backward_dkdv(q, k, v, dout, lse, delta, *grad_kv(), **options)
 
@@ -260,33 +258,25 @@ def _device_capability(device_index: int) -> int:
 
 
 def auto_step_backend(device: torch.device, dtype: torch.dtype, in_kernel_features: bool = False) -> str:
-    """The backend "auto" runs for tensors of `dtype` on `device`: "aten" on CPUs
-    (Triton kernels run there only in the interpreter); on GPUs "triton" for fp32 (exact
-    fp32 products, where the library kernels round to TF32 or refuse fp32) and for what
-    only the Triton kernels do in the kernel (in_kernel_features: softcapped scores,
-    windows and chunks, which the library kernels would take as plain torch or masked
-    blocks), and the table's entry for the GPU's family otherwise."""
+    """The backend "auto" runs for tensors of `dtype` on `device` (CPU or CUDA: the
+    public entry checks it): "aten" on CPUs (Triton kernels run there only in the
+    interpreter); on GPUs "triton" for fp32 (exact fp32 products, where the library
+    kernels round to TF32 or refuse fp32) and for what only the Triton kernels do in the
+    kernel (in_kernel_features: softcapped scores, windows and chunks, which the library
+    kernels would take as plain torch or masked blocks), and the table's entry for the
+    GPU's family otherwise."""
     if device.type == "cpu":
         return "aten"
-    if device.type != "cuda":
-        raise ValueError(f"ring attention runs on CPU or CUDA tensors, got device {device}")
     if dtype == torch.float32 or in_kernel_features:
         return "triton"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return step_backend_table()[gpu_family(_device_capability(index))]["backend"]
 
 
-def check_step_backend(step_backend) -> None:
-    """Raises ValueError unless `step_backend` is one of STEP_BACKENDS."""
-    if step_backend not in STEP_BACKENDS:
-        raise ValueError(f"step_backend must be one of {STEP_BACKENDS}, got {step_backend!r}")
-
-
 def step_kernels_for(name: str, q: torch.Tensor, in_kernel_features: bool = False) -> StepBackend:
     """The step backend called `name` (a key of STEP_KERNELS, or AUTO: auto_step_backend's
-    choice for q's device and dtype, and in_kernel_features)."""
+    choice for q's device and dtype, and in_kernel_features). The name was checked at the
+    public entry (parallel/attention_checks.py)."""
     if name == AUTO:
         name = auto_step_backend(q.device, q.dtype, in_kernel_features)
-    if name not in STEP_KERNELS:
-        raise ValueError(f"step kernels must be one of {[AUTO, *STEP_KERNELS]}, got {name!r}")
     return STEP_KERNELS[name]

@@ -415,7 +415,8 @@ def attention_step_forward(
         lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
             updated in place.  Start with out = 0 and lse = -inf, or pass
             first_step=True.
-        softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5), a finite float.
+        softmax_scale: multiplier of q @ k^T (usually headdim ** -0.5), a finite
+            float >= 0 (a negative one goes into q: -q with its absolute value).
         mask_mode: MASK_FULL, MASK_CAUSAL for the diagonal block
             (seqlen_q == seqlen_k, query i attends keys j <= i), or MASK_INTERVALS.
         intervals: with MASK_INTERVALS (and only then) the 4-tuple
@@ -456,13 +457,10 @@ def attention_step_forward(
             lse.fill_(float("-inf"))
         return out, lse
 
-    if softmax_scale < 0:
-        # The kernel takes the running max of the scaled scores as the max of
-        # the unscaled ones times the scale, which holds for a scale >= 0: a
-        # negative one goes into q instead (-q, exact in every dtype).  The
-        # ring never gets here: it folds the sign into q once
-        # (parallel/attention_checks.py fold_scale_sign).
-        q, softmax_scale = -q, -softmax_scale
+    # The kernel takes the running max of the scaled scores as the max of the unscaled
+    # ones times the scale, which holds for a scale >= 0: the public functions fold a
+    # negative one into q first (parallel/attention_checks.py fold_scale_sign).
+    assert softmax_scale >= 0, f"softmax_scale must be >= 0 here (fold its sign into q), got {softmax_scale}"
     launch, grid, args = _forward_call(
         q,
         k,

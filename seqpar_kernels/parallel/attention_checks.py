@@ -1,29 +1,38 @@
 """The argument checks of the attention functions (ulysses_attention, ring_attention,
-usp_attention), one preamble for the three, run once at the entry of each public call:
+usp_attention): one preamble for the three, run once at the entry of each public call,
+on every rank, before any collective; what it returns is trusted by everything below.
 
-    with CheckedOnEveryRank(...) as checks:        (usp: checked_on_grid)
-        call = check_attention_call(describe, q, k, v, ..., ranks=...)
-        checks.share(q.shape[1], call.agreed)
+    call = checked_attention_call(describe, q, k, v, ranks, exchange=..., **arguments)
 
-check_attention_call runs every local check of a call (shapes, dtypes, devices, the
-softmax scale, the layout, the step backend, a varlen plan, per-rank lengths) and returns
-what the call needs afterwards: the scale, every rank's lengths where they are known
-without a gather, the attention mask, and the metadata every rank must agree on.
+runs every local check of the call (check_attention_call: shapes, dtypes, devices, the
+softmax scale, the layout, the step backend, a varlen plan, per-rank lengths, the mask)
+inside one small all-gather (CheckedOnEveryRank, or checked_on_grid for USP's grid) so
+that a bad input on any rank raises on every rank, learns every rank's length, checks
+the zigzag layout's lengths, and returns the AttentionCall the algorithms run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.comm.grid import Grid
-from seqpar_kernels.engine.masks import AttentionMask
-from seqpar_kernels.engine.step_backends import check_step_backend
+from seqpar_kernels.engine.attention_ops import mask_arguments
+from seqpar_kernels.engine.step_backends import AUTO, STEP_BACKENDS
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_piece_lengths
-from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES, check_bool, check_local_sizes
+from seqpar_kernels.parallel.checks import (
+    SUPPORTED_DTYPES,
+    CheckedOnEveryRank,
+    check_bool,
+    check_local_sizes,
+    checked_on_grid,
+    device_of,
+)
 from seqpar_kernels.parallel.varlen import VarlenPlan
 
 MAX_HEAD_DIM = 256
@@ -33,46 +42,110 @@ RING_LAYOUTS = ("contiguous", "zigzag")
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """An attention call's arguments once checked on this rank.
+    """An attention call's arguments once checked on every rank: what the algorithms
+    below the public entry run, without checking again.
 
-    scale     the softmax scale (may be <= 0: fold_scale_sign makes it positive)
-    seq_lens  every rank's local length in piece order, where known without a gather
-              (passed, or the varlen plan's); None: the checks' gather finds them
-    mask      which keys each query attends (causal, the plan's documents, a window,
-              chunks)
-    softcap   scores capped as softcap * tanh(s / softcap); 0.0: not
-    sinks     None, or the (nheads,) per-head sink logits
-    agreed    the metadata every rank of the call must pass alike"""
+    scale        the softmax scale as given (may be <= 0: fold_scale_sign makes it positive)
+    mask         which keys each query attends (causal, the plan's documents, a window,
+                 chunks)
+    softcap      scores capped as softcap * tanh(s / softcap); 0.0: not
+    sinks        None, or the (nheads,) per-head sink logits
+    seq_lens     every rank's local length, in group rank order (under USP: the ranks of
+                 this rank's Ulysses group); None before the checks' gather
+    slot_lens    under USP, every ring slot's length (the sum of its Ulysses group's);
+                 else None
+    layout       the ring's layout, "contiguous" or "zigzag" (Ulysses: "contiguous")
+    step_backend what computes the ring's steps: AUTO or a name of the engine's STEP_KERNELS
+    return_lse   whether the call returns the lse too
+    varlen       the VarlenPlan of packed documents, or None
+    agreed       the metadata every rank of the call must pass alike"""
 
     scale: float
-    seq_lens: list[int] | None
     mask: AttentionMask
     softcap: float
     sinks: torch.Tensor | None
+    seq_lens: list[int] | None
+    slot_lens: list[int] | None
+    layout: str
+    step_backend: str
+    return_lse: bool
+    varlen: VarlenPlan | None
     agreed: tuple
 
     @property
-    def is_plain(self) -> bool:
-        """Whether the call asks for nothing beyond causal or full attention and documents."""
-        return not self.mask.is_local and self.softcap == 0.0 and self.sinks is None
+    def zigzag(self) -> bool:
+        return self.layout == "zigzag"
 
-    def variant_arguments(self, heads: slice | None = None) -> dict:
-        """The window, chunk, softcap and sinks as the engine's ops take them; heads: the
-        sinks of these q heads only (the heads a Ulysses rank holds)."""
+    @property
+    def is_plain(self) -> bool:
+        """Whether the call asks for nothing beyond causal or full attention."""
+        return not self.mask.is_local and not self.mask.has_documents and self.softcap == 0.0 and self.sinks is None
+
+    def with_lengths(self, seq_lens: list[int], slot_lens: list[int] | None = None) -> AttentionCall:
+        """The same call over ranks holding seq_lens rows each (a USP grid's one group)."""
+        return dataclasses.replace(self, seq_lens=list(seq_lens), slot_lens=slot_lens)
+
+    def op_arguments(self, heads: slice | None = None) -> dict:
+        """The mask, softcap and sinks as the engine's attention ops take them (and, with
+        packed documents, the layout's segments); heads: the sinks of these q heads only
+        (the heads a Ulysses rank holds)."""
         sinks = self.sinks if self.sinks is None or heads is None else self.sinks[heads]
-        window_left, window_right = self.mask.window
-        return dict(window_left=window_left, window_right=window_right, chunk_size=self.mask.chunk_size or 0,
-                    softcap=self.softcap, sinks=sinks)  # fmt: skip
+        documents = None if self.varlen is None else self.varlen.cu_seqlens_tensor
+        return dict(**mask_arguments(self.mask, documents), softcap=self.softcap, sinks=sinks)
+
+
+def checked_attention_call(
+    describe: str, q, k, v, ranks: GroupInfo | Grid, *, exchange: bool, causal=False, softmax_scale=None,
+    seq_lens=None, varlen=None, layout: str | None = None, step_backend: str | None = None, step_backends=STEP_BACKENDS, return_lse=False,
+    window_size=(-1, -1), softcap=0.0, sinks=None, attention_chunk_size=None, check_ranks=None,
+) -> AttentionCall:  # fmt: skip
+    """Every check of an attention call, so that a bad input on any rank raises
+    ValueError on every rank: the local checks (check_attention_call) inside one small
+    all-gather of every rank's length and metadata (exchange=False: the caller passed
+    every rank's lengths, or check_ranks=False; then a local error raises on its rank
+    only, see CheckedOnEveryRank), then the zigzag layout's lengths.
+    ranks: the call's group (GroupInfo) or USP grid. Returns the AttentionCall, its
+    lengths known."""
+
+    def local_checks():
+        call = check_attention_call(
+            describe, q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
+            ranks=ranks, layout=layout, step_backend=step_backend, step_backends=step_backends,
+            return_lse=return_lse, window_size=window_size, softcap=softcap, sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
+        )  # fmt: skip
+        if check_ranks is not None:
+            check_bool("check_ranks", check_ranks)
+        return q.shape[1], call.agreed, call
+
+    if isinstance(ranks, Grid):
+        call, row_lens, slot_lens = checked_on_grid(describe, ranks, device_of(q), exchange, local_checks)
+        if call.seq_lens is not None:  # every piece's, passed or the plan's: no gather needed
+            by_slot = ranks.rows(call.seq_lens)
+            row_lens, slot_lens = by_slot[ranks.ring.rank], [sum(row) for row in by_slot]
+        call = call.with_lengths(row_lens, slot_lens)
+        if call.zigzag:
+            check_zigzag_lengths(slot_lens, ranks.ring, f"{describe} (the ring slots' lengths)", q.shape)
+        return call
+    with CheckedOnEveryRank(describe, ranks, device_of(q), exchange=exchange) as checks:
+        _, agreed, call = local_checks()
+        checks.share(q.shape[1], agreed)
+    call = call.with_lengths(checks.sizes if call.seq_lens is None else call.seq_lens)
+    if call.zigzag:
+        check_zigzag_lengths(call.seq_lens, ranks, describe, q.shape)
+    return call
 
 
 def check_attention_call(
     describe: str, q, k, v, *, causal, softmax_scale, seq_lens, varlen, ranks: GroupInfo | Grid,
-    layout: str | None = None, step_backend: str | None = None, return_lse=None, window_size=(-1, -1),
-    softcap=0.0, sinks=None, attention_chunk_size=None,
+    layout: str | None = None, step_backend: str | None = None, step_backends=STEP_BACKENDS, return_lse=False,
+    window_size=(-1, -1), softcap=0.0, sinks=None, attention_chunk_size=None,
 ) -> AttentionCall:  # fmt: skip
     """Every local check of an attention call (no communication); raises ValueError
     naming what is wrong. ranks: the call's group (GroupInfo) or USP grid. layout and
-    step_backend: the ring's (ring_attention, usp_attention), None for Ulysses."""
+    step_backend: the ring's (ring_attention, usp_attention), None for Ulysses;
+    step_backends: the names step_backend may take. Returns the AttentionCall with
+    seq_lens where they are known without a gather (passed, or the plan's)."""
     check_attention_inputs(q, k, v)
     ring = step_backend is not None
     if ring:
@@ -81,12 +154,10 @@ def check_attention_call(
         check_launchable(q)  # CUDA: GPUs older than sm_80, batch or heads over the grid limit
         if layout not in RING_LAYOUTS:
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
-    check_bool("causal", causal)
+        if step_backend not in step_backends:
+            raise ValueError(f"step_backend must be one of {tuple(step_backends)}, got {step_backend!r}")
     scale = resolve_softmax_scale(softmax_scale, q)
-    if return_lse is not None:
-        check_bool("return_lse", return_lse)
-    if ring:
-        check_step_backend(step_backend)
+    check_bool("return_lse", return_lse)
     pieces = ranks.pieces if isinstance(ranks, Grid) else ranks
     if varlen is not None:
         check_varlen_call(describe, varlen, q, ranks)
@@ -97,28 +168,16 @@ def check_attention_call(
         seq_lens = varlen.seq_lens
     elif seq_lens is not None:
         seq_lens = check_local_sizes(seq_lens, pieces, q.shape[1], "seq_lens", q.shape, 1)
-    window = check_window_size(window_size)
+    mask = AttentionMask.checked(causal, window_size, attention_chunk_size,
+                                 None if varlen is None else varlen.layout.cu_seqlens)  # fmt: skip
     softcap = check_softcap(softcap)
     check_sinks(sinks, q)
-    chunk = check_attention_chunk_size(attention_chunk_size)
-    mask = AttentionMask(causal, None if varlen is None else varlen.layout.cu_seqlens, window, chunk)
     batch, _, heads, head_dim = q.shape
     sinks_kind = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
-    agreed = (batch, heads, k.shape[2], head_dim, causal, layout, q.dtype, scale, seq_lens, step_backend, return_lse,
-              window, softcap, sinks_kind, chunk)  # fmt: skip
-    return AttentionCall(scale, seq_lens, mask, softcap, sinks, agreed)
-
-
-def check_window_size(window_size) -> tuple[int, int]:
-    """window_size=(left, right), flash-attention's: two ints >= -1, -1 for no bound."""
-    valid = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
-        isinstance(side, int) and not isinstance(side, bool) and side >= -1 for side in window_size
-    )  # fmt: skip
-    if not valid:
-        raise ValueError(
-            f"window_size must be (left, right), two ints >= -1 (-1: no bound on that side), got {window_size!r:.80}"
-        )
-    return tuple(window_size)
+    agreed = (batch, heads, k.shape[2], head_dim, mask.causal, layout, q.dtype, scale, seq_lens, step_backend,
+              return_lse, mask.window, softcap, sinks_kind, mask.chunk_size)  # fmt: skip
+    return AttentionCall(scale, mask, softcap, sinks, seq_lens, None, layout or "contiguous",
+                         step_backend or AUTO, return_lse, varlen, agreed)  # fmt: skip
 
 
 def check_softcap(softcap) -> float:
@@ -138,15 +197,6 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
         raise ValueError(f"sinks must be a floating (nheads,) = ({heads},) tensor, got {shape} (q {tuple(q.shape)})")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
-
-
-def check_attention_chunk_size(attention_chunk_size) -> int | None:
-    """attention_chunk_size: None, or an int >= 1."""
-    if attention_chunk_size is None:
-        return None
-    if isinstance(attention_chunk_size, bool) or not isinstance(attention_chunk_size, int) or attention_chunk_size < 1:
-        raise ValueError(f"attention_chunk_size must be None or an int >= 1, got {attention_chunk_size!r:.80}")
-    return attention_chunk_size
 
 
 def check_varlen_call(describe: str, plan, q: torch.Tensor, ranks: GroupInfo | Grid) -> None:

@@ -17,6 +17,7 @@ Local checks (no communication):
     check_attention_inputs(q, k, v)     shapes, dtypes, devices, GQA heads, head dim
     resolve_softmax_scale(scale, q)     the default, and ValueError for a bad one
     check_local_sizes(sizes, ...)       per-rank sizes passed by the caller
+    check_split_arguments(...)          a split's tensor and dim (every rank)
     check_gather_arguments(...)         a gather's tensor, dim and sizes (every rank)
 
 The checks of the attention functions build on these (parallel/attention_checks.py).
@@ -119,7 +120,7 @@ class CheckedOnEveryRank:
         others = ", ".join(f"rank {rank}" for rank in range(len(rows)) if rank not in majority)
         return (
             f"ranks disagree on shapes, dims, dtype or options: {others} passed other metadata "
-            f"than rank {majority[0]}; this rank ({self.group.rank}) passed {self.agreed}"
+            f"than rank {majority[0]}; this rank ({self.group.rank}) passed {str(self.agreed):.400}"
         )
 
     def _gather_reasons(self, reason: str) -> list[str]:
@@ -129,6 +130,17 @@ class CheckedOnEveryRank:
             [len(encoded), *encoded, *[0] * (_REASON_BYTES - len(encoded))], self.group.name, self.data_device
         )
         return [bytes(row[1 : 1 + row[0]]).decode(errors="replace") for row in rows]
+
+
+def check_split_arguments(describe: str, x, dim, group: GroupInfo) -> int:
+    """The checks of a split of the full sequence `x` (the same on every rank) along
+    `dim` (split_sequence, zigzag_split), run so that a bad input on any rank raises on
+    every rank. Returns dim in [0, x.dim())."""
+    with CheckedOnEveryRank(describe, group, device_of(x), exchange=True) as checks:
+        check_tensor(x, describe)
+        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
+        checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
+    return dim
 
 
 def check_gather_arguments(describe: str, x, dim, group: GroupInfo, sizes) -> tuple[int, list[int]]:

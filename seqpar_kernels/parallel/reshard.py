@@ -19,6 +19,7 @@ from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_gather_arguments,
     check_local_sizes,
+    check_split_arguments,
     check_tensor,
     device_of,
     normalize_dim,
@@ -112,11 +113,7 @@ def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = 
     x must be the same tensor on every rank; one small collective checks that every rank
     passed the same shape, dtype and dim (a bad input on any rank raises on every rank).
     Backward: gather_sequence of the gradient."""
-    info = resolve_group(group)
-    with CheckedOnEveryRank("split_sequence", info, device_of(x), exchange=True) as checks:
-        check_tensor(x, "split_sequence")
-        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
+    dim = check_split_arguments("split_sequence", x, dim, resolve_group(group))
     return _SplitSequence.apply(x, dim, group)
 
 

@@ -26,22 +26,19 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.engine.ring_ops import ring_attention_forward
-from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.engine.step_backends import AUTO, STEP_KERNELS
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_chunk_lengths, zigzag_chunks, zigzag_piece_lengths
 from seqpar_kernels.parallel.attention_checks import (
     RING_LAYOUTS,
-    check_attention_call,
+    AttentionCall,
     check_zigzag_lengths,
+    checked_attention_call,
     fold_scale_sign,
 )
 from seqpar_kernels.parallel.checks import (
-    CheckedOnEveryRank,
-    check_bool,
     check_gather_arguments,
-    check_tensor,
-    device_of,
-    normalize_dim,
+    check_split_arguments,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
 
@@ -124,8 +121,8 @@ def ring_attention(
     window or chunks the ring stops after step m, the farthest ring offset some rank sees:
     m in place of P-1.
     """
-    return _ring_attention(
-        q, k, v, step_backend, True, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
+    return _checked_ring_attention(
+        q, k, v, step_backend, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,
         return_lse=return_lse, check_ranks=check_ranks, seq_lens=seq_lens, varlen=varlen, window_size=window_size,
         softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
     )  # fmt: skip
@@ -136,36 +133,30 @@ def ring_attention_with_step_kernels(q, k, v, step_kernels: str, **options):
     named `step_kernels`, any name of the engine's STEP_KERNELS ("aten",
     "aten-repeated-kv", "triton": on CPU tensors the Triton interpreter): what tests and
     benchmarks compare."""
-    return _ring_attention(q, k, v, step_kernels, False, **options)
+    return _checked_ring_attention(q, k, v, step_kernels, step_backends=(AUTO, *STEP_KERNELS), **options)
 
 
-def _ring_attention(
-    q, k, v, step_kernels: str, public: bool, *, group=None, causal=False, softmax_scale=None,
-    layout="contiguous", return_lse=False, check_ranks=True, seq_lens=None, varlen=None, window_size=(-1, -1),
-    softcap=0.0, sinks=None, attention_chunk_size=None,
+def _checked_ring_attention(
+    q, k, v, step_backend, *, group=None, check_ranks=True, seq_lens=None, layout="contiguous", **arguments
 ):  # fmt: skip
-    """ring_attention with the step backend `step_kernels`: one of its public choices
-    (public, checked) or a name of STEP_KERNELS."""
     info = resolve_group(group)
-    exchange = check_ranks is not False and seq_lens is None
-    with CheckedOnEveryRank("ring_attention", info, device_of(q), exchange=exchange) as checks:
-        call = check_attention_call(
-            "ring_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
-            ranks=info, layout=layout, step_backend=step_kernels if public else AUTO, window_size=window_size,
-            softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
-        )  # fmt: skip
-        check_bool("check_ranks", check_ranks)
-        checks.share(q.shape[1], (*call.agreed, step_kernels))
-    seq_lens = checks.sizes if call.seq_lens is None else call.seq_lens
-    if layout == "zigzag":
-        check_zigzag_lengths(seq_lens, info, "ring_attention", q.shape)
-    q, scale = fold_scale_sign(q, call.scale)
-    documents = (None, None) if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
-    out, lse = ring_attention_forward(
-        q, k, v, causal, scale, layout == "zigzag", info.name, step_kernels, seq_lens, *documents,
-        **call.variant_arguments(),
+    call = checked_attention_call(
+        "ring_attention", q, k, v, info, exchange=check_ranks is not False and seq_lens is None,
+        step_backend=step_backend, seq_lens=seq_lens, layout=layout, check_ranks=check_ranks, **arguments,
     )  # fmt: skip
-    return (out, lse.detach()) if return_lse else out
+    return run_ring_attention(q, k, v, call, info)
+
+
+def run_ring_attention(q, k, v, call: AttentionCall, info: GroupInfo):
+    """ring_attention once checked: call (its AttentionCall, every rank's length known)
+    over the group `info`. Returns out [, lse detached] as ring_attention does."""
+    q, scale = fold_scale_sign(q, call.scale)
+    segments = None if call.varlen is None else call.varlen.segments_tensor
+    out, lse = ring_attention_forward(
+        q, k, v, softmax_scale=scale, zigzag=call.zigzag, group_name=info.name, step_kernels=call.step_backend,
+        seq_lens=call.seq_lens, segments=segments, **call.op_arguments(),
+    )  # fmt: skip
+    return (out, lse.detach()) if call.return_lse else out
 
 
 # ----------------------------------------------------------------------------------
@@ -215,10 +206,7 @@ def zigzag_split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = No
     on any rank raises on every rank).
     Backward: zigzag_gather of the gradient."""
     info = resolve_group(group)
-    with CheckedOnEveryRank("zigzag_split", info, device_of(x), exchange=True) as checks:
-        check_tensor(x, "zigzag_split")
-        dim = normalize_dim(dim, x.dim(), "dim", x.shape)
-        checks.share(x.shape[dim], (x.dtype, tuple(x.shape), dim))
+    dim = check_split_arguments("zigzag_split", x, dim, info)
     return _ZigzagSplit.apply(x, dim, group, info)
 
 

@@ -4,19 +4,10 @@ ranks' gradient shares.
 
     shard_batch(batch, *, mode, ...)         this rank's input_ids, position_ids, shift_labels
     SequenceShard                            how a batch was sharded (what the attention reads)
-    SequenceParallelism                      a mode, a layout and the groups it runs on
     all_reduce_gradients(parameters, ...)    each parameter's gradient summed over the ranks
 
-Modes and layouts (the same names as the attention functions'):
-    "ulysses"  ulysses_attention over `group`; layout "contiguous" only (Ulysses attends
-               over whole sequences after its exchange, so no layout balances it better)
-    "ring"     ring_attention over `group`
-    "usp"      usp_attention over `mesh` (or ulysses_group and ring_group)
-    "contiguous"  rank r (piece i * U + j under USP) holds the r-th torch.tensor_split
-                  piece of the tokens
-    "balanced"    causal work balanced across the ring: a batch of whole sequences in
-                  the zigzag layout, a packed batch (documents) in the balanced varlen
-                  layout (varlen_plan's)
+Modes and layouts: SequenceParallelism's (parallel/parallelism.py), the value a batch's
+sharding and the model's attention share.
 
 Why labels are shifted before splitting: the target of token t is token t + 1, so the
 last token of rank r is labelled by the first token of the next piece, which only the
@@ -25,123 +16,21 @@ full sequence has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from seqpar_kernels.comm.grid import Grid, reduction_groups, resolve_ranks
-from seqpar_kernels.engine.step_backends import check_step_backend
-from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name, resolve_group
-from seqpar_kernels.layouts import tensor_split_sizes, usp_piece_lengths, zigzag_piece_lengths
-from seqpar_kernels.parallel.reshard import split_sequence
-from seqpar_kernels.parallel.ring import zigzag_split
-from seqpar_kernels.parallel.usp import usp_split
+from seqpar_kernels.comm.grid import reduction_groups
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.varlen import VarlenPlan, varlen_plan
-
-MODES = ("ulysses", "ring", "usp")
-LAYOUTS = ("contiguous", "balanced")
 
 # Keys a flattening collator (transformers' DataCollatorWithFlattening) adds to describe
 # the packed documents of the FULL batch; the varlen plan replaces them, so shard_batch
 # drops them rather than hand a rank the bounds of tokens it does not hold.
 _FULL_BATCH_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
-
-
-@dataclass(frozen=True)
-class SequenceParallelism:
-    """A mode, a layout and the process groups it runs on, by name (a group's name
-    stays valid in this process; the object itself cannot be copied or pickled).
-
-    group_names: (group,) for "ulysses" and "ring" ("" without torch.distributed: one
-    process); (ulysses_group, ring_group) for "usp".
-    step_backend: what computes the ring's steps (ring_attention's argument); not part
-    of the comparison with a batch's sharding, which it does not change."""
-
-    mode: str
-    layout: str
-    group_names: tuple[str, ...]
-    step_backend: str = field(default="auto", compare=False)
-
-    @classmethod
-    def resolve(
-        cls,
-        describe: str,
-        mode,
-        layout,
-        *,
-        group=None,
-        mesh=None,
-        ulysses_group=None,
-        ring_group=None,
-        step_backend="auto",
-    ):
-        if mode not in MODES:
-            raise ValueError(f"{describe}: mode must be one of {MODES}, got {mode!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"{describe}: layout must be one of {LAYOUTS}, got {layout!r}")
-        check_step_backend(step_backend)
-        if mode == "ulysses" and layout != "contiguous":
-            raise ValueError(
-                f"{describe}: mode='ulysses' takes layout='contiguous' only (got {layout!r}): Ulysses attends "
-                "over whole sequences after its exchange, so its work is balanced in any layout"
-            )
-        ranks = resolve_ranks(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
-        if (mode == "usp") != isinstance(ranks, Grid):
-            raise ValueError(
-                f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group="
-                if mode == "usp" else
-                f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh"
-            )  # fmt: skip
-        names = ranks.group_names if isinstance(ranks, Grid) else (ranks.name,)
-        return cls(mode, layout, names, step_backend)
-
-    def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
-        """The process groups (None: the single process)."""
-        return tuple(None if name == SINGLE_PROCESS else group_from_name(name) for name in self.group_names)
-
-    def group_kwargs(self) -> dict:
-        """The groups as the attention functions and varlen_plan take them."""
-        groups = self.groups()
-        if self.mode == "usp":
-            return {"ulysses_group": groups[0], "ring_group": groups[1]}
-        return {"group": groups[0]}
-
-    @property
-    def dense_layout(self) -> str:
-        """The attention functions' layout for a batch of whole sequences."""
-        return "zigzag" if self.layout == "balanced" else "contiguous"
-
-    def rank_and_world(self) -> tuple[int, int]:
-        """This rank's piece index (i * U + j under USP) and the number of pieces."""
-        infos = [resolve_group(group) for group in self.groups()]
-        if self.mode == "usp":
-            ulysses, ring = infos
-            return ring.rank * ulysses.world_size + ulysses.rank, ring.world_size * ulysses.world_size
-        return infos[0].rank, infos[0].world_size
-
-    def dense_seq_lens(self, total: int) -> tuple[int, ...]:
-        """Every piece's length, in piece order, for a sequence of `total` tokens."""
-        infos = [resolve_group(group) for group in self.groups()]
-        if self.mode == "usp":
-            ulysses, ring = infos
-            rows = usp_piece_lengths(total, ulysses.world_size, ring.world_size, self.dense_layout == "zigzag")
-            return tuple(length for row in rows for length in row)
-        world_size = infos[0].world_size
-        if self.layout == "balanced":
-            return tuple(zigzag_piece_lengths(total, world_size))
-        return tuple(tensor_split_sizes(total, world_size))
-
-    def split_dense(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's piece of the full sequence x (the same on every rank) along dim."""
-        groups = self.group_kwargs()
-        if self.mode == "usp":
-            return usp_split(x, dim, layout=self.dense_layout, **groups)
-        if self.layout == "balanced":
-            return zigzag_split(x, dim, groups["group"])
-        return split_sequence(x, dim, groups["group"])
 
 
 @dataclass(frozen=True)
@@ -281,9 +170,9 @@ def shard_batch(
 
     # One split for the three: (B, S, 3) int64.
     tokens = torch.stack([input_ids.long(), position_ids.long(), shift_labels.long()], dim=-1)
-    local = plan.split(tokens, dim=1) if plan is not None else parallelism.split_dense(tokens, dim=1)
+    local = plan.split(tokens, dim=1) if plan is not None else parallelism.split(tokens, dim=1)
     local_ids, local_positions, local_labels = local.unbind(-1)
-    seq_lens = tuple(plan.seq_lens) if plan is not None else parallelism.dense_seq_lens(seqlen)
+    seq_lens = tuple(plan.seq_lens) if plan is not None else parallelism.piece_lengths(seqlen)
     return {
         "input_ids": local_ids.to(input_ids.dtype),
         "position_ids": local_positions.contiguous(),

@@ -40,8 +40,7 @@ from seqpar_kernels.comm.plan import interleave, kv_head_ranges
 from seqpar_kernels.engine.local_ops import local_attention_forward
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import offsets, tensor_split_ranges
-from seqpar_kernels.parallel.attention_checks import check_attention_call, fold_scale_sign
-from seqpar_kernels.parallel.checks import CheckedOnEveryRank, device_of
+from seqpar_kernels.parallel.attention_checks import AttentionCall, checked_attention_call, fold_scale_sign
 
 # (B, S, H, D) logical shape stored as (B, H, S, D): the layout SDPA reads without a copy.
 HEADS_MAJOR = (0, 2, 1, 3)
@@ -68,53 +67,59 @@ def uniform_head_runs(q_head_start: int, num_q: int, group_size: int) -> list[tu
     return runs
 
 
-def _local_attention(q, k, v, q_head_start, group_size, causal, softmax_scale):
-    """Attention of the model's q heads [q_head_start, +n) against the kv heads they read,
-    on (B, n, S, D) and (B, n_kv, S, D) tensors."""
-    outputs = [
-        F.scaled_dot_product_attention(
-            q[:, q_offset : q_offset + q_count],
-            k[:, kv_offset : kv_offset + kv_count],
-            v[:, kv_offset : kv_offset + kv_count],
-            is_causal=causal,
-            scale=softmax_scale,
-            enable_gqa=q_count != kv_count,
+def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int):
+    """Attention of the model's q heads [q_head_start, +n) against the kv heads they
+    read, one call of attend per uniform run of heads (uniform_head_runs), the runs'
+    results joined along the heads.
+
+    q (B, S, n, D), k, v (B, S, n_kv, D): this rank's heads, any strides.
+    attend(q_run, k_run, v_run, heads) -> (out (B, S, q_count, D), lse (B, q_count, S)
+    or None): the attention of one run, `heads` the run's q heads of the model (a slice).
+    Returns (out (B, S, n, D), lse (B, n, S) fp32 or None). With no heads on this rank
+    (fewer heads than ranks): an empty out that stays in the autograd graph, so that
+    this rank joins the backward exchanges like the others."""
+    outs, lses = [], []
+    for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[2], group_size):
+        heads = slice(q_head_start + q_offset, q_head_start + q_offset + q_count)
+        out, lse = attend(
+            q.narrow(2, q_offset, q_count), k.narrow(2, kv_offset, kv_count), v.narrow(2, kv_offset, kv_count), heads
         )
-        for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[1], group_size)
-    ]
-    if not outputs:
-        # No heads on this rank (fewer heads than ranks): an empty output that stays in
-        # the autograd graph, so this rank joins the backward exchanges like the others.
-        return q.clone()
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return q.clone(), q.new_empty((q.shape[0], 0, q.shape[1]), dtype=torch.float32)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if lses[0] is None:
+        return out, None
+    return out, lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
 
 
-def _local_masked_attention(q, k, v, call, varlen, q_head_start, group_size, softmax_scale):
-    """Attention under the call's mask (documents, a window, chunks), softcap and sinks of
-    the model's q heads [q_head_start, +n) on the whole sequence: q (B, S, n, D), k, v
-    (B, S, n_kv, D), the ranks' pieces one after another. Returns out (B, S, n, D) in
-    the same order."""
-    order = None
-    if varlen is not None and not varlen.layout.in_global_order:
-        # The pieces concatenated in rank order are not the sequence in order: bring the
-        # tokens into global order, where each document is one range, and back after.
-        positions = varlen.layout.concatenated_positions().to(q.device)
-        order = torch.argsort(positions)
-        q, k, v = (x.index_select(1, order) for x in (q, k, v))
-    cu_seqlens = None if varlen is None else varlen.cu_seqlens_tensor
-    outputs = [
-        local_attention_forward(
-            q.narrow(2, q_offset, q_count), k.narrow(2, kv_offset, kv_count), v.narrow(2, kv_offset, kv_count),
-            call.mask.causal, softmax_scale, cu_seqlens,
-            **call.variant_arguments(slice(q_head_start + q_offset, q_head_start + q_offset + q_count)),
-        )[0]
-        for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[2], group_size)
-    ]  # fmt: skip
-    if not outputs:
-        out = q.clone()  # no heads here: stays in the graph, as in _local_attention
-    else:
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out if order is None else out.index_select(1, positions)
+def _sdpa_run(causal: bool, scale: float):
+    """attend for attend_by_head_runs by SDPA: the (B, S, n, D) runs as the (B, n, S, D)
+    views it reads (the exchange lays them out so, no copy)."""
+
+    def attend(q, k, v, heads):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2), None  # fmt: skip
+
+    return attend
+
+
+def _masked_run(call: AttentionCall, scale: float):
+    """attend for attend_by_head_runs under the call's mask (documents, a window,
+    chunks), softcap and sinks (of the run's heads): the one-process attention op."""
+
+    def attend(q, k, v, heads):
+        return local_attention_forward(q, k, v, softmax_scale=scale, **call.op_arguments(heads))[0], None
+
+    return attend
 
 
 @dataclass(frozen=True)
@@ -234,30 +239,32 @@ def ulysses_attention(
     divide evenly; two all-to-alls forward, two backward.
     """
     info = resolve_group(group)
-    with CheckedOnEveryRank("ulysses_attention", info, device_of(q), exchange=seq_lens is None) as checks:
-        call = check_attention_call(
-            "ulysses_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens,
-            varlen=varlen, ranks=info, window_size=window_size, softcap=softcap, sinks=sinks,
-            attention_chunk_size=attention_chunk_size,
-        )  # fmt: skip
-        checks.share(q.shape[1], call.agreed)
-    seq_lens = checks.sizes if call.seq_lens is None else call.seq_lens
+    call = checked_attention_call(
+        "ulysses_attention", q, k, v, info, exchange=seq_lens is None, causal=causal, softmax_scale=softmax_scale,
+        seq_lens=seq_lens, varlen=varlen, window_size=window_size, softcap=softcap, sinks=sinks,
+        attention_chunk_size=attention_chunk_size,
+    )  # fmt: skip
+    return run_ulysses_attention(q, k, v, call, info)
+
+
+def run_ulysses_attention(q, k, v, call: AttentionCall, info: GroupInfo) -> torch.Tensor:
+    """ulysses_attention once checked: call (its AttentionCall, every rank's length
+    known) over the group `info`. Returns (B, S_r, H, D), contiguous."""
     num_heads = q.shape[2]
-    plan = UlyssesPlan.of(seq_lens, num_heads, k.shape[2])
+    plan = UlyssesPlan.of(call.seq_lens, num_heads, k.shape[2])
     q, scale = fold_scale_sign(q, call.scale)
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
-    if varlen is not None or not call.is_plain:
-        out_heads = _local_masked_attention(
-            q_heads, k_heads, v_heads, call, varlen, plan.head_starts[info.rank], num_heads // k.shape[2], scale
-        )  # (B, S, n, D)
-        return heads_to_sequence(out_heads, plan, info)
-    out_heads = _local_attention(
-        q_heads.transpose(1, 2),
-        k_heads.transpose(1, 2),
-        v_heads.transpose(1, 2),
-        plan.head_starts[info.rank],
-        num_heads // k.shape[2],
-        causal,
-        scale,
-    )  # (B, n, S, D)
-    return heads_to_sequence(out_heads.transpose(1, 2), plan, info)  # (B, S_r, H, D)
+    order = None
+    if call.varlen is not None and not call.varlen.layout.in_global_order:
+        # The pieces concatenated in rank order are not the sequence in order: bring the
+        # tokens into global order, where each document is one range, and back after.
+        positions = call.varlen.layout.concatenated_positions().to(q.device)
+        order = torch.argsort(positions)
+        q_heads, k_heads, v_heads = (x.index_select(1, order) for x in (q_heads, k_heads, v_heads))
+    attend = _sdpa_run(call.mask.causal, scale) if call.is_plain else _masked_run(call, scale)
+    out_heads, _ = attend_by_head_runs(
+        attend, q_heads, k_heads, v_heads, plan.head_starts[info.rank], num_heads // k.shape[2]
+    )  # (B, S, n, D)
+    if order is not None:
+        out_heads = out_heads.index_select(1, positions)
+    return heads_to_sequence(out_heads, plan, info)  # (B, S_r, H, D)

@@ -52,7 +52,12 @@ from seqpar_kernels.comm.grid import MESH_DIM_NAMES, Grid, resolve_grid
 from seqpar_kernels.engine.ring_ops import ring_attention_forward
 from seqpar_kernels.groups import resolve_group
 from seqpar_kernels.layouts import usp_piece_lengths, usp_piece_segments
-from seqpar_kernels.parallel.attention_checks import check_attention_call, check_zigzag_lengths, fold_scale_sign
+from seqpar_kernels.parallel.attention_checks import (
+    AttentionCall,
+    check_zigzag_lengths,
+    checked_attention_call,
+    fold_scale_sign,
+)
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_bool,
@@ -62,13 +67,13 @@ from seqpar_kernels.parallel.checks import (
     normalize_dim,
 )
 from seqpar_kernels.parallel.reshard import gather_sequence
-from seqpar_kernels.parallel.ring import LAYOUTS, ring_attention, zigzag_gather_pieces
+from seqpar_kernels.parallel.ring import LAYOUTS, run_ring_attention, zigzag_gather_pieces
 from seqpar_kernels.parallel.ulysses import (
     UlyssesPlan,
+    attend_by_head_runs,
     heads_to_sequence,
+    run_ulysses_attention,
     sequence_to_heads,
-    ulysses_attention,
-    uniform_head_runs,
 )
 
 __all__ = ["make_usp_groups", "usp_attention", "usp_split", "usp_gather", "MESH_DIM_NAMES"]
@@ -213,78 +218,46 @@ def usp_attention(
       ring group: ring_attention's bytes over the slots, with n_kv_j kv heads.
     """
     grid = resolve_grid("usp_attention", mesh, ulysses_group, ring_group)
-
-    def local_checks():
-        call = check_attention_call(
-            "usp_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, seq_lens=seq_lens, varlen=varlen,
-            ranks=grid, layout=layout, step_backend=step_backend, return_lse=return_lse, window_size=window_size,
-            softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
-        )  # fmt: skip
-        return q.shape[1], call.agreed, call
-
-    call, row_lens, slot_lens = checked_on_grid("usp_attention", grid, device_of(q), seq_lens is None, local_checks)
-    ulysses_size, ring_size = grid.ulysses.world_size, grid.ring.world_size
-    lengths = call.seq_lens
-    if lengths is not None:
-        by_slot = [lengths[i * ulysses_size : (i + 1) * ulysses_size] for i in range(ring_size)]
-        row_lens, slot_lens = by_slot[grid.ring.rank], [sum(slot) for slot in by_slot]
-    if layout == "zigzag":
-        check_zigzag_lengths(slot_lens, grid.ring, "usp_attention (the ring slots' lengths)", q.shape)
-
-    if varlen is not None:  # one path for every degree: the plan describes the grid
-        return _usp_attention(q, k, v, grid, call, False, row_lens, slot_lens, return_lse, step_backend, varlen)
-    # Degree 1: the one-dimensional algorithms themselves, their checks already run here.
-    variants = dict(window_size=window_size, softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size)
-    if ulysses_size == 1:
-        return ring_attention(
-            q, k, v, group=grid.ring_group, causal=causal, softmax_scale=softmax_scale, layout=layout,
-            return_lse=return_lse, seq_lens=slot_lens, step_backend=step_backend, **variants,
-        )  # fmt: skip
-    if ring_size == 1 and not return_lse:
-        # One slot: zigzag over one ring rank is the contiguous layout.
-        return ulysses_attention(
-            q, k, v, group=grid.ulysses_group, causal=causal, softmax_scale=softmax_scale, seq_lens=row_lens,
-            **variants,
-        )  # fmt: skip
-    return _usp_attention(q, k, v, grid, call, layout == "zigzag", row_lens, slot_lens, return_lse, step_backend)
+    call = checked_attention_call(
+        "usp_attention", q, k, v, grid, exchange=seq_lens is None, causal=causal, softmax_scale=softmax_scale,
+        seq_lens=seq_lens, varlen=varlen, layout=layout, step_backend=step_backend, return_lse=return_lse,
+        window_size=window_size, softcap=softcap, sinks=sinks, attention_chunk_size=attention_chunk_size,
+    )  # fmt: skip
+    if varlen is None:  # packed documents: one path for every degree, the plan describes the grid
+        # Degree 1: the one-dimensional algorithms themselves, over the grid's one group.
+        if grid.ulysses.world_size == 1:
+            return run_ring_attention(q, k, v, call.with_lengths(call.slot_lens), grid.ring)
+        if grid.ring.world_size == 1 and not return_lse:
+            # One slot: zigzag over one ring rank is the contiguous layout.
+            return run_ulysses_attention(q, k, v, call, grid.ulysses)
+    return run_usp_attention(q, k, v, call, grid)
 
 
-def _usp_attention(q, k, v, grid: Grid, call, zigzag, row_lens, slot_lens, return_lse, step_backend, varlen=None):
-    """usp_attention once checked (call: its AttentionCall): Ulysses exchange, the ring
-    per uniform head run, Ulysses exchange back."""
-    batch, _, num_heads, _ = q.shape
-    plan = UlyssesPlan.of(row_lens, num_heads, k.shape[2])
+def run_usp_attention(q, k, v, call: AttentionCall, grid: Grid):
+    """usp_attention once checked (call: its AttentionCall, this slot's and every slot's
+    lengths known): Ulysses exchange, the ring per uniform head run, Ulysses exchange
+    back. Returns out [, lse] as usp_attention does."""
+    plan = UlyssesPlan.of(call.seq_lens, q.shape[2], k.shape[2])
     q, scale = fold_scale_sign(q, call.scale)
     # (B, S_p, H, D) -> (B, S_slot, n, D) stored as (B, n, S_slot, D).
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, grid.ulysses)
-    outs, lses = [], []
-    documents = (None, None) if varlen is None else (varlen.cu_seqlens_tensor, varlen.segments_tensor)
-    head_start = plan.head_starts[grid.ulysses.rank]
-    runs = uniform_head_runs(head_start, q_heads.shape[2], num_heads // k.shape[2])
-    for q_offset, q_count, kv_offset, kv_count in runs:
+    segments = None if call.varlen is None else call.varlen.segments_tensor
+
+    def ring_run(q_run, k_run, v_run, heads):
         # The ring's step kernels map q head h to kv head h // (n / n_kv), so each run of
         # q heads whose kv heads serve equally many of them gets a ring of its own (two
-        # or three only where this rank's heads start or end inside a GQA group). The
-        # op directly, with the slots' lengths: the checks above stand for the ring's.
+        # or three only where this rank's heads start or end inside a GQA group).
         out, lse = ring_attention_forward(
-            q_heads.narrow(2, q_offset, q_count),
-            k_heads.narrow(2, kv_offset, kv_count),
-            v_heads.narrow(2, kv_offset, kv_count),
-            call.mask.causal, scale, zigzag, grid.ring.name, step_backend, slot_lens, *documents,
-            **call.variant_arguments(slice(head_start + q_offset, head_start + q_offset + q_count)),
+            q_run, k_run, v_run, softmax_scale=scale, zigzag=call.zigzag, group_name=grid.ring.name,
+            step_kernels=call.step_backend, seq_lens=call.slot_lens, segments=segments, **call.op_arguments(heads),
         )  # fmt: skip
-        outs.append(out)  # (B, S_slot, q_count, D)
-        lses.append(lse.detach())  # (B, q_count, S_slot); not differentiable, as ring_attention's
-    if not outs:
-        # No heads at this Ulysses index (fewer heads than U): an empty output that stays
-        # in the autograd graph, so this rank joins the backward exchanges like the others.
-        out_heads = q_heads.clone()
-        lse_heads = q.new_empty((batch, 0, sum(row_lens)), dtype=torch.float32)
-    else:
-        out_heads = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, S_slot, n, D)
-        lse_heads = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)  # (B, n, S_slot)
+        return out, lse.detach()  # not differentiable, as ring_attention's
+
+    out_heads, lse_heads = attend_by_head_runs(
+        ring_run, q_heads, k_heads, v_heads, plan.head_starts[grid.ulysses.rank], q.shape[2] // k.shape[2]
+    )  # (B, S_slot, n, D), (B, n, S_slot)
     out = heads_to_sequence(out_heads, plan, grid.ulysses)  # (B, S_p, H, D)
-    if not return_lse:
+    if not call.return_lse:
         return out
     return out, heads_to_sequence(lse_heads, plan, grid.ulysses, seq_dim=2, heads_dim=1)  # (B, H, S_p)
 
@@ -301,9 +274,10 @@ def _piece_ranges(total: int, grid: Grid, layout: str) -> tuple[tuple[int, int],
     )  # fmt: skip
 
 
-def _usp_gather(x: torch.Tensor, dim: int, grid: Grid, layout: str, row_lens, slot_lens) -> torch.Tensor:
-    """usp_gather once every length is known: the slot over the Ulysses group, then
-    the sequence over the ring. Autograd: each rank keeps its piece of the gradient."""
+def usp_gather_pieces(x: torch.Tensor, dim: int, grid: Grid, layout: str, row_lens, slot_lens) -> torch.Tensor:
+    """usp_gather once every length is known (row_lens: this slot's Ulysses ranks',
+    slot_lens: every slot's): the slot over the Ulysses group, then the sequence over
+    the ring. Autograd: each rank keeps its piece of the gradient."""
     slot = gather_sequence(x, dim, grid.ulysses_group, sizes=row_lens)
     if layout == "zigzag":
         return zigzag_gather_pieces(slot, dim, grid.ring_group, grid.ring, slot_lens)
@@ -323,7 +297,7 @@ class _UspSplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _usp_gather(grad, ctx.dim, ctx.grid, ctx.layout, ctx.row_lens, ctx.slot_lens), None, None, None
+        return usp_gather_pieces(grad, ctx.dim, ctx.grid, ctx.layout, ctx.row_lens, ctx.slot_lens), None, None, None
 
 
 def _check_sequence(x, dim, layout, describe: str) -> int:
@@ -384,4 +358,4 @@ def usp_gather(
     dim, row_lens, slot_lens = checked_on_grid("usp_gather", grid, device_of(x), True, local_checks)
     if layout == "zigzag":
         check_zigzag_lengths(slot_lens, grid.ring, "usp_gather (the ring slots' lengths)", x.shape)
-    return _usp_gather(x, dim, grid, layout, row_lens, slot_lens)
+    return usp_gather_pieces(x, dim, grid, layout, row_lens, slot_lens)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.comm.grid import Grid, resolve_ranks
-from seqpar_kernels.engine.masks import encode_segments
+from seqpar_kernels.engine.attention_ops import encode_segments
 from seqpar_kernels.layouts import VARLEN_LAYOUTS, VarlenLayout
 from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
@@ -122,11 +122,9 @@ class VarlenPlan:
         """gather without the checks: the split's backward."""
         layout = self.layout
         if self.on_mesh:
-            ulysses, ring = layout.ulysses_size, layout.ring_size
-            row_lens = self.seq_lens[self.grid.ring.rank * ulysses : (self.grid.ring.rank + 1) * ulysses]
-            slot = gather_sequence(x_local, dim, self.grid.ulysses_group, sizes=row_lens)
-            slot_lens = [sum(self.seq_lens[i * ulysses : (i + 1) * ulysses]) for i in range(ring)]
-            concatenated = gather_sequence(slot, dim, self.grid.ring_group, sizes=slot_lens)
+            rows = self.grid.rows(self.seq_lens)
+            slot = gather_sequence(x_local, dim, self.grid.ulysses_group, sizes=rows[self.grid.ring.rank])
+            concatenated = gather_sequence(slot, dim, self.grid.ring_group, sizes=[sum(row) for row in rows])
         else:
             concatenated = gather_sequence(x_local, dim, self.group, sizes=self.seq_lens)
         if layout.in_global_order:

@@ -16,7 +16,9 @@ or, with the Hugging Face Trainer (started by torchrun):
 
 Modules:
     attention   the attention implementations transformers dispatches to (register,
-                apply) and their mask functions (LayerMask)
+                apply)
+    masks       the mask function registered beside them: transformers' masks read as
+                the package's AttentionMask (LayerMask)
     causal_lm   causal_lm_loss: the loss of the model's own head (tied embeddings,
                 final logit softcapping, logit scales), fused and chunked
     trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
@@ -32,19 +34,16 @@ through AttentionInterface and build masks through masking_utils).
 from __future__ import annotations
 
 # attention first: it raises the ImportError that names the missing dependency.
-from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, LayerMask, apply, register
+from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, apply, register
 from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss
+from seqpar_kernels.integrations.transformers.masks import LayerMask
 from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
 )
-from seqpar_kernels.parallel.training import (
-    SequenceParallelism,
-    SequenceShard,
-    all_reduce_gradients,
-    shard_batch,
-)
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.training import SequenceShard, all_reduce_gradients, shard_batch
 
 __all__ = [
     "register",

@@ -9,21 +9,9 @@ AttentionInterface, and a mask function for each through AttentionMaskInterface:
 apply() switches a loaded model to one of them (model.set_attn_implementation) and records
 on its modules the mode, layout and process groups the attention uses.
 
-Masks: transformers builds each layer type's mask once per forward through the mask
-interface (masking_utils: create_causal_mask, create_sliding_window_causal_mask,
-create_chunked_causal_mask, ...), and hands the result to every layer of that type as its
-attention_mask. Ours returns a LayerMask instead of a tensor: the pattern read off the
-mask function transformers composed (causal or bidirectional, a sliding window, chunks),
-so that each layer attends exactly as the model's own eager/sdpa path would, over the
-whole sequence of every rank. transformers' conventions, converted:
-    sliding_window_overlay(w)   kv > q - w: a window of w keys, the query's own included
-                                -> window_size=(w - 1, -1) with causal
-    sliding_window_bidirectional_overlay(w)   |q - kv| <= w -> window_size=(w, w)
-    chunked_overlay(c)          q // c == kv // c -> attention_chunk_size=c
-Each of those functions is checked once per process and parameter against the pattern
-it is read as (on a grid of positions), so that a release that changed one raises
-instead of attending otherwise. Any other mask function (model-specific overlays, or_masks,
-image-token blocks) raises.
+Masks: the mask function registered beside them (masks.py) returns a LayerMask (the
+package's AttentionMask) read off transformers' own mask functions; each layer gets the
+one of its type.
 
 What the attention functions take from transformers: query (B, H, S_local, D) and
 key/value (B, H_kv, S_local, D), views of (B, S_local, H, D) projections, handed to ours
@@ -50,13 +38,12 @@ through AttentionInterface and build masks through masking_utils).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 try:
     import transformers
-    from transformers import AttentionInterface, masking_utils
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
@@ -64,11 +51,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
-from seqpar_kernels.groups import all_gather_ints
-from seqpar_kernels.parallel.ring import ring_attention
-from seqpar_kernels.parallel.training import SequenceParallelism, SequenceShard
-from seqpar_kernels.parallel.ulysses import ulysses_attention
-from seqpar_kernels.parallel.usp import usp_attention
+from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["register", "apply", "IMPLEMENTATIONS", "LayerMask"]
 
@@ -101,14 +86,6 @@ def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
 _checked_positions: weakref.ref | None = None
 
 
-def _from_every_rank(value: int, settings: SequenceParallelism, device) -> list[int]:
-    """Every rank's `value`, in piece order (USP: over the Ulysses group, then the ring)."""
-    values = [value]
-    for name in settings.group_names:
-        values = [item for row in all_gather_ints(values, name, device) for item in row]
-    return values
-
-
 def _check_global_positions(position_ids, local_len: int, settings: SequenceParallelism, describe: str) -> None:
     """Without a SequenceShard, the position ids must be this rank's global positions
     in the layout (rotary embeddings read them): a model given only this rank's tokens
@@ -117,11 +94,11 @@ def _check_global_positions(position_ids, local_len: int, settings: SequencePara
     global _checked_positions
     if position_ids is None or (_checked_positions is not None and _checked_positions() is position_ids):
         return
-    lengths = _from_every_rank(local_len, settings, position_ids.device)
-    expected = settings.split_dense(torch.arange(sum(lengths), device=position_ids.device)[None], dim=1)
+    lengths = settings.gather_ints([local_len], position_ids.device)
+    expected = settings.take(torch.arange(sum(lengths), device=position_ids.device)[None], dim=1)
     matches = position_ids.shape[-1] == expected.shape[-1] and bool((position_ids == expected).all())
     # Every rank raises if one does: a rank that went on would wait in the attention's collectives.
-    if not all(_from_every_rank(int(matches), settings, position_ids.device)):
+    if not all(settings.gather_ints([matches], position_ids.device)):
         raise ValueError(
             f"{describe}: position_ids {tuple(position_ids.shape)} are not every rank's global positions in the "
             f"{settings.layout} layout (positions counted from 0 on every rank, packed documents, or another "
@@ -191,7 +168,7 @@ def _global_rows(shard: SequenceShard | None, position_ids, settings: SequencePa
     if shard is None:
         return position_ids[0]
     rows = torch.arange(sum(shard.seq_lens), device=device)
-    return shard.varlen.split(rows, dim=0) if shard.varlen is not None else settings.split_dense(rows, dim=0)
+    return shard.varlen.split(rows, dim=0) if shard.varlen is not None else settings.take(rows, dim=0)
 
 
 def _rescale_temperature(module, query: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
@@ -240,7 +217,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
                 "bidirectional: pack the sequences instead of padding them"
             )
         seq_lens, varlen = list(shard.seq_lens), shard.varlen
-    if mask.chunk_size is not None and varlen is not None and not _CHUNKS_FROM_DOCUMENT_START:
+    if mask.chunk_size is not None and varlen is not None and not CHUNKS_FROM_DOCUMENT_START:
         raise ValueError(
             f"{describe}: chunked attention over packed documents: this transformers release counts the chunks "
             "from the start of the packed row, sequence-parallel attention from each document's start (as newer "
@@ -255,17 +232,14 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    common = dict(causal=mask.causal, softmax_scale=scaling, seq_lens=None if varlen is not None else seq_lens,
-                  varlen=varlen, window_size=mask.window, attention_chunk_size=mask.chunk_size,
-                  softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"),
-                  **settings.group_kwargs())  # fmt: skip
-    if mode == "ulysses":
-        out = ulysses_attention(q, k, v, **common)
+    options = dict(causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
+                   attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0,
+                   sinks=kwargs.get("s_aux"))  # fmt: skip
+    if varlen is not None:  # the plan sets the layout and the lengths
+        options.update(varlen=varlen, **({} if mode == "ulysses" else {"layout": "contiguous"}))
     else:
-        ring_or_usp = ring_attention if mode == "ring" else usp_attention
-        out = ring_or_usp(q, k, v, layout="contiguous" if varlen is not None else settings.dense_layout,
-                          step_backend=settings.step_backend, **common)  # fmt: skip
-    return out, None  # (B, S_local, H, D), no attention weights
+        options.update(seq_lens=seq_lens)
+    return settings.attention(q, k, v, **options), None  # (B, S_local, H, D), no attention weights
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):
@@ -283,185 +257,15 @@ def _usp(module, query, key, value, attention_mask, **kwargs):
 _ATTENTION_FUNCTIONS = {"ulysses": _ulysses, "ring": _ring, "usp": _usp}
 
 
-# ----------------------------------------------------------------------------------
-# The mask: the pattern of transformers' mask function
-# ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerMask:
-    """Which keys the queries of a layer attend, by position in the whole sequence (in
-    the document under packing), in the attention functions' terms: what our mask
-    function returns to transformers in place of a mask tensor, and what the model then
-    hands each layer of that type.
-
-    causal       keys at or before the query only
-    window       (left, right): keys at query - left ..= query + right (-1: no bound)
-    chunk_size   None, or keys in the query's chunk of that many positions only"""
-
-    causal: bool = False
-    window: tuple[int, int] = (-1, -1)
-    chunk_size: int | None = None
-
-    def allows(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        """Whether query position q_idx attends key position kv_idx (broadcast)."""
-        allowed = torch.ones(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), dtype=torch.bool, device=q_idx.device)
-        left, right = self.window
-        if self.causal:
-            allowed &= kv_idx <= q_idx
-        if left >= 0:
-            allowed &= kv_idx >= q_idx - left
-        if right >= 0:
-            allowed &= kv_idx <= q_idx + right
-        if self.chunk_size is not None:
-            allowed &= torch.div(kv_idx, self.chunk_size, rounding_mode="floor") == torch.div(
-                q_idx, self.chunk_size, rounding_mode="floor"
-            )
-        return allowed
-
-    def __and__(self, other: LayerMask) -> LayerMask:
-        """The keys both allow, where that is a LayerMask again."""
-
-        def tighter(a: int, b: int) -> int:
-            return b if a < 0 else a if b < 0 else min(a, b)
-
-        chunks = [size for size in (self.chunk_size, other.chunk_size) if size is not None]
-        if len(chunks) == 2 and max(chunks) % min(chunks):
-            raise ValueError(f"sequence-parallel attention: chunks of {chunks[0]} and of {chunks[1]} positions at once")
-        return LayerMask(
-            self.causal or other.causal,
-            (tighter(self.window[0], other.window[0]), tighter(self.window[1], other.window[1])),
-            min(chunks) if chunks else None,
-        )
-
-
-def _closure(function) -> dict:
-    """The variables a nested function closes over, by name."""
-    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
-
-
-def _positive(value, name: str, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"sequence-parallel attention: the model's {name} must be an int >= {least}, got {value!r}")
-    return value
-
-
-def _without_left_padding(variables: dict) -> dict:
-    left_padding = variables.get("left_padding")
-    if isinstance(left_padding, torch.Tensor) and bool((left_padding != 0).any()):
-        raise ValueError("sequence-parallel attention: chunked attention over a left-padded batch")
-    return variables
-
-
-# transformers' mask functions (masking_utils), by qualified name: the pattern each one
-# allows, from the variables it closes over.
-_LEAF_PATTERNS = {
-    "causal_mask_function": lambda variables: LayerMask(causal=True),
-    "bidirectional_mask_function": lambda variables: LayerMask(),
-    "sliding_window_overlay.<locals>.inner_mask": lambda variables: LayerMask(
-        window=(_positive(variables["sliding_window"], "sliding_window") - 1, -1)
-    ),
-    "sliding_window_bidirectional_overlay.<locals>.inner_mask": lambda variables: LayerMask(
-        window=(_positive(variables["sliding_window"], "sliding_window", 0),) * 2
-    ),
-    "chunked_overlay.<locals>.inner_mask": lambda variables: LayerMask(
-        chunk_size=_positive(_without_left_padding(variables)["chunk_size"], "attention_chunk_size")
-    ),
-    "_legacy_chunked_overlay.<locals>.inner_mask": lambda variables: LayerMask(
-        chunk_size=_positive(variables["chunk_size"], "attention_chunk_size")
-    ),
-}
-# Wrappers whose pattern is that of the functions they wrap: the intersection, and the
-# packing transformers reads off the local position ids (a packed batch's documents are
-# the varlen plan's; the attention checks the positions the same way on every rank,
-# whereas a rank whose tokens hold no document border sees no packing here).
-_INTERSECTIONS = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask")
-_PACKING_LEAVES = ("packed_sequence_mask_function.<locals>.inner_mask",)
-# Whether transformers counts chunks from each packed document's start (newer releases
-# remap positions to the documents'), as sequence-parallel attention does.
-_CHUNKS_FROM_DOCUMENT_START = hasattr(masking_utils, "remap_positions_for_packed_sequence")
-
-# (function code, its pattern) pairs already checked on the probe grid.
-_verified: set = set()
-
-
-def _verify(function, pattern: LayerMask, device) -> None:
-    """Evaluate transformers' mask function on a grid of positions and raise unless it
-    allows exactly what `pattern` does: a release that changed a convention raises
-    instead of attending otherwise. Once per process for each function and pattern."""
-    key = (function.__code__, pattern)
-    if key in _verified:
-        return
-    left, right = pattern.window
-    extent = max(left + 1, right + 1, pattern.chunk_size or 0, 1)
-    size = 2 * extent + 3
-    # Every query row for small patterns; rows near the bounds and a sample between for large.
-    rows = torch.arange(size) if size <= 256 else torch.cat([torch.arange(64), torch.linspace(64, size - 65, 64).long(),
-                                                              torch.arange(size - 64, size)])  # fmt: skip
-    rows = rows.to(device)[None, None, :, None]
-    columns = torch.arange(size, device=device)[None, None, None, :]
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    allowed = function(zero, zero, rows, columns)
-    if not bool((allowed == pattern.allows(rows, columns)).all()):
-        raise ValueError(
-            f"sequence-parallel attention: transformers' {function.__qualname__} does not allow what it is read as "
-            f"({pattern}): this transformers release changed its convention"
-        )
-    _verified.add(key)
-
-
-def _pattern_of(mask_function, device) -> LayerMask:
-    """The LayerMask of a mask function transformers composed, or ValueError."""
-    qualname = getattr(mask_function, "__qualname__", "")
-    if qualname in _LEAF_PATTERNS:
-        pattern = _LEAF_PATTERNS[qualname](_closure(mask_function))
-        _verify(mask_function, pattern, device)
-        return pattern
-    if qualname in _PACKING_LEAVES:
-        return LayerMask()
-    if qualname in _INTERSECTIONS:
-        inner = []
-        for value in _closure(mask_function).values():
-            inner.extend(value if isinstance(value, tuple) else [value])
-        inner = [function for function in inner if callable(function)]
-        if inner:
-            pattern = LayerMask()
-            for function in inner:
-                pattern = pattern & _pattern_of(function, device)
-            return pattern
-    raise ValueError(
-        f"sequence-parallel attention: the model asks for a mask it cannot honour "
-        f"({qualname or mask_function}): it honours causal and bidirectional masks, sliding windows and chunks "
-        "(masking_utils' own), and packed documents through shard_batch's varlen plan; not model-specific "
-        "overlays"
-    )
-
-
-def _mask(mask_function=masking_utils.causal_mask_function, attention_mask=None, **kwargs):
-    """The mask function registered for our implementations: transformers calls it once
-    per forward and layer type, before the layers. Returns the LayerMask the model then
-    hands to the layers of that type; raises for what it would have to drop."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError(
-            f"sequence-parallel attention: the attention mask {tuple(attention_mask.shape)} pads some tokens; "
-            "padding cannot be expressed across ranks: shard the batch with shard_batch, which folds right "
-            "padding into shift_labels (exact for causal models)"
-        )
-    # The device of the call (transformers 5 passes it; 4.56 the cache positions'), where
-    # the mask function's own tensors (chunks' left padding) live.
-    device = kwargs.get("device")
-    if device is None:
-        anchor = kwargs.get("cache_position", attention_mask)
-        device = anchor.device if isinstance(anchor, torch.Tensor) else "cpu"
-    return _pattern_of(mask_function, device)
-
-
 def register() -> None:
     """Add "seqpar_ulysses", "seqpar_ring" and "seqpar_usp" to transformers'
     AttentionInterface and AttentionMaskInterface. Idempotent; raises ValueError if one
     of the names is taken by another function (it never overwrites one)."""
     for mode, name in IMPLEMENTATIONS.items():
-        for interface, function in ((AttentionInterface, _ATTENTION_FUNCTIONS[mode]), (AttentionMaskInterface, _mask)):
+        for interface, function in (
+            (AttentionInterface, _ATTENTION_FUNCTIONS[mode]),
+            (AttentionMaskInterface, layer_mask),
+        ):
             existing = interface._global_mapping.get(name)
             if existing is not None and existing is not function:
                 raise ValueError(

@@ -76,12 +76,14 @@ except ImportError as error:  # pragma: no cover - exercised only without them
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.groups import all_gather_ints, resolve_group
 from seqpar_kernels.integrations.transformers.attention import apply
 from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, head_of
 from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 from seqpar_kernels.integrations.transformers.memory import offload_activations as offloading
 from seqpar_kernels.integrations.transformers.memory import tile_mlp
-from seqpar_kernels.parallel.training import LAYOUTS, MODES, shard_batch
+from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_options
+from seqpar_kernels.parallel.training import shard_batch
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelTrainerMixin"]
 
@@ -92,32 +94,6 @@ _COUNTS_KEY = "seqpar_token_counts"
 # Saved tensors smaller than this stay on the device under offload_activations=True
 # (what a layer saves besides its checkpoint: rotary tables, norms' statistics).
 OFFLOAD_MIN_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class SequenceParallelLayout:
-    """How the world's ranks split into sequence-parallel groups and replicas.
-
-    world_size  W, every rank of the job
-    size        P, ranks per sequence-parallel group (sequence_parallel_size)
-    replicas    R = W / P, data-parallel replicas (one group each)
-    replica     this rank's group: rank // P
-    piece       this rank's place in its group: rank % P
-    mode        "ulysses", "ring" or "usp" (in one process without torch.distributed,
-                "usp" runs as "ring": the same result on a group of one)
-    ulysses_degree  USP's Ulysses degree (1 for ring, P for ulysses)
-    groups      the keyword arguments of apply() and shard_batch(): group= or mesh=
-    loss_groups those of the loss: group= or mesh="""
-
-    world_size: int
-    size: int
-    replicas: int
-    replica: int
-    piece: int
-    mode: str
-    ulysses_degree: int
-    groups: dict
-    loss_groups: dict
 
 
 def _positive_int_or_none(name: str, value) -> None:
@@ -131,10 +107,13 @@ def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
     return max(degree for degree in range(1, size + 1) if size % degree == 0 and (kv_heads or 1) % degree == 0)
 
 
-def make_layout(mode: str, sequence_parallel_size: int | None, ulysses_degree: int | None, device: torch.device,
-                kv_heads: int | None = None) -> SequenceParallelLayout:  # fmt: skip
-    """The groups of a world of replicas (collective: every rank calls it alike, as it
-    creates process groups). Without torch.distributed: one process, a group of one."""
+def make_parallelism(mode: str, layout: str, sequence_parallel_size: int | None, ulysses_degree: int | None,
+                     device: torch.device, kv_heads: int | None = None,
+                     step_backend: str = "auto") -> SequenceParallelism:  # fmt: skip
+    """The sequence parallelism of each of a world's replicas: groups of
+    sequence_parallel_size consecutive ranks (collective: every rank calls it alike, as
+    it creates process groups). Without torch.distributed: one process, a group of one
+    ("usp" runs as "ring" there: the same result on a group of one)."""
     if not (dist.is_available() and dist.is_initialized()):
         if sequence_parallel_size not in (None, 1):
             raise ValueError(
@@ -142,10 +121,10 @@ def make_layout(mode: str, sequence_parallel_size: int | None, ulysses_degree: i
                 "process runs alone"
             )
         alone = "ring" if mode == "usp" else mode
-        return SequenceParallelLayout(1, 1, 1, 0, 0, alone, 1, {"group": None}, {"group": None})
+        return SequenceParallelism.resolve("the Trainer", alone, layout, step_backend=step_backend)
     from torch.distributed.device_mesh import init_device_mesh
 
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_size = dist.get_world_size()
     size = world_size if sequence_parallel_size is None else sequence_parallel_size
     if world_size % size != 0:
         raise ValueError(
@@ -159,14 +138,11 @@ def make_layout(mode: str, sequence_parallel_size: int | None, ulysses_degree: i
             raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
         mesh = init_device_mesh(device.type, (replicas, size // degree, degree),
                                 mesh_dim_names=("replica", "ring", "ulysses"))  # fmt: skip
-        grid = mesh["ring", "ulysses"]
-        groups = loss_groups = {"mesh": grid}
+        groups = {"mesh": mesh["ring", "ulysses"]}
     else:
-        degree = size if mode == "ulysses" else 1
         mesh = init_device_mesh(device.type, (replicas, size), mesh_dim_names=("replica", "sequence"))
-        groups = loss_groups = {"group": mesh.get_group("sequence")}
-    return SequenceParallelLayout(world_size, size, replicas, rank // size, rank % size, mode, degree, groups,
-                                  loss_groups)  # fmt: skip
+        groups = {"group": mesh.get_group("sequence")}
+    return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, **groups)
 
 
 def _batch_checksum(batch) -> torch.Tensor:
@@ -219,10 +195,7 @@ class SequenceParallelTrainerMixin:
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
                  tiled_mlp: bool | int = False, offload_activations: bool = False, step_backend: str = "auto",
                  **kwargs):  # fmt: skip
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_options(type(self).__name__, mode, layout, step_backend)
         _positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
         _positive_int_or_none("ulysses_degree", ulysses_degree)
         if ulysses_degree is not None and mode != "usp":
@@ -240,7 +213,7 @@ class SequenceParallelTrainerMixin:
             offload_activations=offload_activations,
             step_backend=step_backend,
         )
-        self.sequence_parallel: SequenceParallelLayout | None = None
+        self.sequence_parallel: SequenceParallelism | None = None
         self._epochs: dict[str, _Epoch | None] = {}
         self._eval_rows = 1
         super().__init__(*args, **kwargs)
@@ -276,11 +249,14 @@ class SequenceParallelTrainerMixin:
             text_config = getattr(config, "get_text_config", lambda: config)()
             kv_heads = getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads",
                                                                                     None)  # fmt: skip
-            self.sequence_parallel = make_layout(options["mode"], options["sequence_parallel_size"],
-                                                 options["ulysses_degree"], self.args.device, kv_heads)  # fmt: skip
+            self.sequence_parallel = make_parallelism(
+                options["mode"], options["layout"], options["sequence_parallel_size"], options["ulysses_degree"],
+                self.args.device, kv_heads, options["step_backend"],
+            )  # fmt: skip
         head_of(inner)  # a head causal_lm_loss cannot express raises before training starts
-        layout = self.sequence_parallel
-        apply(inner, layout.mode, layout=options["layout"], step_backend=options["step_backend"], **layout.groups)
+        parallelism = self.sequence_parallel
+        apply(inner, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
+              **parallelism.group_kwargs())  # fmt: skip
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
 
@@ -290,12 +266,30 @@ class SequenceParallelTrainerMixin:
             self._prepare_model(model)
         return model
 
+    # ---- the world: data-parallel replicas of one sequence-parallel group each -----
+
+    @property
+    def _world_size(self) -> int:
+        return resolve_group(None).world_size
+
+    @property
+    def _group_size(self) -> int:
+        """P: the ranks of a sequence-parallel group (rank = replica x P + piece)."""
+        return self.sequence_parallel.pieces
+
+    @property
+    def _replicas(self) -> int:
+        return self._world_size // self._group_size
+
+    @property
+    def _replica(self) -> int:
+        return resolve_group(None).rank // self._group_size
+
     # ---- data ---------------------------------------------------------------------
 
     def _read_by_replica(self, dataloader, kind: str):
         """The Trainer's dataloader, sharded by replica instead of by rank: every rank of
         a group gets the same batches."""
-        layout = self.sequence_parallel
         batches = getattr(dataloader, "batch_sampler", None)
         if not isinstance(batches, BatchSamplerShard):
             batches = getattr(dataloader, "sampler", None)
@@ -308,20 +302,20 @@ class SequenceParallelTrainerMixin:
             )
         self._epochs[kind] = None
         if isinstance(batches, BatchSamplerShard):
-            if not batches.even_batches and layout.replicas > 1:
+            if not batches.even_batches and self._replicas > 1:
                 raise ValueError(
                     f"{type(self).__name__}: even_batches=False would give the replicas different numbers of "
                     "batches, while every step's collectives need them all"
                 )
-            batches.num_processes, batches.process_index = layout.replicas, layout.replica
+            batches.num_processes, batches.process_index = self._replicas, self._replica
             inner = batches.batch_sampler
             sampler = getattr(inner, "sampler", None)
             if getattr(inner, "batch_size", None) is not None and sampler is not None and hasattr(sampler, "__len__"):
-                per_replica = inner.batch_size // layout.replicas if batches.split_batches else inner.batch_size
+                per_replica = inner.batch_size // self._replicas if batches.split_batches else inner.batch_size
                 self._epochs[kind] = _Epoch(len(sampler), per_replica, bool(inner.drop_last))
         elif isinstance(dataset, IterableDatasetShard):
-            dataset.num_processes, dataset.process_index = layout.replicas, layout.replica
-        elif layout.world_size > 1 and layout.size > 1 and dataloader is not None:
+            dataset.num_processes, dataset.process_index = self._replicas, self._replica
+        elif self._world_size > 1 and self._group_size > 1 and dataloader is not None:
             raise ValueError(
                 f"{type(self).__name__}: cannot tell how accelerate sharded this dataloader "
                 f"({type(dataloader).__name__}); sequence parallelism needs every rank of a group to read the same "
@@ -348,11 +342,10 @@ class SequenceParallelTrainerMixin:
         state = self.accelerator.gradient_state
         if epoch is None or epoch.drop_last or not state.end_of_dataloader:
             return None
-        layout = self.sequence_parallel
-        remainder = epoch.samples % (epoch.per_replica * layout.replicas)
+        remainder = epoch.samples % (epoch.per_replica * self._replicas)
         if remainder == 0:
             return None
-        return min(max(remainder - layout.replica * epoch.per_replica, 0), epoch.per_replica)
+        return min(max(remainder - self._replica * epoch.per_replica, 0), epoch.per_replica)
 
     @staticmethod
     def _drop_samples_after(batch: dict, real: int) -> dict:
@@ -381,33 +374,30 @@ class SequenceParallelTrainerMixin:
     # ---- sharding and counting ----------------------------------------------------
 
     def _shard(self, batch) -> dict:
-        layout = self.sequence_parallel
         if "labels" not in batch:
             raise ValueError(
                 f"{type(self).__name__}: the batch has no labels (keys {sorted(batch)}); the data collator must "
                 "give them (DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening)"
             )
-        return shard_batch(batch, mode=layout.mode, layout=self.sequence_parallel_options["layout"],
-                           ignore_index=IGNORE_INDEX, **layout.groups)  # fmt: skip
+        parallelism = self.sequence_parallel
+        return shard_batch(batch, mode=parallelism.mode, layout=parallelism.layout, ignore_index=IGNORE_INDEX,
+                           **parallelism.group_kwargs())  # fmt: skip
 
-    def _gather_rows(self, row: torch.Tensor) -> list[list[int]]:
-        """Every rank's row (an int64 vector, the same length on every rank), in rank
-        order: one all-gather, one host sync."""
-        layout = self.sequence_parallel
-        if layout.world_size == 1:
-            return [row.tolist()]
-        gathered = row.new_empty(layout.world_size * row.numel())
-        dist.all_gather_into_tensor(gathered, row)
-        return gathered.view(layout.world_size, row.numel()).tolist()
+    @staticmethod
+    def _gather_rows(row: torch.Tensor) -> list[list[int]]:
+        """Every rank of the world's row (an int64 vector, the same length on every
+        rank), in rank order: one small all-gather."""
+        return all_gather_ints(row, resolve_group(None).name, row.device)
 
     def _check_same_batches(self, batches: list) -> None:
         """Raise ValueError on every rank if two ranks of a group hold different
         batches (one small all-gather of their checksums, before any sharding)."""
-        layout = self.sequence_parallel
-        if layout.size == 1:
+        if self._group_size == 1:
             return
         rows = self._gather_rows(torch.stack([_batch_checksum(batch) for batch in batches]))
-        groups = [rows[replica * layout.size : (replica + 1) * layout.size] for replica in range(layout.replicas)]
+        groups = [
+            rows[replica * self._group_size : (replica + 1) * self._group_size] for replica in range(self._replicas)
+        ]
         disagree = [replica for replica, group in enumerate(groups) if any(row != group[0] for row in group)]
         if disagree:
             raise ValueError(
@@ -421,7 +411,6 @@ class SequenceParallelTrainerMixin:
         replica's) under _COUNTS_KEY; and trainer_count (the Trainer's
         num_items_in_batch on this rank) as the one-process Trainer counts it. Two small
         all-gathers over the world: the batches' checksums, then the counts."""
-        layout = self.sequence_parallel
         batches = [self._prepare_inputs(batch) for batch in batches]
         self._check_same_batches(batches)
         local = [self._shard(batch) for batch in batches]
@@ -430,15 +419,15 @@ class SequenceParallelTrainerMixin:
             own += torch.as_tensor(trainer_count, device=own.device).round().long()
         counts = [(shard["shift_labels"] != IGNORE_INDEX).sum() for shard in local]
         rows = self._gather_rows(torch.stack(counts + [own]))
-        group_rows = rows[layout.replica * layout.size : (layout.replica + 1) * layout.size]
+        group_rows = rows[self._replica * self._group_size : (self._replica + 1) * self._group_size]
         for index, shard in enumerate(local):
             shard[_COUNTS_KEY] = (float(sum(row[index] for row in group_rows)), float(sum(row[index] for row in rows)))
         one_process = None
         if trainer_count is not None:
-            if self.args.average_tokens_across_devices and layout.world_size > 1:
-                one_process = float(trainer_count) / layout.size  # the Trainer summed P copies of each replica's
+            if self.args.average_tokens_across_devices and self._world_size > 1:
+                one_process = float(trainer_count) / self._group_size  # the Trainer summed P copies of each replica's
             else:
-                one_process = float(sum(row[-1] for row in rows)) / layout.size
+                one_process = float(sum(row[-1] for row in rows)) / self._group_size
         return local, one_process
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -459,7 +448,6 @@ class SequenceParallelTrainerMixin:
         """The loss of this rank's tokens, scaled for the Trainer (see the module's
         docstring); inputs: a batch sharded by get_batch_samples, or a full batch
         (evaluation, or a direct call), sharded here."""
-        layout = self.sequence_parallel
         training = model.training and torch.is_grad_enabled()
         if _COUNTS_KEY in inputs:
             local = dict(inputs)
@@ -480,7 +468,7 @@ class SequenceParallelTrainerMixin:
             return outputs["model"]
 
         def loss_of(hidden):
-            return causal_lm_loss(inner, hidden, shift_labels, **layout.loss_groups)
+            return causal_lm_loss(inner, hidden, shift_labels, **self.sequence_parallel.group_kwargs())
 
         offload = training and self.sequence_parallel_options["offload_activations"]
         with offloading(min_bytes=OFFLOAD_MIN_BYTES) if offload else contextlib.nullcontext():
@@ -488,15 +476,15 @@ class SequenceParallelTrainerMixin:
         group_sum = share.detach().double() * group_tokens
         if training:
             denominator = all_tokens if num_items_in_batch is None else float(num_items_in_batch)
-            value_scale = layout.replicas * group_tokens / max(denominator, 1.0)
+            value_scale = self._replicas * group_tokens / max(denominator, 1.0)
             # DDP and FSDP average the gradients over the world: each rank's share is
             # scaled by the world size, so that their average is the one-process gradient.
-            grad_scale = value_scale * layout.world_size / layout.replicas
+            grad_scale = value_scale * self._world_size / self._replicas
             loss = share.detach() * value_scale + (share - share.detach()) * grad_scale
         else:
-            if layout.world_size > 1:  # each group's sum, once from each of its P ranks
+            if self._world_size > 1:  # each group's sum, once from each of its P ranks
                 dist.all_reduce(group_sum)
-                group_sum = group_sum / layout.size
+                group_sum = group_sum / self._group_size
             loss = (group_sum / max(all_tokens, 1.0)).float()
         if return_outputs:
             result = outputs["model"]
@@ -509,11 +497,10 @@ class SequenceParallelTrainerMixin:
     def _one_process_rows(self, real: int | None) -> int:
         """How many times the one-process Trainer counts its global batch's loss: its
         eval batch size (per-device x replicas), the real samples of a last partial batch."""
-        layout = self.sequence_parallel
         if real is None:
-            return self.args.eval_batch_size * layout.replicas
+            return self.args.eval_batch_size * self._replicas
         epoch = self._epochs["eval"]
-        return epoch.samples % (epoch.per_replica * layout.replicas)
+        return epoch.samples % (epoch.per_replica * self._replicas)
 
     def _gather_eval_losses(self, losses, *args, **kwargs):
         """The Trainer's gather of the losses: every rank holds the global batch's loss,

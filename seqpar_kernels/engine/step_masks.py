@@ -1,16 +1,11 @@
-"""Attention masks: which query rows attend which key rows, and what one ring step computes.
+"""What one ring step computes under an attention mask (seqpar_kernels/attention_mask.py).
 
-    AttentionMask(causal, cu_seqlens)   which global positions see which: everything, or
-                                        causal (keys at or before the query), either inside
-                                        each document of a packed sequence when cu_seqlens
-                                        bounds documents. Every mask the package takes keeps
-                                        the keys a query sees one interval of positions
-                                        (key_bounds) and the queries that see a key one
-                                        interval (query_bounds): what the step kernels take.
     StepMasks(mask, slots)              the mask cut into ring steps, slots holding global
                                         ranges (seqpar_kernels.layouts): step(q_slot, k_slot)
                                         is what slot q_slot's queries compute against slot
                                         k_slot's keys, as a StepMask (None: nothing).
+    step_masks_of(mask, slots)          the same from a small cache (every layer asks again)
+    dense_step_masks(mask, lengths, z)  one dense sequence in the contiguous or zigzag layout
 
 A StepMask gives one step's attention in two forms, both exact:
 
@@ -34,148 +29,85 @@ from typing import Sequence
 
 import torch
 
-from seqpar_kernels.layouts import Run, document_runs
+from seqpar_kernels.attention_mask import AttentionMask
+from seqpar_kernels.layouts import Run, dense_slot_segments, document_runs
 
 # ----------------------------------------------------------------------------------
-# The mask
+# Block pairs: what the queries of one run see of the keys of another
 # ----------------------------------------------------------------------------------
 
-# What a query run sees of a key run (AttentionMask.relation).
+# What a query run sees of a key run (relation).
 NONE, FULL, DIAGONAL, PARTIAL = "none", "full", "diagonal", "partial"
 
 
-@dataclass(frozen=True)
-class AttentionMask:
-    """Which key positions each query position attends, over a sequence of global
-    positions (flash-attention's conventions):
+def relation(mask: AttentionMask, q_run: Run, k_run: Run, bounds: Sequence[int]) -> str:
+    """What the queries of q_run see of the keys of k_run (runs of one document):
+    NONE, FULL (every key), DIAGONAL (the same positions, key <= query) or PARTIAL.
+    From the first and last query alone: both bounds grow with the position, and a
+    query sees itself, so some query sees some key exactly when the last query's
+    interval ends after the keys start and the first one's starts before they end."""
+    start, end = bounds[q_run.document], bounds[q_run.document + 1]
+    q_first, q_last = q_run.start, q_run.start + q_run.length - 1
+    k_first, k_end = k_run.start, k_run.start + k_run.length
+    first_low, first_high = mask.key_bounds(q_first, start, end)
+    last_low, last_high = mask.key_bounds(q_last, start, end)
+    if last_high <= k_first or first_low >= k_end:
+        return NONE
+    if last_low <= k_first and first_high >= k_end:
+        return FULL
+    if mask.causal and q_run.start == k_run.start and q_run.length == k_run.length and last_low <= k_first:
+        return DIAGONAL
+    return PARTIAL
 
-        cu_seqlens   None (one sequence), or document bounds from 0 to the total,
-                     increasing: a query sees only the keys of its own document
-        causal       key j <= query i
-        window       (left, right): i - left <= j <= i + right; -1 is no bound on that side
-        chunk_size   None, or a query sees only the keys of its own chunk: positions
-                     counted from its document's start, cut every chunk_size (Llama 4's
-                     chunked attention)
 
-    Every combination keeps the keys a query sees one interval of positions, which
-    contains the query itself (key_bounds), and the queries that see a key one interval
-    (query_bounds); both bounds grow with the position. The step kernels take them."""
+def block_pairs(
+    mask: AttentionMask, q_runs: Sequence[Run], k_runs: Sequence[Run], same_slot: bool, bounds
+) -> tuple[BlockPair, ...]:
+    """The BlockPairs of the queries of `q_runs` against the keys of `k_runs`: one per
+    pair of runs of one document whose keys a query may see, then joined where the
+    union is one rectangle of the same kind. same_slot: the two are one slot's runs
+    (step 0), where a run meets itself on the causal diagonal. A pair that only part
+    of sees is cut into tiles of PARTIAL_TILE query rows, each against the keys its
+    rows reach, so that what remains masked stays small."""
+    if same_slot and mask.causal and not mask.is_local and q_runs and len({run.document for run in q_runs}) == 1:
+        # One document, rows in global order: the whole block is causal by local row.
+        rows = sum(run.length for run in q_runs)
+        return (BlockPair(0, rows, 0, rows, True),)
+    by_document = collections.defaultdict(list)
+    for run in k_runs:
+        by_document[run.document].append(run)
+    pairs = []
+    for q_run in q_runs:
+        for k_run in by_document.get(q_run.document, ()):
+            pairs += _pairs_of(mask, q_run, k_run, bounds)
+    return join_full_pairs(pairs)
 
-    causal: bool
-    cu_seqlens: tuple[int, ...] | None = None
-    window: tuple[int, int] = (-1, -1)
-    chunk_size: int | None = None
 
-    @property
-    def has_documents(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @property
-    def is_local(self) -> bool:
-        """Whether a window or chunks bound the keys a query sees (beyond documents)."""
-        return self.window != (-1, -1) or self.chunk_size is not None
-
-    def document_bounds(self, total: int) -> tuple[int, ...]:
-        """cu_seqlens, or one document of `total` positions."""
-        return self.cu_seqlens if self.cu_seqlens is not None else (0, total)
-
-    def key_bounds(self, positions, starts, ends):
-        """[low, high) of the key positions the queries at `positions` attend, whose
-        documents span [starts, ends); int64 tensors or ints alike."""
-        low, high = starts, ends
-        if self.causal:
-            high = _minimum(high, positions + 1)
-        left, right = self.window
-        if left >= 0:
-            low = _maximum(low, positions - left)
-        if right >= 0:
-            high = _minimum(high, positions + right + 1)
-        if self.chunk_size is not None:
-            chunk_start = starts + (positions - starts) // self.chunk_size * self.chunk_size
-            low, high = _maximum(low, chunk_start), _minimum(high, chunk_start + self.chunk_size)
-        return low, high
-
-    def query_bounds(self, positions, starts, ends):
-        """[low, high) of the query positions that attend the keys at `positions`."""
-        low, high = starts, ends
-        if self.causal:
-            low = _maximum(low, positions)
-        left, right = self.window
-        if right >= 0:
-            low = _maximum(low, positions - right)
-        if left >= 0:
-            high = _minimum(high, positions + left + 1)
-        if self.chunk_size is not None:
-            chunk_start = starts + (positions - starts) // self.chunk_size * self.chunk_size
-            low, high = _maximum(low, chunk_start), _minimum(high, chunk_start + self.chunk_size)
-        return low, high
-
-    def relation(self, q_run: Run, k_run: Run, bounds: Sequence[int]) -> str:
-        """What the queries of q_run see of the keys of k_run (runs of one document):
-        NONE, FULL (every key), DIAGONAL (the same positions, key <= query) or PARTIAL.
-        From the first and last query alone: both bounds grow with the position, and a
-        query sees itself, so some query sees some key exactly when the last query's
-        interval ends after the keys start and the first one's starts before they end."""
-        start, end = bounds[q_run.document], bounds[q_run.document + 1]
-        q_first, q_last = q_run.start, q_run.start + q_run.length - 1
-        k_first, k_end = k_run.start, k_run.start + k_run.length
-        first_low, first_high = self.key_bounds(q_first, start, end)
-        last_low, last_high = self.key_bounds(q_last, start, end)
-        if last_high <= k_first or first_low >= k_end:
-            return NONE
-        if last_low <= k_first and first_high >= k_end:
-            return FULL
-        if self.causal and q_run.start == k_run.start and q_run.length == k_run.length and last_low <= k_first:
-            return DIAGONAL
-        return PARTIAL
-
-    def block_pairs(
-        self, q_runs: Sequence[Run], k_runs: Sequence[Run], same_slot: bool, bounds
-    ) -> tuple[BlockPair, ...]:
-        """The BlockPairs of the queries of `q_runs` against the keys of `k_runs`: one per
-        pair of runs of one document whose keys a query may see, then joined where the
-        union is one rectangle of the same kind. same_slot: the two are one slot's runs
-        (step 0), where a run meets itself on the causal diagonal. A pair that only part
-        of sees is cut into tiles of PARTIAL_TILE query rows, each against the keys its
-        rows reach, so that what remains masked stays small."""
-        if same_slot and self.causal and not self.is_local and q_runs and len({run.document for run in q_runs}) == 1:
-            # One document, rows in global order: the whole block is causal by local row.
-            rows = sum(run.length for run in q_runs)
-            return (BlockPair(0, rows, 0, rows, True),)
-        by_document = collections.defaultdict(list)
-        for run in k_runs:
-            by_document[run.document].append(run)
-        pairs = []
-        for q_run in q_runs:
-            for k_run in by_document.get(q_run.document, ()):
-                pairs += self._pairs_of(q_run, k_run, bounds)
-        return join_full_pairs(pairs)
-
-    def _pairs_of(self, q_run: Run, k_run: Run, bounds) -> list[BlockPair]:
-        relation = self.relation(q_run, k_run, bounds)
-        if relation == NONE:
-            return []
-        if relation != PARTIAL:
-            return [BlockPair(q_run.local_start, q_run.length, k_run.local_start, k_run.length, relation == DIAGONAL)]
-        if q_run.length > PARTIAL_TILE:
-            return [
-                pair
-                for offset in range(0, q_run.length, PARTIAL_TILE)
-                for pair in self._pairs_of(_sub_run(q_run, offset, PARTIAL_TILE), k_run, bounds)
-            ]
-        # Only the keys these rows reach: a sub-run of k_run.
-        start, end = bounds[q_run.document], bounds[q_run.document + 1]
-        low, _ = self.key_bounds(q_run.start, start, end)
-        _, high = self.key_bounds(q_run.start + q_run.length - 1, start, end)
-        low, high = max(low, k_run.start), min(high, k_run.start + k_run.length)
-        if high <= low:
-            return []
-        k_part = _sub_run(k_run, low - k_run.start, high - low)
-        if (k_part.start, k_part.length) != (k_run.start, k_run.length) and self.relation(
-            q_run, k_part, bounds
-        ) != PARTIAL:
-            return self._pairs_of(q_run, k_part, bounds)
-        return [BlockPair(q_run.local_start, q_run.length, k_part.local_start, k_part.length, False, True)]
+def _pairs_of(mask: AttentionMask, q_run: Run, k_run: Run, bounds) -> list[BlockPair]:
+    kind = relation(mask, q_run, k_run, bounds)
+    if kind == NONE:
+        return []
+    if kind != PARTIAL:
+        return [BlockPair(q_run.local_start, q_run.length, k_run.local_start, k_run.length, kind == DIAGONAL)]
+    if q_run.length > PARTIAL_TILE:
+        return [
+            pair
+            for offset in range(0, q_run.length, PARTIAL_TILE)
+            for pair in _pairs_of(mask, _sub_run(q_run, offset, PARTIAL_TILE), k_run, bounds)
+        ]
+    # Only the keys these rows reach: a sub-run of k_run.
+    start, end = bounds[q_run.document], bounds[q_run.document + 1]
+    low, _ = mask.key_bounds(q_run.start, start, end)
+    _, high = mask.key_bounds(q_run.start + q_run.length - 1, start, end)
+    low, high = max(low, k_run.start), min(high, k_run.start + k_run.length)
+    if high <= low:
+        return []
+    k_part = _sub_run(k_run, low - k_run.start, high - low)
+    if (k_part.start, k_part.length) != (k_run.start, k_run.length) and relation(
+        mask, q_run, k_part, bounds
+    ) != PARTIAL:
+        return _pairs_of(mask, q_run, k_part, bounds)
+    return [BlockPair(q_run.local_start, q_run.length, k_part.local_start, k_part.length, False, True)]
 
 
 # A pair of runs that its queries only partly see is cut into tiles of this many query
@@ -187,14 +119,6 @@ PARTIAL_TILE = 128
 def _sub_run(run: Run, offset: int, length: int) -> Run:
     length = min(length, run.length - offset)
     return Run(run.local_start + offset, run.start + offset, length, run.document)
-
-
-def _minimum(a, b):
-    return torch.minimum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else min(a, b)
-
-
-def _maximum(a, b):
-    return torch.maximum(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else max(a, b)
 
 
 @dataclass(frozen=True)
@@ -400,7 +324,7 @@ class StepMasks:
         no query attends any of the keys."""
         key = (q_slot, k_slot)
         if key not in self._steps:
-            pairs = self.mask.block_pairs(self.runs[q_slot], self.runs[k_slot], q_slot == k_slot, self.bounds)
+            pairs = block_pairs(self.mask, self.runs[q_slot], self.runs[k_slot], q_slot == k_slot, self.bounds)
             # One interval launch wherever the step is more than one FULL or CAUSAL call (the
             # CPU calls may join several pairs into one masked rectangle, which the interval
             # kernels do not take).
@@ -441,17 +365,7 @@ def step_masks_of(mask: AttentionMask, slots) -> StepMasks:
     return masks
 
 
-def encode_segments(slots) -> torch.Tensor:
-    """Every slot's global ranges as one (count, 3) int64 CPU tensor of (slot, start,
-    length) rows: how the ring ops carry a packed layout (a tensor, so that a new layout
-    is new data for torch.compile, not a new graph)."""
-    rows = [(slot, start, length) for slot, ranges in enumerate(slots) for start, length in ranges]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 3)
-
-
-def decode_segments(segments: torch.Tensor, slot_count: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """encode_segments' rows back as every slot's ranges."""
-    per_slot: list[list[tuple[int, int]]] = [[] for _ in range(slot_count)]
-    for slot, start, length in segments.tolist():
-        per_slot[slot].append((start, length))
-    return tuple(tuple(slot) for slot in per_slot)
+def dense_step_masks(mask: AttentionMask, seq_lens, zigzag: bool) -> StepMasks:
+    """The step masks of one dense sequence held by ranks of `seq_lens` rows each, in the
+    contiguous or the zigzag layout; mask: an AttentionMask without documents."""
+    return step_masks_of(mask, dense_slot_segments(seq_lens, zigzag))

@@ -3,6 +3,7 @@
 Video-like activations x of global shape (B, T, S, C): DSP shards S during temporal
 attention and T during spatial attention, and switches between the two with one
 reshard. "S->T" is the switch from S-sharded to T-sharded (scatter T, gather S).
+Bytes (comm_stats) against traffic.reshard_bytes: every piece of x but this rank's own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 from seqpar_kernels import all_to_all_reshard
+from seqpar_kernels.traffic import reshard_bytes
 
 T_DIM, S_DIM = 1, 2
 DIRECTIONS = {"S->T": (T_DIM, S_DIM), "T->S": (S_DIM, T_DIM)}  # (scatter_dim, gather_dim)
@@ -90,13 +92,6 @@ def local_input(case: ReshardCase, ctx: Context, gather_dim: int) -> torch.Tenso
     return ctx.random(shape, case.dtype, seed=ctx.rank)
 
 
-def theory_bytes(x: torch.Tensor, scatter_dim: int, ctx: Context) -> int:
-    """Every piece of x but this rank's own goes to another rank: (P-1)/P x x's bytes
-    when the scatter dim divides evenly."""
-    own = split_sizes(x.shape[scatter_dim], ctx.world_size)[ctx.rank]
-    return (x.numel() // x.shape[scatter_dim]) * (x.shape[scatter_dim] - own) * x.element_size()
-
-
 def measure(case: ReshardCase, ctx: Context) -> Row:
     scatter_dim, gather_dim = DIRECTIONS[case.direction]
     x = local_input(case, ctx, gather_dim)
@@ -114,7 +109,7 @@ def measure(case: ReshardCase, ctx: Context) -> Row:
 
     expected = unfused_reshard(x, scatter_dim, gather_dim, gather_sizes, counter)
     check = agreement(ctx, [ours()], [expected])
-    volume = measure_volume(ctx, ours, theory_bytes(x, scatter_dim, ctx))
+    volume = measure_volume(ctx, ours, reshard_bytes(x.shape, scatter_dim, ctx.rank, ctx.world_size, x.element_size()))
     candidates = {"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}
     timings = time_side_by_side(candidates, ctx)
     return exchange_row(

@@ -24,8 +24,8 @@ Per ring / ring-train case, four candidates timed side by side (interleaved):
                  buffers, no compute); serial_s = compute only + exchange only
                  estimates a schedule without overlap (timed apart, the parts leave
                  out the ring's step-by-step coupling of the ranks).
-Bytes sent (comm_stats) against theory: forward (P-1) x the local K+V bytes; forward +
-backward adds (P-1) x (K+V bytes + fp32 dK+dV bytes).
+Bytes sent (comm_stats) against theory (traffic.ring_bytes): forward (P-1) x the local
+K+V bytes; forward + backward adds (P-1) x (K+V bytes + fp32 dK+dV bytes).
 
 check: "matches" when ours is as accurate as torch on one device: against an exact fp64
 result (computed chunk by chunk, never S x S at once), ours is within the tests' accuracy
@@ -174,16 +174,6 @@ def check_ring(case, ctx, full, ours_local, scale) -> Accuracy:
     return judge_attention(gathered, sdpas, full, case.causal, scale, heads)
 
 
-def theory_bytes(case: RingCase, ctx: Context) -> int:
-    """Bytes a rank sends: (P-1) x its K+V bytes per ring pass; the backward's second
-    pass also carries the fp32 dK|dV accumulator."""
-    kv_numel = 2 * case.batch * case.local_len * case.kv_heads * case.head_dim
-    per_step = kv_numel * case.dtype.itemsize
-    if case.backward:
-        per_step += kv_numel * case.dtype.itemsize + kv_numel * 4
-    return (ctx.world_size - 1) * per_step
-
-
 def exchange_only(case: RingCase, ctx: Context, group_name: str):
     """The ring's exchanges alone: the same Ring and DoubleBuffer calls on buffers of the
     same sizes, posted and waited for in the ring's order, with no compute between.
@@ -248,7 +238,7 @@ def measure_ring(case: RingCase, ctx: Context) -> Row:
         return run_driver(q, k, v, dout, options, ReplacedExchange("none"), case.backward)
 
     accuracy = check_ring(case, ctx, full, ours(), scale)
-    volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
+    volume = measure_volume(ctx, ours, case.ring_bytes(ctx))
     candidates = {"ours": ours, "baseline": reference, COMPUTE_ONLY: compute_only}
     exchange = exchange_only(case, ctx, resolve_group(None).name)
     if exchange is not None:

@@ -31,6 +31,7 @@ from seqpar_kernels.comm.ring import KV_TAG, DoubleBuffer
 from seqpar_kernels.engine.step_backends import AUTO, step_kernels_for
 from seqpar_kernels.groups import SINGLE_PROCESS
 from seqpar_kernels.testing import ReplacedExchange
+from seqpar_kernels.traffic import ring_bytes
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,9 @@ def measure_probe(case: ProbeCase, ctx: Context) -> Row:
     overlapped_s, serial_s = timings["ours"].median_s, timings["baseline"].median_s
     compute_s, copies_s = timings[COMPUTE_ONLY].median_s, timings[EXCHANGE_ONLY].median_s
     passes = 2 if case.backward else 1
-    per_step = kv_numel * case.dtype.itemsize * passes + (kv_numel * 4 if case.backward else 0)
-    copied = (steps - 1) * per_step
+    # The copies carry what virtual rank 0 of the ring would send.
+    copied = ring_bytes([case.local_len] * steps, 0, batch=1, num_kv_heads=case.kv_heads, head_dim=case.head_dim,
+                        element_size=case.dtype.itemsize).sent(case.backward)  # fmt: skip
     detail = (f"overlapped {compute_s / overlapped_s:.2f}, serial {compute_s / serial_s:.2f} "
               f"(compute only / time); {copied / 2**20:.0f} MiB copied, "
               f"{copied / copies_s / 1e9:.0f} GB/s")  # fmt: skip

@@ -5,6 +5,7 @@ Two measurements per case:
   ulysses-exchange  the same calls with attention replaced by an empty output of the
                     right shape, so only the data movement is timed (on CPU attention
                     dominates the whole forward and hides the exchange)
+Bytes (comm_stats) against traffic.ulysses_bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import agreement, measure_volume
 from seqpar_kernels import ulysses_attention
+from seqpar_kernels.traffic import ulysses_bytes
 
 # Largest |ours - baseline| accepted: both run SDPA on the same values, but on
 # different memory layouts and head groupings, so the last bits may differ.
@@ -110,22 +112,15 @@ def local_qkv(case: UlyssesCase, ctx: Context) -> tuple[torch.Tensor, torch.Tens
     )
 
 
-def theory_bytes(case: UlyssesCase, ctx: Context) -> int:
-    """Bytes this rank sends in one forward: to each other rank j, the q heads j owns and
-    the kv heads those q heads read, for this rank's sequence piece; then this rank's
-    output heads for j's sequence piece. With H_kv a multiple of P that is
-    (P-1)/P x (q + k + v + o) bytes; with fewer kv heads than ranks each rank needs one."""
-    world_size, rank = ctx.world_size, ctx.rank
-    heads_per_rank = case.heads // world_size
-    group = case.heads // case.kv_heads  # q heads per kv head
-    head_bytes = case.batch * (case.seqlen // world_size) * case.head_dim * case.dtype.itemsize
-
-    def kv_heads_read_by(j):
-        return len({head // group for head in range(j * heads_per_rank, (j + 1) * heads_per_rank)})
-
-    q_k_v = sum(heads_per_rank + 2 * kv_heads_read_by(j) for j in range(world_size) if j != rank)
-    out = (world_size - 1) * heads_per_rank
-    return (q_k_v + out) * head_bytes
+def forward_bytes(case: UlyssesCase, ctx: Context) -> int:
+    """Bytes this rank sends in one forward (traffic.ulysses_bytes over P equal pieces):
+    (P-1)/P x (q + k + v + o) bytes with H_kv a multiple of P; with fewer kv heads than
+    ranks each rank gets the ones its q heads read."""
+    seq_lens = [case.seqlen // ctx.world_size] * ctx.world_size
+    return ulysses_bytes(
+        seq_lens, ctx.rank, batch=case.batch, num_heads=case.heads, num_kv_heads=case.kv_heads,
+        head_dim=case.head_dim, element_size=case.dtype.itemsize,
+    ).forward  # fmt: skip
 
 
 def empty_attention(q: torch.Tensor, *unused) -> torch.Tensor:
@@ -159,7 +154,7 @@ def measure_forward(case: UlyssesCase, ctx: Context) -> Row:
         return unfused_ulysses_attention(q, k, v)
 
     check = agreement(ctx, [ours()], [unfused_ulysses_attention(q, k, v, counter)], ATOL[case.dtype])
-    volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
+    volume = measure_volume(ctx, ours, forward_bytes(case, ctx))
     timings = time_side_by_side({"ours": ours, "baseline": baseline}, ctx)
     return timed_row(
         ctx, timings,
@@ -188,7 +183,7 @@ def measure_exchange(case: UlyssesCase, ctx: Context) -> Row:
         round_trip = [ours(), unfused_ulysses_attention(q, k, v, counter, attention=identity_attention)]
     check = agreement(ctx, round_trip, [q, q])
     with ours_attention_replaced_by(empty_attention):
-        volume = measure_volume(ctx, ours, theory_bytes(case, ctx))
+        volume = measure_volume(ctx, ours, forward_bytes(case, ctx))
         timings = time_side_by_side({"ours": ours, "baseline": baseline, OURS_DEFAULT_CALL: ours_default_call}, ctx)
     return exchange_row(
         ctx, timings, volume, counter.bytes_sent,

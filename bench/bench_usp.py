@@ -20,9 +20,9 @@ pass sizes, so that the argument checks' two small gathers are not timed.
 
 Bytes: comm_stats around one call (forward, or forward + backward), the ring's share
 counted apart (the ring's point-to-point sends; the rest is the Ulysses all-to-all),
-against the README's formulas per group (theory_bytes): bytes_sent_ulysses_group,
-bytes_sent_ring_group on rank 0, volume_at_theory when both equal the formulas on every
-rank.
+against the README's formulas per group (theory_bytes, by traffic.usp_bytes):
+bytes_sent_ulysses_group, bytes_sent_ring_group on rank 0, volume_at_theory when both
+equal the formulas on every rank.
 
 check: each grid's out (and dq, dk, dv) gathered to rank 0 in sequence order and judged
 as the ring bench judges the ring (bench/verify.py: judge_attention): "matches" when
@@ -51,6 +51,7 @@ from bench.rows import Row, short_dtype, usp_grid_label
 from bench.timing import time_side_by_side
 from bench.verify import checked_heads, judge_attention
 from seqpar_kernels import comm_stats, make_usp_groups, usp_attention
+from seqpar_kernels.traffic import usp_bytes
 
 BASELINE_NOTE = (
     "one row per grid U x R (U=1: pure ring, R=1: pure Ulysses), all grids of a case timed "
@@ -158,34 +159,13 @@ def position_on_grid(groups) -> tuple[int, int]:
 
 def theory_bytes(case: UspCase, grid: Grid, lengths: list[int], i: int, j: int) -> tuple[int, int]:
     """(Ulysses group, ring group) bytes the rank at (i, j) sends in one call (forward,
-    or forward + backward), by the README's formulas. lengths: every piece's length.
-    Ulysses rank j works on q heads n_j (torch.tensor_split of H over U) and the kv
-    heads m_j they read; S the pieces of this slot, L the slots, N their sum:
-      Ulysses forward  sum over j' != j of (S_j (n_j' + 2 m_j') + S_j' n_j) x row
-      Ulysses backward sum over j' != j of (S_j n_j' + S_j' (n_j + 2 m_j)) x row
-      ring forward     (N - L_{i+1}) x B x m_j x D x 2 x e
-      ring backward    the same, plus (N - L_i) x B x m_j x D x 2 x 4 (fp32 dK, dV)
-    with row = B x D x e, e the element size."""
-    u, r, e = grid.ulysses, grid.ring, case.dtype.itemsize
-    head_sets = torch.arange(case.heads).tensor_split(u)
-    group_size = case.heads // case.kv_heads
-    n = [len(heads) for heads in head_sets]
-    m = [len({head // group_size for head in heads.tolist()}) for heads in head_sets]
-    row = case.batch * case.head_dim * e
-    slot = lengths[i * u : (i + 1) * u]
-    ulysses = 0
-    for other in range(u):
-        if other != j:
-            ulysses += (slot[j] * (n[other] + 2 * m[other]) + slot[other] * n[j]) * row
-            if case.backward:
-                ulysses += (slot[j] * n[other] + slot[other] * (n[j] + 2 * m[j])) * row
-    ring = 0
-    if r > 1:
-        slots = [sum(lengths[s * u : (s + 1) * u]) for s in range(r)]
-        kv_row = case.batch * m[j] * case.head_dim * 2  # K and V of one position, elements
-        ring = (sum(slots) - slots[(i + 1) % r]) * kv_row * e
-        if case.backward:
-            ring += (sum(slots) - slots[(i + 1) % r]) * kv_row * e + (sum(slots) - slots[i]) * kv_row * 4
+    or forward + backward): traffic.usp_bytes, the README's formulas. lengths: every
+    piece's length, in piece order."""
+    groups = usp_bytes(
+        lengths, i, j, ulysses_size=grid.ulysses, batch=case.batch, num_heads=case.heads,
+        num_kv_heads=case.kv_heads, head_dim=case.head_dim, element_size=case.dtype.itemsize,
+    )  # fmt: skip
+    ulysses, ring = (group.sent(case.backward) for group in groups)
     return ulysses, ring
 
 

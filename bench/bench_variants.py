@@ -11,8 +11,9 @@ Candidates, timed interleaved:
              nothing, and the ring stops after the farthest block some rank sees
              (m = ceil((W - 1) / S_l) steps: one for a window shorter than a piece)
   baseline   the dense causal ring on the same inputs (every block travels P - 1 steps)
-speedup = dense / windowed. Bytes (comm_stats) against the formula: forward m x the
-local K+V bytes, backward m x (K+V + fp32 dK+dV) more, where the dense ring sends P - 1.
+speedup = dense / windowed. Bytes (comm_stats) against the formula (traffic.ring_bytes
+with m = traffic.window_ring_steps): forward m x the local K+V bytes, backward
+m x (K+V + fp32 dK+dV) more, where the dense ring sends P - 1.
 
 check: the windowed ring's out (and gradients) against attention written out in fp64
 with the window's mask, by the tests' accuracy rule (tools/reference.py) with plain
@@ -34,6 +35,7 @@ from bench.rows import Row, short_dtype
 from bench.timing import time_side_by_side
 from bench.verify import Accuracy, checked_heads, measure_volume, within_error_rule
 from seqpar_kernels import comm_stats, gather_sequence, ring_attention
+from seqpar_kernels.traffic import window_ring_steps
 from tools import reference
 
 BASELINE_NOTE = "baseline = the dense causal ring on the same inputs; speedup = dense / windowed"
@@ -84,19 +86,6 @@ SIZES = Sizes(
                  35, gpu_runs="S_l = 8192, H = 32 / 8 kv, D = 128, bf16: 6 cases"),
     full=Size("the default's cases in bf16 and fp32: 12 cases", 65, gpu_runs="the default's cases"),
 )  # fmt: skip
-
-
-def ring_steps(case: WindowCase, world_size: int) -> int:
-    """m: the ring's steps under the window (the farthest piece back a query reaches)."""
-    return min(world_size - 1, math.ceil((case.window - 1) / case.local_len))
-
-
-def theory_bytes(case: WindowCase, world_size: int, steps: int) -> int:
-    kv_numel = 2 * case.batch * case.local_len * case.kv_heads * case.head_dim
-    per_step = kv_numel * case.dtype.itemsize
-    if case.backward:
-        per_step += kv_numel * case.dtype.itemsize + kv_numel * 4
-    return steps * per_step
 
 
 def check(case: WindowCase, ctx: Context, full, ours_local) -> Accuracy:
@@ -152,9 +141,9 @@ def measure(case: WindowCase, ctx: Context) -> Row:
         return run
 
     ours, dense = call(case.window_size), call((-1, -1))
-    steps = ring_steps(case, ctx.world_size)
+    steps = window_ring_steps(case.window_size[0], case.local_len, ctx.world_size)
     accuracy = check(case, ctx, full, ours())
-    volume = measure_volume(ctx, ours, theory_bytes(case, ctx.world_size, steps))
+    volume = measure_volume(ctx, ours, case.ring_bytes(ctx, steps))
     with comm_stats() as dense_bytes:
         dense()
     timings = time_side_by_side({"ours": ours, "baseline": dense}, ctx)

@@ -28,9 +28,9 @@ same rounds): ours the balanced plan, baseline the contiguous plan.
 Every call gets the ranks' lengths (seq_lens), as the other benches pass sizes.
 
 Bytes: comm_stats around one call, the ring's share counted apart, against the USP
-bench's formulas per group for the ranks' lengths (bench_usp.theory_bytes: the
-exchanges move the same bytes with or without documents); bytes_sent_baseline is the
-dense call's, measured.
+bench's formulas per group for the ranks' lengths (bench_usp.theory_bytes, by
+traffic.usp_bytes: the exchanges move the same bytes with or without documents);
+bytes_sent_baseline is the dense call's, measured.
 
 detail: the documents, the plan's work_imbalance and token_imbalance (VarlenPlan: the
 most loaded ring slot over the mean, causal work and tokens), the tokens the peers'

@@ -16,6 +16,7 @@ from bench.results import progress_line
 from bench.rows import FAILED, OURS_DEFAULT_CALL, Row, gbps, short_dtype
 from bench.timing import Timing, share_faster
 from bench.verify import Volume
+from seqpar_kernels.traffic import ring_bytes
 
 
 def run_case(ctx: Context, bench: str | None, measure: Callable[..., Row | list[Row]], case,
@@ -157,3 +158,11 @@ class AttentionCase:
         kv_shape = (self.batch, seqlen, self.kv_heads, self.head_dim)
         return (ctx.random(q_shape, self.dtype, 10), ctx.random(kv_shape, self.dtype, 11),
                 ctx.random(kv_shape, self.dtype, 12), ctx.random(q_shape, self.dtype, 13))  # fmt: skip
+
+    def ring_bytes(self, ctx: Context, steps: int | None = None) -> int:
+        """The bytes ring_attention sends from this rank in one timed call (forward, or
+        forward + backward) over P pieces of S_l rows: traffic.ring_bytes, the ring
+        stopping after `steps` (None: P-1)."""
+        sent = ring_bytes([self.local_len] * ctx.world_size, ctx.rank, batch=self.batch, num_kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, element_size=self.dtype.itemsize, steps=steps)  # fmt: skip
+        return sent.sent(self.backward)

@@ -10,7 +10,8 @@ Public API:
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
                                                             shifted labels; the ranks' gradient shares summed)
-    comm_stats                                             (bytes sent, for tests and benchmarks)
+    comm_stats                                             (bytes sent, for tests and benchmarks;
+                                                            seqpar_kernels.traffic has the formulas)
 """
 
 from seqpar_kernels import (

@@ -1,10 +1,31 @@
-"""comm_stats: the one place where payload bytes are counted."""
+"""Bytes sent: comm_stats, the one place where payload bytes are counted, and the
+formulas of what each collective sends, the one place they are written.
+
+    comm_stats()               counts what seqpar's collectives send inside a block
+    reshard_bytes              all_to_all_reshard (DSP's switch)
+    gather_bytes               gather_sequence
+    usp_gather_bytes           usp_gather: over the Ulysses group, then the ring
+    ulysses_bytes              ulysses_attention, forward and backward (CallBytes)
+    kv_heads_read              the kv heads each rank's q heads read, which Ulysses sends
+    ring_bytes                 ring_attention, forward and backward (CallBytes)
+    window_ring_steps          where a causal window stops the ring (equal pieces)
+    usp_bytes                  usp_attention: the Ulysses group's and the ring group's
+
+The formulas are pure arithmetic on lengths, heads and element sizes: the tests and
+the benchmarks compare comm_stats with them, and the README quotes them. Pieces follow
+torch.tensor_split (seqpar_kernels.layouts). Bytes are those one rank sends to other
+ranks, its own share excluded, as comm_stats counts them.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from seqpar_kernels.layouts import tensor_split_ranges, tensor_split_sizes
 
 
 @dataclass
@@ -29,7 +50,7 @@ def comm_stats():
 
     >>> with comm_stats() as stats:
     ...     out = ulysses_attention(q, k, v)
-    >>> stats.bytes_sent  # (P-1)/P x (q + k + v + o) bytes with even heads
+    >>> stats.bytes_sent  # ulysses_bytes(...).forward: (P-1)/P x (q + k + v + o) with even heads
 
     Blocks nest: an inner block's bytes count in the outer one too. A block counts
     what this process sends from any thread while it is open, the backward that the
@@ -51,3 +72,166 @@ def record_sent(num_bytes: int) -> None:
         for stats in _active:
             stats.bytes_sent += num_bytes
             stats.calls += 1
+
+
+# ----------------------------------------------------------------------------------
+# The formulas
+# ----------------------------------------------------------------------------------
+
+FP32_BYTES = 4  # the ring's dK|dV accumulators and the lse travel in fp32
+
+
+class CallBytes(NamedTuple):
+    """Bytes one rank sends in one call: in its forward, and in its backward."""
+
+    forward: int
+    backward: int
+
+    def sent(self, with_backward: bool) -> int:
+        """The forward's bytes, or the forward's and the backward's together."""
+        return self.forward + self.backward if with_backward else self.forward
+
+
+def reshard_bytes(shape: Sequence[int], scatter_dim: int, rank: int, world_size: int, element_size: int) -> int:
+    """Bytes all_to_all_reshard sends from `rank`: every torch.tensor_split piece of its
+    x along scatter_dim but its own.
+
+    shape: this rank's x (its piece along the gather dim, whole along scatter_dim).
+        (shape[scatter_dim] - own piece) x (the other dims' product) x element size
+    (P-1)/P of x's bytes when scatter_dim divides evenly. The backward is the reverse
+    reshard: reshard_bytes of the output's shape, scattered along the gather dim."""
+    length = shape[scatter_dim]
+    own = tensor_split_sizes(length, world_size)[rank]
+    return (length - own) * math.prod(shape[:scatter_dim]) * math.prod(shape[scatter_dim + 1 :]) * element_size
+
+
+def gather_bytes(seq_lens: Sequence[int], rank: int, row_bytes: int) -> int:
+    """Bytes gather_sequence sends from `rank`: its piece to every other rank.
+
+    seq_lens: every rank's length along the gathered dim; row_bytes: the bytes of one
+    row along it (the other dims' product x element size).
+        (P-1) x seq_lens[rank] x row_bytes
+    Its backward keeps this rank's piece of the gradient: nothing sent."""
+    return (len(seq_lens) - 1) * seq_lens[rank] * row_bytes
+
+
+def usp_gather_bytes(
+    seq_lens: Sequence[int], ring_index: int, ulysses_index: int, *, ulysses_size: int, row_bytes: int
+) -> int:
+    """Bytes usp_gather sends from the rank at (ring_index i, ulysses_index j): its piece
+    over the Ulysses group, then its slot (the U pieces of ring slot i) over the ring.
+
+    seq_lens: every piece's length, in piece order i * U + j; row_bytes: as gather_bytes'.
+        (U-1) x S_{i,j} x row_bytes + (R-1) x L_i x row_bytes    (L_i: slot i's length)"""
+    row = _slot_pieces(seq_lens, ring_index, ulysses_size)
+    slots = _slot_lengths(seq_lens, ulysses_size)
+    return gather_bytes(row, ulysses_index, row_bytes) + gather_bytes(slots, ring_index, row_bytes)
+
+
+def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[frozenset[int]]:
+    """The kv heads each rank's q heads read (q heads split by torch.tensor_split over
+    the ranks; q head h reads kv head h // (num_heads // num_kv_heads)). Derived from the
+    head split alone, apart from comm.plan's ranges, so that the byte tests check the plan."""
+    group_size = num_heads // num_kv_heads
+    starts, counts = tensor_split_ranges(num_heads, world_size)
+    return [
+        frozenset(head // group_size for head in range(start, start + count)) for start, count in zip(starts, counts)
+    ]
+
+
+def ulysses_bytes(
+    seq_lens: Sequence[int], rank: int, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    element_size: int, return_lse: bool = False,
+) -> CallBytes:  # fmt: skip
+    """Bytes ulysses_attention (or the Ulysses half of usp_attention) sends from `rank`.
+
+    seq_lens: every rank's rows; q (batch, S_r, num_heads, head_dim), k and v
+    (batch, S_r, num_kv_heads, head_dim). Rank j works on n_j q heads (torch.tensor_split
+    of num_heads) and the m_j kv heads they read (kv_heads_read); row = batch x head_dim x
+    element size. Sums over j != r:
+        forward   (S_r (n_j + 2 m_j) + S_j n_r) x row     q, k, v out; out back
+        backward  (S_r n_j + S_j (n_r + 2 m_r)) x row     dout out; dq, dk, dv back
+    return_lse: the fp32 lse of this rank's heads goes back too (USP), forward
+    S_j x n_r x batch x 4 more. With heads and lengths even: (P-1)/P x (q + k + v + out)
+    bytes each way. K and V repeated to num_heads heads before the exchange would send
+    ulysses_bytes(..., num_kv_heads=num_heads)."""
+    world_size = len(seq_lens)
+    q_heads = tensor_split_sizes(num_heads, world_size)
+    kv_heads = [len(heads) for heads in kv_heads_read(num_heads, num_kv_heads, world_size)]
+    row = batch * head_dim * element_size
+    others = [j for j in range(world_size) if j != rank]
+    own_len, own_q, own_kv = seq_lens[rank], q_heads[rank], kv_heads[rank]
+    forward = sum(own_len * (q_heads[j] + 2 * kv_heads[j]) + seq_lens[j] * own_q for j in others) * row
+    backward = sum(own_len * q_heads[j] + seq_lens[j] * (own_q + 2 * own_kv) for j in others) * row
+    if return_lse:
+        forward += sum(seq_lens[j] for j in others) * own_q * batch * FP32_BYTES
+    return CallBytes(forward, backward)
+
+
+def ring_bytes(
+    seq_lens: Sequence[int], rank: int, *, batch: int, num_kv_heads: int, head_dim: int, element_size: int,
+    steps: int | None = None,
+) -> CallBytes:  # fmt: skip
+    """Bytes ring_attention sends from `rank` (engine/ring_driver.py's loops).
+
+    seq_lens: every rank's rows, in ring order; k and v (batch, S_r, num_kv_heads,
+    head_dim); kv = batch x num_kv_heads x head_dim x 2, the K|V elements of one row.
+    steps: the ring's last step m: P-1 (None), or under a window or chunks the farthest
+    ring offset some rank sees (window_ring_steps; StepMasks.reach in general). At step s
+    the rank holds rank r-s's block (n_{r-s} rows): it passes it on at steps 0..m-1 and
+    the block's fp32 dK|dV accumulator at steps 1..m:
+        forward   sum_{s=0}^{m-1} n_{r-s} x kv x element size            (K|V)
+        backward  the same, plus sum_{s=1}^{m} n_{r-s} x kv x 4          (fp32 dK|dV)
+    With m = P-1 the rows are N - n_{r+1} and N - n_r (N the sum); with equal pieces:
+    forward m x (k + v bytes), backward m x (k + v bytes + fp32 dk + dv bytes)."""
+    world_size = len(seq_lens)
+    last = world_size - 1 if steps is None else steps
+    kv = batch * num_kv_heads * head_dim * 2
+    held = [seq_lens[(rank - step) % world_size] for step in range(last + 1)]  # rows held at each step
+    kv_bytes = sum(held[:last]) * kv * element_size
+    return CallBytes(kv_bytes, kv_bytes + sum(held[1:]) * kv * FP32_BYTES)
+
+
+def window_ring_steps(window_left: int, piece_len: int, world_size: int) -> int:
+    """The ring's last step under a causal window of `window_left` keys back
+    (window_size=(window_left, ...); -1: no window) over equal contiguous pieces of
+    piece_len > 0 rows: the farthest piece back the first row of a piece reaches.
+        min(P-1, ceil(window_left / piece_len))"""
+    if window_left < 0:
+        return world_size - 1
+    return min(world_size - 1, -(-window_left // piece_len))
+
+
+def usp_bytes(
+    seq_lens: Sequence[int], ring_index: int, ulysses_index: int, *, ulysses_size: int, batch: int, num_heads: int,
+    num_kv_heads: int, head_dim: int, element_size: int, return_lse: bool = False, ring_steps: int | None = None,
+) -> tuple[CallBytes, CallBytes]:  # fmt: skip
+    """(Ulysses group, ring group) bytes usp_attention sends from the rank at
+    (ring_index i, ulysses_index j).
+
+    seq_lens: every piece's rows, in piece order i * U + j; q, k, v as ulysses_bytes'.
+        Ulysses group  ulysses_bytes over slot i's U pieces, for Ulysses rank j
+                       (return_lse: its lse back too)
+        ring group     ring_bytes over the R slots' lengths L, for slot i, with the m_j
+                       kv heads Ulysses rank j reads (none with R = 1); ring_steps as
+                       ring_bytes' steps"""
+    ulysses = ulysses_bytes(
+        _slot_pieces(seq_lens, ring_index, ulysses_size), ulysses_index, batch=batch, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size, return_lse=return_lse,
+    )  # fmt: skip
+    kv_heads = len(kv_heads_read(num_heads, num_kv_heads, ulysses_size)[ulysses_index])
+    ring = ring_bytes(
+        _slot_lengths(seq_lens, ulysses_size), ring_index, batch=batch, num_kv_heads=kv_heads, head_dim=head_dim,
+        element_size=element_size, steps=ring_steps,
+    )  # fmt: skip
+    return ulysses, ring
+
+
+def _slot_pieces(seq_lens: Sequence[int], ring_index: int, ulysses_size: int) -> list[int]:
+    """The lengths of ring slot ring_index's U pieces."""
+    return list(seq_lens[ring_index * ulysses_size : (ring_index + 1) * ulysses_size])
+
+
+def _slot_lengths(seq_lens: Sequence[int], ulysses_size: int) -> list[int]:
+    """Every ring slot's length: the sum of its U pieces."""
+    return [sum(seq_lens[start : start + ulysses_size]) for start in range(0, len(seq_lens), ulysses_size)]

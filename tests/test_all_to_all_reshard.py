@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import seqpar_kernels as sp
+from seqpar_kernels.traffic import reshard_bytes
 
 SHAPE = (3, 5, 7, 4)  # no dim divisible by 2, 3 or 4 except the last: uneven pieces
 SMALL_SHAPE = (2, 1, 3, 5)  # dims smaller than the world: empty pieces on 2-4 ranks
@@ -278,13 +279,12 @@ def test_strided_input_is_read_in_place(ranks):
 
 
 def bytes_sent_of_reshard():
-    world_size = dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     full = full_tensor((2, 12, 24, 8), torch.bfloat16, 15)  # 12 and 24 divide by 1-4
     local = piece(full, 1)
     with sp.comm_stats() as stats:
         sp.all_to_all_reshard(local, scatter_dim=2, gather_dim=1, gather_sizes=[local.shape[1]] * world_size)
-    theory = (world_size - 1) * local.numel() * local.element_size() // world_size
-    return stats.bytes_sent, theory
+    return stats.bytes_sent, reshard_bytes(local.shape, 2, rank, world_size, local.element_size())
 
 
 def test_bytes_sent_equals_theory(ranks):

@@ -21,6 +21,7 @@ from triton_interpreter import runs_triton_on
 
 import seqpar_kernels as sp
 from seqpar_kernels.testing import ring_attention_with_step_kernels
+from seqpar_kernels.traffic import ring_bytes, window_ring_steps
 from tools import reference
 
 NAMES = ("out", "dq", "dk", "dv", "dsinks")
@@ -223,11 +224,12 @@ def run_bytes(window, per_rank):
 def test_a_window_shortens_the_ring(ranks, window, blocks):
     # Pieces of 5 rows: a window of 3 keys back reaches one block, of 9 two, none all.
     world_size, per_rank = ranks.world_size, 5
-    steps = min(world_size - 1, blocks if blocks is not None else world_size)
-    kv_bytes = 2 * per_rank * 1 * 8 * 4  # K|V of one block, fp32
-    for sent_forward, sent_backward in ranks.run(run_bytes, window, per_rank):
-        assert sent_forward == steps * kv_bytes, (window, world_size, sent_forward)
-        assert sent_backward == steps * 2 * kv_bytes, (window, world_size, sent_backward)  # K|V and fp32 dK|dV
+    steps = window_ring_steps(window[0], per_rank, world_size)
+    assert steps == min(world_size - 1, blocks if blocks is not None else world_size)
+    for rank, sent in enumerate(ranks.run(run_bytes, window, per_rank)):
+        expected = ring_bytes([per_rank] * world_size, rank, batch=1, num_kv_heads=1, head_dim=8, element_size=4,
+                              steps=steps)  # fmt: skip
+        assert tuple(sent) == expected, (window, world_size, rank, sent, expected)
 
 
 # ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.engine.step_masks import dense_step_masks
 from seqpar_kernels.engine.steps import StepSpec
 from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
+from seqpar_kernels.traffic import ring_bytes
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -113,8 +114,8 @@ def test_uneven_pieces_compute_every_causal_score_once(world_size):
 
 
 def measure_bytes(dtype):
-    """(forward bytes, their formula, backward bytes, their formula, forward calls,
-    backward calls) per case; the formula of seqpar_kernels/parallel/ring_driver.py."""
+    """(forward bytes, backward bytes, their formula (traffic.ring_bytes), forward calls,
+    backward calls) per case."""
     rank, world_size = rank_and_world()
     uneven = [5, 0, 3, 1][:world_size]
     zigzag_uneven = zigzag_piece_lengths(4 * world_size + 3, world_size)
@@ -137,25 +138,17 @@ def measure_bytes(dtype):
             worker = threading.Thread(target=out.sum().backward)
             worker.start()
             worker.join()
-        row_elements = 2 * heads_kv * 64 * 2  # batch x kv heads x head dim, for K and V
-        total = sum(lengths)
-        sent_rows = total - lengths[(rank + 1) % world_size] if world_size > 1 else 0
-        sent_grad_rows = total - lengths[rank] if world_size > 1 else 0
-        kv_bytes = sent_rows * row_elements * k.element_size()
-        grad_kv_bytes = sent_grad_rows * row_elements * 4  # fp32 dk|dv travel
-        results.append(
-            (forward.bytes_sent, kv_bytes, backward.bytes_sent, kv_bytes + grad_kv_bytes,
-             forward.calls, backward.calls)
-        )  # fmt: skip
+        formula = ring_bytes(lengths, rank, batch=2, num_kv_heads=heads_kv, head_dim=64,
+                             element_size=k.element_size())  # fmt: skip
+        results.append((forward.bytes_sent, backward.bytes_sent, formula, forward.calls, backward.calls))
     return results
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_comm_stats_count_the_ring(ranks, dtype):
     for per_case in ranks.run(measure_bytes, dtype):
-        for fwd, fwd_theory, bwd, bwd_theory, fwd_calls, bwd_calls in per_case:
-            assert fwd == fwd_theory  # equal pieces: (P-1) x local KV bytes
-            assert bwd == bwd_theory  # equal pieces: (P-1) x (KV bytes + fp32 dKV bytes)
+        for fwd, bwd, formula, fwd_calls, bwd_calls in per_case:
+            assert (fwd, bwd) == tuple(formula)  # K|V forward; K|V and fp32 dK|dV backward
             assert fwd_calls == ranks.world_size - 1
             assert bwd_calls == 2 * (ranks.world_size - 1)
 

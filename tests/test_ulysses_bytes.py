@@ -1,6 +1,7 @@
-"""The bytes ulysses_attention sends (comm_stats) on 1-4 gloo ranks, against formulas
-derived here from the head split alone: heads not divisible by the ranks, GQA and MQA
-with kv heads fewer than the ranks, uneven sequence pieces."""
+"""The bytes ulysses_attention sends (comm_stats) on 1-4 gloo ranks, against the
+formulas of seqpar_kernels.traffic (ulysses_bytes, derived from the head split alone):
+heads not divisible by the ranks, GQA and MQA with kv heads fewer than the ranks, uneven
+sequence pieces."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from on_ranks import backward_on_every_rank, on_every_rank, rank_and_world, time
 from ulysses_cases import UNEVEN, full_inputs, lengths_for, make_case
 
 from seqpar_kernels import comm_stats, ulysses_attention
+from seqpar_kernels.traffic import kv_heads_read, ulysses_bytes
 from tools import reference
 
 NAMES = ("out", "dq", "dk", "dv")
@@ -20,25 +22,27 @@ NAMES = ("out", "dq", "dk", "dv")
 # ----------------------------------------------------------------------------------
 
 
+EVEN_SHAPE = dict(batch=2, per_rank=12, head_dim=16)
+
+
 @on_every_rank
 def run_comm_stats(heads, kv_heads):
     """Bytes sent by one ulysses_attention call, forward and forward + backward, with
-    heads and sequence divisible by P. Returns (forward, forward+backward, local
-    q+k+v+out bytes, calls forward, calls forward+backward)."""
+    heads and sequence divisible by P. Returns (forward, forward+backward, calls forward,
+    calls forward+backward)."""
     _, world = rank_and_world()
-    batch, head_dim, total = 2, 16, 12 * world
+    batch, per_rank, head_dim = EVEN_SHAPE["batch"], EVEN_SHAPE["per_rank"], EVEN_SHAPE["head_dim"]
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(batch, total // world, heads, head_dim, generator=gen)
-    k = torch.randn(batch, total // world, kv_heads, head_dim, generator=gen)
-    v = torch.randn(batch, total // world, kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch, per_rank, heads, head_dim, generator=gen)
+    k = torch.randn(batch, per_rank, kv_heads, head_dim, generator=gen)
+    v = torch.randn(batch, per_rank, kv_heads, head_dim, generator=gen)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with comm_stats() as forward:
         out = ulysses_attention(q, k, v, causal=True)
-    local_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, out))
     with comm_stats() as both:
         out = ulysses_attention(q, k, v, causal=True)
         out.backward(torch.ones_like(out))
-    return forward.bytes_sent, both.bytes_sent, local_bytes, forward.calls, both.calls
+    return forward.bytes_sent, both.bytes_sent, forward.calls, both.calls
 
 
 @pytest.mark.parametrize("kv_heads", ["mha", "gqa"])
@@ -47,21 +51,22 @@ def test_comm_stats_match_formula(ranks, kv_heads):
     heads = 12  # divisible by every world size tested
     # GQA with H_kv = P: each rank's q heads read exactly one kv head, kv split evenly.
     num_kv = heads if kv_heads == "mha" else world
-    for rank, (forward, both, local_bytes, calls_fwd, calls_both) in enumerate(
-        ranks.run(run_comm_stats, heads, num_kv)
-    ):
-        expected = (world - 1) * local_bytes // world
-        assert (world - 1) * local_bytes % world == 0
-        assert forward == expected, f"rank {rank}: forward sent {forward} B, formula {expected} B"
-        assert both == 2 * expected, f"rank {rank}: fwd+bwd sent {both} B, formula {2 * expected} B"
+    for rank, (forward, both, calls_fwd, calls_both) in enumerate(ranks.run(run_comm_stats, heads, num_kv)):
+        expected = ulysses_bytes(
+            [EVEN_SHAPE["per_rank"]] * world, rank, batch=EVEN_SHAPE["batch"], num_heads=heads, num_kv_heads=num_kv,
+            head_dim=EVEN_SHAPE["head_dim"], element_size=4,
+        )  # fmt: skip
+        assert forward == expected.forward, f"rank {rank}: forward sent {forward} B, formula {expected.forward} B"
+        assert both == expected.sent(with_backward=True), f"rank {rank}: fwd+bwd sent {both} B, formula {expected}"
         assert calls_fwd == 2, f"rank {rank}: {calls_fwd} collectives forward, expected 2 (qkv in one)"
         assert calls_both == 4, f"rank {rank}: {calls_both} collectives fwd+bwd, expected 4"
 
 
 # GQA/MQA with fewer kv heads than ranks, kv groups split across ranks, a rank with no
-# heads, uneven sequence pieces: the exact bytes, derived here from the q head split
-# alone (not from the library's plan), so that a plan that sends repeated K/V, or kv
-# heads a rank does not read, or misses one that it does, is caught.
+# heads, uneven sequence pieces: the exact bytes, by traffic.ulysses_bytes, which derives
+# them from the q head split alone (not from the library's plan), so that a plan that
+# sends repeated K/V, or kv heads a rank does not read, or misses one that it does, is
+# caught.
 
 EVEN4 = {world: [4] * world for world in (1, 2, 3, 4)}
 
@@ -81,45 +86,13 @@ COMM_GQA_CASES = [
 ]
 
 
-def q_heads_per_rank(num_heads, world):
-    """The q heads rank j works on: torch.tensor_split of the heads over the ranks."""
-    return [piece.tolist() for piece in torch.arange(num_heads).tensor_split(world)]
-
-
-def kv_heads_needed(num_heads, num_kv_heads, world):
-    """The set of kv heads each rank's q heads read (q head h reads kv head h // (H/H_kv))."""
-    group_size = num_heads // num_kv_heads
-    return [{head // group_size for head in heads} for heads in q_heads_per_rank(num_heads, world)]
-
-
-def expected_ulysses_bytes(case, world, sizes, repeated_kv=False):
-    """Per rank: (forward bytes sent, backward bytes sent) by one ulysses_attention call.
-
-    Rank r holds S_r positions of all heads; rank j works on q heads Q_j and needs kv
-    heads K_j. One (position, head) costs B*D*elem bytes. Forward:
-      q/k/v out:  sum_{j != r} S_r * (|Q_j| + 2 |K_j|)
-      out back:   sum_{j != r} S_j * |Q_r|
-    Backward runs each all-to-all reversed, so rank r sends what it received forward:
-      dout:       sum_{j != r} S_r * |Q_j|
-      dq/dk/dv:   sum_{j != r} S_j * (|Q_r| + 2 |K_r|)
-    repeated_kv: as an implementation that repeats K/V to H heads before the exchange
-    would send (|K_j| = |Q_j|)."""
-    q_counts = [len(heads) for heads in q_heads_per_rank(case["H"], world)]
-    if repeated_kv:
-        kv_counts = list(q_counts)
-    else:
-        kv_counts = [len(needed) for needed in kv_heads_needed(case["H"], case["H_kv"], world)]
-    row = case["B"] * case["D"] * torch.empty((), dtype=case["dtype"]).element_size()
-    forward, backward = [], []
-    for r in range(world):
-        others = [j for j in range(world) if j != r]
-        qkv_out = sum(sizes[r] * (q_counts[j] + 2 * kv_counts[j]) for j in others)
-        out_back = sum(sizes[j] * q_counts[r] for j in others)
-        dout_out = sum(sizes[r] * q_counts[j] for j in others)
-        dqkv_back = sum(sizes[j] * (q_counts[r] + 2 * kv_counts[r]) for j in others)
-        forward.append((qkv_out + out_back) * row)
-        backward.append((dout_out + dqkv_back) * row)
-    return forward, backward
+def expected_ulysses_bytes(case, world, sizes, num_kv_heads=None):
+    """Per rank: the CallBytes (forward, backward) of one ulysses_attention call of
+    `case` over pieces of `sizes` rows (traffic.ulysses_bytes). num_kv_heads=case["H"]:
+    what an implementation that repeats K/V to H heads before the exchange would send."""
+    shape = dict(batch=case["B"], num_heads=case["H"], num_kv_heads=num_kv_heads or case["H_kv"], head_dim=case["D"])
+    element_size = torch.empty((), dtype=case["dtype"]).element_size()
+    return [ulysses_bytes(sizes, rank, **shape, element_size=element_size) for rank in range(world)]
 
 
 @on_every_rank
@@ -148,7 +121,7 @@ def test_comm_stats_gqa_kv_heads_fewer_than_ranks_match_formula(ranks):
     world = ranks.world_size
     per_rank = ranks.run(run_comm_stats_gqa, COMM_GQA_CASES)
     # The cases cover what they claim on this world size.
-    needed = {case["id"]: kv_heads_needed(case["H"], case["H_kv"], world) for case in COMM_GQA_CASES}
+    needed = {case["id"]: kv_heads_read(case["H"], case["H_kv"], world) for case in COMM_GQA_CASES}
     if world >= 3:
         assert any(case["H_kv"] < world for case in COMM_GQA_CASES)
     if world >= 2:
@@ -161,17 +134,18 @@ def test_comm_stats_gqa_kv_heads_fewer_than_ranks_match_formula(ranks):
     failures, tells_repeated_apart = [], []
     for case in COMM_GQA_CASES:
         sizes = lengths_for(case["S"], world)
-        forward, backward = expected_ulysses_bytes(case, world, sizes)
-        repeated, _ = expected_ulysses_bytes(case, world, sizes, repeated_kv=True)
+        forward, backward = zip(*expected_ulysses_bytes(case, world, sizes))
+        repeated = [sent.forward for sent in expected_ulysses_bytes(case, world, sizes, num_kv_heads=case["H"])]
         assert all(r >= f for r, f in zip(repeated, forward)), (case["id"], repeated, forward)
         if sum(repeated) > sum(forward):
             tells_repeated_apart.append(case["id"])
         if world == 1:
-            assert forward == backward == [0]
+            assert forward == backward == (0,)
         for rank, results in enumerate(per_rank):
             (case_id, fwd, fwd_calls, bwd, bwd_calls) = results[COMM_GQA_CASES.index(case)]
             assert case_id == case["id"]
-            where = f"P={world} rank {rank} {case_id} (seq {sizes}, kv heads needed {needed[case_id]})"
+            kv_heads = [sorted(heads) for heads in needed[case_id]]
+            where = f"P={world} rank {rank} {case_id} (seq {sizes}, kv heads needed {kv_heads})"
             if fwd != forward[rank]:
                 failures.append(f"{where}: forward sent {fwd} B, formula {forward[rank]} B")
             if bwd != backward[rank]:

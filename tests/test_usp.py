@@ -21,10 +21,10 @@ import torch.distributed as dist
 from conftest import pool_for
 from on_ranks import COLLECTIVE_TIMEOUT, backward_on_every_rank, on_every_rank, timeout_group
 from test_ring_schedule import RingPieces, causal_schedule, global_positions
-from test_ulysses_bytes import expected_ulysses_bytes
 
 import seqpar_kernels as sp
 from seqpar_kernels.layouts import usp_piece_segments
+from seqpar_kernels.traffic import usp_bytes
 from tools import reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -330,28 +330,17 @@ BYTES_CASES = [
 ]
 
 
-def expected_usp_bytes(case, i, j, ring_size, ulysses_size, lengths):
-    """(forward, backward) bytes of the rank at (i, j), by the README's formulas.
-    Ulysses group: ulysses_attention's bytes over this slot's pieces (tests/
-    test_ulysses_bytes.py derives them), plus, with return_lse, the fp32 lse of this
-    rank's q heads at the other pieces of the slot. Ring group: ring_attention's bytes
-    over the slots, with the kv heads this Ulysses index receives."""
-    row = lengths[i * ulysses_size : (i + 1) * ulysses_size]
-    forward, backward = expected_ulysses_bytes(case, ulysses_size, row)
-    forward, backward = forward[j], backward[j]
-    q_heads = [len(heads) for heads in torch.arange(case["H"]).tensor_split(ulysses_size)]
-    group_size = case["H"] // case["H_kv"]
-    kv_heads = len({head // group_size for head in torch.arange(case["H"]).tensor_split(ulysses_size)[j].tolist()})
-    if case.get("lse"):
-        forward += (sum(row) - row[j]) * q_heads[j] * case["B"] * 4
-    if ring_size > 1:
-        slots = [sum(lengths[s * ulysses_size : (s + 1) * ulysses_size]) for s in range(ring_size)]
-        row_bytes = case["B"] * kv_heads * case["D"] * 2  # K and V of one row, in elements
-        element = torch.empty((), dtype=case["dtype"]).element_size()
-        kv_bytes = (sum(slots) - slots[(i + 1) % ring_size]) * row_bytes * element
-        forward += kv_bytes
-        backward += kv_bytes + (sum(slots) - slots[i]) * row_bytes * 4  # fp32 dK|dV travel
-    return forward, backward
+def expected_usp_bytes(case, i, j, ulysses_size, lengths):
+    """(forward, backward) bytes of the rank at (i, j), both groups together, by
+    traffic.usp_bytes: ulysses_attention's over this slot's pieces (with return_lse, the
+    fp32 lse of this rank's q heads back too), ring_attention's over the slots with the
+    kv heads this Ulysses index receives. lengths: every piece's, in piece order."""
+    ulysses, ring = usp_bytes(
+        lengths, i, j, ulysses_size=ulysses_size, batch=case["B"], num_heads=case["H"], num_kv_heads=case["H_kv"],
+        head_dim=case["D"], element_size=torch.empty((), dtype=case["dtype"]).element_size(),
+        return_lse=case.get("lse", False),
+    )  # fmt: skip
+    return ulysses.forward + ring.forward, ulysses.backward + ring.backward
 
 
 @on_every_rank
@@ -378,7 +367,7 @@ def run_bytes(grids):
             out = out[0] if isinstance(out, tuple) else out
             with sp.comm_stats() as backward:
                 backward_on_every_rank(out, dout)
-            expected = expected_usp_bytes(case, i, j, ring_size, ulysses_size, all_lengths)
+            expected = expected_usp_bytes(case, i, j, ulysses_size, all_lengths)
             grid = f"{kind} U={ulysses_degree}"
             results.append((grid, case["id"], forward.bytes_sent, backward.bytes_sent, expected))
     return results

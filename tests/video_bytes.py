@@ -1,6 +1,7 @@
-"""The bytes seqpar_kernels.integrations.diffusers sends per call of a transformer, by the
-README's formulas: what each rank sends in one forward, or in its backward, under each
-mode. Pure arithmetic on the model's shape (no torch.distributed): the tests compare
+"""The bytes seqpar_kernels.integrations.diffusers sends per call of a transformer: what
+each rank sends in one forward, or in its backward, under each mode, the model's calls
+counted here and each call's bytes by seqpar_kernels.traffic's formulas (the README's).
+Pure arithmetic on the model's shape (no torch.distributed): the tests compare
 comm_stats with it, the video benchmark reports it beside the measured bytes.
 
 shape (a dict):
@@ -13,50 +14,31 @@ is the rank at ring index i, Ulysses index j (the rank of a (ring, ulysses) mesh
 
 from __future__ import annotations
 
-
-def _sizes(total: int, pieces: int) -> list[int]:
-    return [total // pieces + (1 if piece < total % pieces else 0) for piece in range(pieces)]
-
-
-def _ulysses_bytes(lens, rank, heads, row, forward):
-    """ulysses_attention over pieces of `lens` rows; row = batch x head_dim x element size."""
-    n = _sizes(heads, len(lens))  # q heads per rank; MHA: as many kv heads
-    others = [j for j in range(len(lens)) if j != rank]
-    if forward:
-        return sum(lens[rank] * 3 * n[j] + lens[j] * n[rank] for j in others) * row
-    return sum(lens[rank] * n[j] + lens[j] * 3 * n[rank] for j in others) * row
-
-
-def _ring_bytes(lens, rank, kv_row, element, forward):
-    """ring_attention: kv_row = batch x kv heads x head_dim."""
-    total, pieces = sum(lens), len(lens)
-    sent = (total - lens[(rank + 1) % pieces]) * kv_row * 2 * element
-    return sent if forward else sent + (total - lens[rank]) * kv_row * 2 * 4
+from seqpar_kernels.layouts import tensor_split_sizes
+from seqpar_kernels.traffic import gather_bytes, reshard_bytes, ring_bytes, ulysses_bytes, usp_bytes, usp_gather_bytes
 
 
 def _attention_bytes(mode, lens, rank, batch, heads, head_dim, element, ulysses, forward):
-    """One attention call over every piece's `lens` tokens (piece i*U + j = global rank)."""
+    """One attention call (MHA: as many kv heads as q heads) over every piece's `lens`
+    tokens (piece i*U + j = global rank)."""
+    shape = dict(batch=batch, num_kv_heads=heads, head_dim=head_dim, element_size=element)
     if mode == "ulysses":
-        return _ulysses_bytes(lens, rank, heads, batch * head_dim * element, forward)
-    if mode == "ring":
-        return _ring_bytes(lens, rank, batch * heads * head_dim, element, forward)
-    ring, (i, j) = len(lens) // ulysses, divmod(rank, ulysses)
-    row_lens = lens[i * ulysses : (i + 1) * ulysses]
-    slot_lens = [sum(lens[k * ulysses : (k + 1) * ulysses]) for k in range(ring)]
-    my_heads = _sizes(heads, ulysses)[j]
-    sent = _ulysses_bytes(row_lens, j, heads, batch * head_dim * element, forward)
-    if ring > 1:
-        sent += _ring_bytes(slot_lens, i, batch * my_heads * head_dim, element, forward)
-    return sent
+        sent = ulysses_bytes(lens, rank, num_heads=heads, **shape)
+    elif mode == "ring":
+        sent = ring_bytes(lens, rank, **shape)
+    else:
+        i, j = divmod(rank, ulysses)
+        groups = usp_bytes(lens, i, j, ulysses_size=ulysses, num_heads=heads, **shape)
+        return sum(group.forward if forward else group.backward for group in groups)
+    return sent.forward if forward else sent.backward
 
 
-def _gather_bytes(mode, lens, rank, per_token, ulysses):
-    """The output gathered: (P-1) x this rank's piece; under usp (U-1) x the piece over
-    the Ulysses group, then (R-1) x the slot over the ring."""
+def _gather_bytes(mode, lens, rank, row_bytes, ulysses):
+    """The output gathered (gather_sequence; under usp over the Ulysses group, then the ring)."""
     if mode != "usp":
-        return (len(lens) - 1) * lens[rank] * per_token
-    ring, i = len(lens) // ulysses, rank // ulysses
-    return (ulysses - 1) * lens[rank] * per_token + (ring - 1) * sum(lens[i * ulysses : (i + 1) * ulysses]) * per_token
+        return gather_bytes(lens, rank, row_bytes)
+    i, j = divmod(rank, ulysses)
+    return usp_gather_bytes(lens, i, j, ulysses_size=ulysses, row_bytes=row_bytes)
 
 
 def expected_bytes(mode, shape, rank, pieces, element, ulysses=1, forward=True, gather=True):
@@ -65,23 +47,29 @@ def expected_bytes(mode, shape, rank, pieces, element, ulysses=1, forward=True, 
     recomputation sends again: its attention calls)."""
     if mode == "dsp":  # Latte: L pairs; reshards frames->positions L times, back L-1 times
         batch, frames, positions, width = shape["batch"], shape["frames"], shape["positions"], shape["width"]
-        my_frames, my_positions = _sizes(frames, pieces)[rank], _sizes(positions, pieces)[rank]
-        layers = shape["layers"]
-        spatial_to_temporal = my_frames * (positions - my_positions)
-        temporal_to_spatial = my_positions * (frames - my_frames)
-        if not forward:  # each reshard reversed
+        my_frames = tensor_split_sizes(frames, pieces)[rank]
+        my_positions = tensor_split_sizes(positions, pieces)[rank]
+        # (B, T_r, S, C) scattered along S, and (B, T, S_r, C) along T; the backward
+        # reshards each gradient back the other way.
+        spatial_to_temporal = reshard_bytes((batch, my_frames, positions, width), 2, rank, pieces, element)
+        temporal_to_spatial = reshard_bytes((batch, frames, my_positions, width), 1, rank, pieces, element)
+        if not forward:
             spatial_to_temporal, temporal_to_spatial = temporal_to_spatial, spatial_to_temporal
-        sent = batch * width * element * (layers * spatial_to_temporal + (layers - 1) * temporal_to_spatial)
-        if forward and gather:
-            sent += (pieces - 1) * batch * frames * my_positions * shape["out_per_token"] * element
+        layers = shape["layers"]
+        sent = layers * spatial_to_temporal + (layers - 1) * temporal_to_spatial
+        if forward and gather:  # the output (B, T, S_r, out_per_token), gathered along S
+            position_lens = tensor_split_sizes(positions, pieces)
+            sent += gather_bytes(position_lens, rank, batch * frames * shape["out_per_token"] * element)
         return sent
     if "frames" in shape:  # Latte: the spatial attention, a batch of B x T frames of S positions
-        lens, rows, video = _sizes(shape["positions"], pieces), shape["batch"] * shape["frames"], shape["positions"]
+        video = shape["positions"]
+        lens, rows = tensor_split_sizes(video, pieces), shape["batch"] * shape["frames"]
     else:  # the video tokens, and text tokens joined to them
-        per_split = [_sizes(total, pieces) for total in shape["tokens"]]
+        per_split = [tensor_split_sizes(total, pieces) for total in shape["tokens"]]
         lens, rows, video = [sum(piece) for piece in zip(*per_split)], shape["batch"], shape["tokens"][0]
     sent = shape["layers"] * _attention_bytes(mode, lens, rank, rows, shape["heads"], shape["head_dim"], element,
                                               ulysses, forward)  # fmt: skip
     if forward and gather:
-        sent += _gather_bytes(mode, _sizes(video, pieces), rank, rows * shape["out_per_token"] * element, ulysses)
+        sent += _gather_bytes(mode, tensor_split_sizes(video, pieces), rank, rows * shape["out_per_token"] * element,
+                              ulysses)  # fmt: skip
     return sent

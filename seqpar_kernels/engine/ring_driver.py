@@ -51,11 +51,12 @@ attention mask (engine/step_masks.py StepMasks, rows placed by seqpar_kernels/la
                                    on GPUs once per step, with each query row's interval
                                    of key rows.
 
-Bytes sent by rank r, with n_j the rows of rank j and N their sum (rank r never sends
-the block of rank r+1, the last it receives, nor the accumulator of its own block):
+Bytes sent by rank r (seqpar_kernels.traffic.ring_bytes holds the formula): a block
+goes on at steps 0..last-1 and its dK|dV accumulator at steps 1..last; with last = P-1,
+n_j the rows of rank j and N their sum, rank r never sends the block of rank r+1, the
+last it receives, nor the accumulator of its own block:
     forward   (N - n_{r+1}) x B x H_kv x D x 2 x element size            (K|V)
     backward  the same for K|V, plus (N - n_r) x B x H_kv x D x 2 x 4    (fp32 dK|dV)
-With equal pieces: (P-1) x (k + v bytes), and (P-1) x fp32 (dk + dv) more backward.
 """
 
 from __future__ import annotations

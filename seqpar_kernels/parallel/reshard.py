@@ -47,7 +47,7 @@ def all_to_all_reshard(
         equal to this rank's.
 
     Autograd: the backward is the reverse reshard. Bytes sent: (P-1)/P of x's bytes
-    when sizes are even.
+    when sizes are even (seqpar_kernels.traffic.reshard_bytes for any sizes).
     """
     info = resolve_group(group)
     with CheckedOnEveryRank("all_to_all_reshard", info, device_of(x), exchange=gather_sizes is None) as checks:

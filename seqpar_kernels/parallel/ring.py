@@ -115,11 +115,10 @@ def ring_attention(
     not propagated].
 
     Autograd: dq, dk, dv through the ring backward (dK/dV accumulate in fp32 while they
-    travel). Bytes sent per rank: forward (P-1) x (k + v bytes); backward (P-1) x
-    (k + v bytes + fp32 dk + dv bytes), plus the check_ranks all_gather (with local
-    lengths that differ: seqpar_kernels/engine/ring_driver.py gives the formula). Under a
-    window or chunks the ring stops after step m, the farthest ring offset some rank sees:
-    m in place of P-1.
+    travel). Bytes sent per rank (seqpar_kernels.traffic.ring_bytes, with local lengths
+    that differ too): forward (P-1) x (k + v bytes); backward (P-1) x (k + v bytes +
+    fp32 dk + dv bytes), plus the check_ranks all_gather. Under a window or chunks the
+    ring stops after step m, the farthest ring offset some rank sees: m in place of P-1.
     """
     return _checked_ring_attention(
         q, k, v, step_backend, group=group, causal=causal, softmax_scale=softmax_scale, layout=layout,

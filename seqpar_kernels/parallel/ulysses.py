@@ -236,7 +236,8 @@ def ulysses_attention(
     Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
-    divide evenly; two all-to-alls forward, two backward.
+    divide evenly (seqpar_kernels.traffic.ulysses_bytes for any split); two all-to-alls
+    forward, two backward.
     """
     info = resolve_group(group)
     call = checked_attention_call(

@@ -212,7 +212,7 @@ def usp_attention(
     gives the lse).
 
     Bytes sent by the rank at (i, j), with n_j its q heads, n_kv_j its kv heads and
-    S_p the local lengths (the README gives the formulas in full):
+    S_p the local lengths (seqpar_kernels.traffic.usp_bytes gives them in full):
       Ulysses group: ulysses_attention's bytes over the slot's pieces, plus the lse
         back when asked for (the pieces of the other Ulysses ranks x n_j x batch x 4).
       ring group: ring_attention's bytes over the slots, with n_kv_j kv heads.

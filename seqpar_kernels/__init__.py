@@ -18,10 +18,12 @@ from seqpar_kernels import (
     extension,  # noqa: F401  (loads the compiled ops)
     ops,  # noqa: F401  (registers fake kernels and autograd)
 )
+from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
 )
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
 from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
@@ -50,4 +52,6 @@ __all__ = [
     "shard_batch",
     "all_reduce_gradients",
     "comm_stats",
+    "SequenceParallelism",
+    "AttentionMask",
 ]

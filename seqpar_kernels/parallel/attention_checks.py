@@ -96,8 +96,9 @@ class AttentionCall:
 
 def checked_attention_call(
     describe: str, q, k, v, ranks: GroupInfo | Grid, *, exchange: bool, causal=False, softmax_scale=None,
-    seq_lens=None, varlen=None, layout: str | None = None, step_backend: str | None = None, step_backends=STEP_BACKENDS, return_lse=False,
-    window_size=(-1, -1), softcap=0.0, sinks=None, attention_chunk_size=None, check_ranks=None,
+    seq_lens=None, varlen=None, layout: str | None = None, step_backend: str | None = None,
+    step_backends=STEP_BACKENDS, return_lse=False, window_size=(-1, -1), softcap=0.0, sinks=None,
+    attention_chunk_size=None, check_ranks=None,
 ) -> AttentionCall:  # fmt: skip
     """Every check of an attention call, so that a bad input on any rank raises
     ValueError on every rank: the local checks (check_attention_call) inside one small

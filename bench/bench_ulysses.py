@@ -124,7 +124,7 @@ def forward_bytes(case: UlyssesCase, ctx: Context) -> int:
 
 
 def empty_attention(q: torch.Tensor, *unused) -> torch.Tensor:
-    """Stands in for attention: a fresh (B, h, S, D) output, as SDPA returns, unfilled."""
+    """Stands in for attention: a fresh output of q's (B, S, h, D) shape, unfilled."""
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

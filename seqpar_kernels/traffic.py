@@ -10,6 +10,7 @@ formulas of what each collective sends, the one place they are written.
     ring_bytes                 ring_attention, forward and backward (CallBytes)
     window_ring_steps          where a causal window stops the ring (equal pieces)
     usp_bytes                  usp_attention: the Ulysses group's and the ring group's
+    state_passing_bytes        the recurrent mixers' state across ranks (CallBytes)
 
 The formulas are pure arithmetic on lengths, heads and element sizes: the tests and
 the benchmarks compare comm_stats with them, and the README quotes them. Pieces follow
@@ -25,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from seqpar_kernels.layouts import tensor_split_ranges, tensor_split_sizes
+from seqpar_kernels.layouts import tensor_split_ranges, tensor_split_sizes, usp_rows
 
 
 @dataclass
@@ -227,11 +228,35 @@ def usp_bytes(
     return ulysses, ring
 
 
+def state_passing_bytes(
+    run_counts: Sequence[int], piece: int, *, summary_bytes: int, ulysses_size: int = 1
+) -> CallBytes:
+    """Bytes a recurrent mixer (parallel/recurrent.py) sends from `piece` to pass the
+    state across ranks: every run's summary to every other rank (SequenceRuns.gather),
+    and in the backward each summary's gradient back to the run's rank.
+
+    run_counts: every piece's runs (consecutive rows of one document), in piece order
+    i * U + j; summary_bytes: one run's summary (a convolution of kernel K: batch x (K-1)
+    x channels x element size; a recurrence: its transition and final state).
+    One group (ulysses_size 1), c the run counts, C their sum:
+        forward   (P-1) x c_p x summary_bytes
+        backward  (C - c_p) x summary_bytes
+    A grid: the same over the Ulysses group (slot i's pieces), then over the ring group
+    (the slots' run counts). Independent of the sequence's length."""
+    rows = usp_rows(run_counts, ulysses_size)
+    ring_index, ulysses_index = divmod(piece, ulysses_size)
+    slots = [sum(row) for row in rows]
+    row = rows[ring_index]
+    forward = (len(row) - 1) * row[ulysses_index] + (len(slots) - 1) * slots[ring_index]
+    backward = (sum(row) - row[ulysses_index]) + (sum(slots) - slots[ring_index])
+    return CallBytes(forward * summary_bytes, backward * summary_bytes)
+
+
 def _slot_pieces(seq_lens: Sequence[int], ring_index: int, ulysses_size: int) -> list[int]:
     """The lengths of ring slot ring_index's U pieces."""
-    return list(seq_lens[ring_index * ulysses_size : (ring_index + 1) * ulysses_size])
+    return usp_rows(seq_lens, ulysses_size)[ring_index]
 
 
 def _slot_lengths(seq_lens: Sequence[int], ulysses_size: int) -> list[int]:
     """Every ring slot's length: the sum of its U pieces."""
-    return [sum(seq_lens[start : start + ulysses_size]) for start in range(0, len(seq_lens), ulysses_size)]
+    return [sum(row) for row in usp_rows(seq_lens, ulysses_size)]

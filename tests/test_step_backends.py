@@ -23,6 +23,7 @@ from test_varlen import _case as varlen_case
 from test_varlen import run_varlen_cases
 from triton_interpreter import runs_triton_on
 
+import seqpar_kernels as sp
 from seqpar_kernels.engine import step_backends
 from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
 from tools import reference
@@ -61,8 +62,10 @@ def test_auto_picks_aten_on_cpus_triton_for_fp32_gpus_and_the_table_otherwise(mo
             table[family]["backend"] = backend
             monkeypatch.setattr(step_backends, "step_backend_table", lambda table=table: table)
             assert step_backends.auto_step_backend(cuda, torch.bfloat16) == backend
+    # Other devices are refused once, at the public entry, before any step backend is chosen.
+    meta = torch.empty(1, 4, 2, 8, device="meta")
     with pytest.raises(ValueError, match="CPU or CUDA"):
-        step_backends.auto_step_backend(torch.device("meta"), torch.bfloat16)
+        sp.ring_attention(meta, meta, meta)
 
 
 def test_library_kernel_choice():

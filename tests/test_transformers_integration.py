@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -467,15 +468,16 @@ def run_unsupported_cases():
     # A step backend is the model's choice alone: a batch sharded without it runs.
     aten_model = _model(config)
     settings = sp_transformers.apply(aten_model, "ring", step_backend="aten", **group)
-    attention_module = sp_transformers.attention
-    backends, ring_attention = [], attention_module.ring_attention
-    attention_module.ring_attention = lambda *args, **kwargs: (
+    # The attention functions dispatch through the model's SequenceParallelism.
+    dispatch = sys.modules["seqpar_kernels.parallel.parallelism"]
+    backends, ring_attention = [], dispatch.ring_attention
+    dispatch.ring_attention = lambda *args, **kwargs: (
         backends.append(kwargs["step_backend"]) or ring_attention(*args, **kwargs)
     )
     try:
         aten_model.model(**local)
     finally:
-        attention_module.ring_attention = ring_attention
+        dispatch.ring_attention = ring_attention
     if settings.step_backend != "aten" or backends != ["aten"] * config.num_hidden_layers:
         problems["step backend passed on"] = f"apply recorded {settings}, the attention got {backends}"
     # An implementation set by hand, without apply's groups.

@@ -98,7 +98,7 @@ def checked_attention_call(
     describe: str, q, k, v, ranks: GroupInfo | Grid, *, exchange: bool, causal=False, softmax_scale=None,
     seq_lens=None, varlen=None, layout: str | None = None, step_backend: str | None = None,
     step_backends=STEP_BACKENDS, return_lse=False, window_size=(-1, -1), softcap=0.0, sinks=None,
-    attention_chunk_size=None, check_ranks=None,
+    attention_chunk_size=None, check_ranks=True,
 ) -> AttentionCall:  # fmt: skip
     """Every check of an attention call, so that a bad input on any rank raises
     ValueError on every rank: the local checks (check_attention_call) inside one small
@@ -115,8 +115,7 @@ def checked_attention_call(
             return_lse=return_lse, window_size=window_size, softcap=softcap, sinks=sinks,
             attention_chunk_size=attention_chunk_size,
         )  # fmt: skip
-        if check_ranks is not None:
-            check_bool("check_ranks", check_ranks)
+        check_bool("check_ranks", check_ranks)
         return q.shape[1], call.agreed, call
 
     if isinstance(ranks, Grid):

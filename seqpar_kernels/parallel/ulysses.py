@@ -112,6 +112,22 @@ def _sdpa_run(causal: bool, scale: float):
     return attend
 
 
+def _local_attention(q, k, v, call: AttentionCall, scale: float, q_head_start: int, group_size: int):
+    """Attention of the model's q heads [q_head_start, +n) on the whole sequence after
+    the exchange: q (B, S, n, D), k, v (B, S, n_kv, D), the ranks' pieces one after
+    another. Returns out (B, S, n, D) in the same order."""
+    order = None
+    if call.varlen is not None and not call.varlen.layout.in_global_order:
+        # The pieces concatenated in rank order are not the sequence in order: bring the
+        # tokens into global order, where each document is one range, and back after.
+        positions = call.varlen.layout.concatenated_positions().to(q.device)
+        order = torch.argsort(positions)
+        q, k, v = (x.index_select(1, order) for x in (q, k, v))
+    attend = _sdpa_run(call.mask.causal, scale) if call.is_plain else _masked_run(call, scale)
+    out, _ = attend_by_head_runs(attend, q, k, v, q_head_start, group_size)
+    return out if order is None else out.index_select(1, positions)
+
+
 def _masked_run(call: AttentionCall, scale: float):
     """attend for attend_by_head_runs under the call's mask (documents, a window,
     chunks), softcap and sinks (of the run's heads): the one-process attention op."""
@@ -255,17 +271,6 @@ def run_ulysses_attention(q, k, v, call: AttentionCall, info: GroupInfo) -> torc
     plan = UlyssesPlan.of(call.seq_lens, num_heads, k.shape[2])
     q, scale = fold_scale_sign(q, call.scale)
     q_heads, k_heads, v_heads = sequence_to_heads(q, k, v, plan, info)  # (B, S, n, D) as (B, n, S, D)
-    order = None
-    if call.varlen is not None and not call.varlen.layout.in_global_order:
-        # The pieces concatenated in rank order are not the sequence in order: bring the
-        # tokens into global order, where each document is one range, and back after.
-        positions = call.varlen.layout.concatenated_positions().to(q.device)
-        order = torch.argsort(positions)
-        q_heads, k_heads, v_heads = (x.index_select(1, order) for x in (q_heads, k_heads, v_heads))
-    attend = _sdpa_run(call.mask.causal, scale) if call.is_plain else _masked_run(call, scale)
-    out_heads, _ = attend_by_head_runs(
-        attend, q_heads, k_heads, v_heads, plan.head_starts[info.rank], num_heads // k.shape[2]
-    )  # (B, S, n, D)
-    if order is not None:
-        out_heads = out_heads.index_select(1, positions)
+    group_size = num_heads // k.shape[2]
+    out_heads = _local_attention(q_heads, k_heads, v_heads, call, scale, plan.head_starts[info.rank], group_size)
     return heads_to_sequence(out_heads, plan, info)  # (B, S_r, H, D)

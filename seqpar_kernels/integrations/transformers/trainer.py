@@ -333,7 +333,7 @@ class SequenceParallelTrainerMixin:
         return self._read_by_replica(super().get_test_dataloader(test_dataset), "eval")
 
     def get_total_train_batch_size(self, args) -> int:
-        return super().get_total_train_batch_size(args) // self.sequence_parallel.size
+        return super().get_total_train_batch_size(args) // self._group_size
 
     def _real_samples(self, kind: str) -> int | None:
         """At the last batch of an epoch that does not fill every replica's batch, this

@@ -24,6 +24,7 @@ from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy_from_logits,
 )
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
 from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
@@ -54,4 +55,5 @@ __all__ = [
     "comm_stats",
     "SequenceParallelism",
     "AttentionMask",
+    "causal_conv1d",
 ]

@@ -52,6 +52,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
+from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 
@@ -63,7 +64,9 @@ IMPLEMENTATIONS = {"ulysses": "seqpar_ulysses", "ring": "seqpar_ring", "usp": "s
 SETTINGS_ATTRIBUTE = "seqpar_parallelism"
 # The per-layer types (config.layer_types) whose layers mix the sequence only through the
 # attention function and the mask interface.
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Layer types that mix nothing along the sequence (Nemotron-H's MLP and MoE layers).
+UNMIXED_LAYER_TYPES = ("mlp", "moe")
 
 
 def _settings_of(module: torch.nn.Module, mode: str) -> SequenceParallelism:
@@ -322,13 +325,7 @@ def apply(
             f"apply: {type(model).__name__} has sub-models ({sorted(model.config.sub_configs)}); apply sequence "
             "parallelism to its language model alone"
         )
-    other_layers = sorted(set(getattr(model.config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
-    if other_layers:
-        raise ValueError(
-            f"apply: {type(model).__name__} has layers of type {other_layers}, which mix the sequence outside the "
-            f"attention interface (recurrent, compressed or indexed attention) and would see this rank's tokens "
-            f"only; sequence-parallel attention runs models whose layers are {list(ATTENTION_LAYER_TYPES)}"
-        )
+    mixers = _check_layers(model)
     register()
     name = IMPLEMENTATIONS[mode]
     model.set_attn_implementation(name)
@@ -339,4 +336,40 @@ def apply(
         )
     for module in model.modules():
         setattr(module, SETTINGS_ATTRIBUTE, settings)
+    if mixers:
+        install(model, settings)
     return settings
+
+
+def _check_layers(model) -> dict:
+    """The model's mixers other than attention (mixers.mixers_of), after checking that
+    every layer whose type (config.layer_types, or layers_block_type) is not attention
+    holds one, or mixes nothing (an MLP layer): a layer of another kind would see this
+    rank's tokens only. Raises ValueError naming it."""
+    mixers = mixers_of(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
+    if not set(types) - set(ATTENTION_LAYER_TYPES) - set(UNMIXED_LAYER_TYPES):
+        return mixers
+    layers = _decoder_layers(model, len(types))
+    for index, layer_type in enumerate(types):
+        if layer_type in ATTENTION_LAYER_TYPES or layer_type in UNMIXED_LAYER_TYPES:
+            continue
+        held = [module for module in mixers.values() if any(module is sub for sub in layers[index].modules())] \
+            if layers is not None else list(mixers.values())  # fmt: skip
+        if not held:
+            classes = sorted({type(sub).__name__ for sub in (layers[index].modules() if layers is not None else ())})
+            raise ValueError(
+                f"apply: {type(model).__name__}'s layer {index} is of type {layer_type!r}, whose sequence mixing "
+                f"({', '.join(classes) or 'unknown'}) the package does not run sequence-parallel: it runs attention "
+                f"({list(ATTENTION_LAYER_TYPES)}) and the mixers that call {sorted(HANDLED_FUNCTIONS)}"
+            )
+    return mixers
+
+
+def _decoder_layers(model, count: int):
+    """The model's list of `count` decoder layers (the ModuleList named ...layers), or None."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and path.split(".")[-1] == "layers" and len(module) == count:
+            return module
+    return None

@@ -1,0 +1,185 @@
+"""The sequence-mixing layers of hybrid models (linear attention, state-space scans, short
+convolutions) under sequence parallelism: their state passed across ranks.
+
+transformers' mixer modules (Qwen3-Next's and Qwen3.5's Gated DeltaNet, the Mamba2 mixers
+of Bamba, Falcon-H1, GraniteMoeHybrid, Nemotron-H and Zamba2, the Mamba mixers of Jamba,
+Zamba and Mamba, LFM2's short convolution) call a few functions of their modeling module
+by name: the convolution (causal_conv1d_fn), the gated delta rule
+(torch_chunk_gated_delta_rule), the Mamba2 and Mamba scans (mamba2_chunk_scan,
+mamba_selective_scan). install() finds the model's mixers by those names, replaces the
+functions in their modeling modules by dispatchers, and hooks each mixer so that, while
+it runs, the dispatchers run the package's sequence-parallel op on this rank's tokens
+(the SequenceShard's layout and documents) instead; outside a hooked mixer they call the
+original. The fused kernels' entry points (mamba2_split_conv1d_scan_combined,
+mamba_inner_fn) return None there, which sends the mixer down its unfused path, and the
+single-token decode functions raise (a KV cache is not sequence-parallel).
+
+A module whose forward calls sequence-mixing functions the package does not run (Kimi's
+delta attention, ...) makes install() raise, naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+
+import torch
+
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.recurrent import causal_conv1d
+from seqpar_kernels.parallel.training import SequenceShard
+
+__all__ = ["install", "mixers_of", "HANDLED_FUNCTIONS"]
+
+
+def _where(context) -> dict:
+    """The ops' keyword arguments for the running mixer: its groups, and the batch's
+    layout and lengths (a packed batch: its varlen plan)."""
+    parallelism, shard = context
+    where = parallelism.group_kwargs()
+    if shard is None:
+        return dict(where, layout=parallelism.dense_layout)
+    if shard.varlen is not None:
+        return dict(where, varlen=shard.varlen)
+    return dict(where, layout=parallelism.dense_layout, seq_lens=list(shard.seq_lens))
+
+
+def _conv(context, hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' causal_conv1d_fn: hidden_states (B, C, S) -> (B, C, S)."""
+    out = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation, **_where(context))
+    return out.transpose(1, 2)
+
+
+# The functions a mixer calls by name, and what runs in their place under sequence parallelism.
+HANDLED_FUNCTIONS = {"causal_conv1d_fn": _conv}
+# Fused kernels' entry points: None makes the mixer take its unfused path.
+FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
+# One token at a time from a cache (generation): not sequence-parallel.
+DECODE_FUNCTIONS = (
+    "causal_conv1d_update", "mamba2_selective_state_update", "mamba_selective_state_update",
+    "torch_recurrent_gated_delta_rule",
+)  # fmt: skip
+# Every sequence-mixing function of transformers' mixers known here; those not handled
+# above make install() raise (Kimi's delta attention, RecurrentGemma's scan, ...).
+MIXING_FUNCTIONS = (
+    "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan",
+    *FUSED_FUNCTIONS, *DECODE_FUNCTIONS, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "_rnn_scan",
+)  # fmt: skip
+_RUNS = (*HANDLED_FUNCTIONS, *FUSED_FUNCTIONS, *DECODE_FUNCTIONS)
+
+# The mixers running now on this thread: (parallelism, shard), innermost last.
+_running = threading.local()
+
+
+def _stack() -> list:
+    if not hasattr(_running, "stack"):
+        _running.stack = []
+    return _running.stack
+
+
+def _dispatcher(name: str, original):
+    """The function that replaces `name` in a modeling module."""
+
+    def dispatch(*args, **kwargs):
+        stack = _stack()
+        if not stack or stack[-1] is None:
+            return original(*args, **kwargs)
+        if name in FUSED_FUNCTIONS:
+            return None
+        if name in DECODE_FUNCTIONS:
+            raise ValueError(
+                f"sequence-parallel mixers: {name} decodes one token from a cache, which is not sequence-parallel; "
+                "pass use_cache=False"
+            )
+        return HANDLED_FUNCTIONS[name](stack[-1], *args, **_without_cache(name, kwargs))
+
+    dispatch.seqpar_original = original
+    dispatch.__name__ = dispatch.__qualname__ = name
+    return dispatch
+
+
+def _without_cache(name: str, kwargs: dict) -> dict:
+    """kwargs without what a cache would pass (raising where it asks for a state)."""
+    for key in ("initial_state", "initial_states"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"sequence-parallel mixers: {name} got a cached {key}; pass use_cache=False")
+    for key in ("output_final_state", "return_final_states", "return_last_state"):
+        if kwargs.get(key):
+            raise ValueError(f"sequence-parallel mixers: {name} was asked for its final state (a cache); "
+                             "pass use_cache=False")  # fmt: skip
+    return kwargs
+
+
+def _mixing_names(module: torch.nn.Module) -> set[str]:
+    """The sequence-mixing function names the module's forward calls."""
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    return set(code.co_names) & set(MIXING_FUNCTIONS) if code is not None else set()
+
+
+def mixers_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's sequence-mixing modules other than attention, by path. Raises
+    ValueError for one that calls a function the package does not run sequence-parallel."""
+    mixers = {}
+    for path, module in model.named_modules():
+        names = _mixing_names(module)
+        unsupported = sorted(names - set(_RUNS))
+        if unsupported:
+            raise ValueError(
+                f"apply: {type(module).__name__} ({path}) mixes the sequence with {unsupported}, which the package "
+                f"does not run sequence-parallel (it runs {sorted(HANDLED_FUNCTIONS)})"
+            )
+        if names:
+            mixers[path] = module
+    return mixers
+
+
+def _patch(module: torch.nn.Module) -> None:
+    """The dispatchers in place of the mixing functions of module's modeling module
+    (once per function: a patched one stays)."""
+    modeling = sys.modules[type(module).__module__]
+    for name in _RUNS:
+        function = getattr(modeling, name, None)
+        if function is not None and callable(function) and not hasattr(function, "seqpar_original"):
+            setattr(modeling, name, _dispatcher(name, function))
+
+
+def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> dict[str, torch.nn.Module]:
+    """Make the model's mixers sequence-parallel under `parallelism` (apply() calls it):
+    the dispatchers in their modeling modules, and hooks on each mixer that give the
+    dispatchers the parallelism and the batch's SequenceShard while it runs. Replaces
+    the hooks of an earlier install. Returns the mixers by path."""
+    mixers = mixers_of(model)
+    for module in mixers.values():
+        _patch(module)
+        for handle in getattr(module, "seqpar_mixer_hooks", ()):
+            handle.remove()
+        module.seqpar_mixer_hooks = (
+            module.register_forward_pre_hook(_entering(parallelism, type(module).__name__), with_kwargs=True),
+            module.register_forward_hook(_leaving, always_call=True),
+        )
+    return mixers
+
+
+def _entering(parallelism: SequenceParallelism, name: str):
+    def enter(module, args, kwargs):
+        shard = kwargs.get("sequence_shard")
+        # Pushed first: the leaving hook runs even when this one raises.
+        _stack().append((parallelism, shard if isinstance(shard, SequenceShard) else None))
+        cached = [key for key in ("cache", "cache_params", "past_key_values") if kwargs.get(key) is not None]
+        if cached:
+            raise ValueError(f"{name}: got a cache ({cached[0]}): sequence-parallel mixers run training and prefill "
+                             "over the sharded sequence without one; pass use_cache=False")  # fmt: skip
+        if shard is not None and (not isinstance(shard, SequenceShard) or shard.parallelism != parallelism):
+            made = shard.parallelism if isinstance(shard, SequenceShard) else type(shard).__name__
+            raise ValueError(
+                f"{name}: the batch was sharded for {made}, the model's mixers run {parallelism}: pass shard_batch "
+                "the mode, layout and groups given to apply()"
+            )
+
+    return enter
+
+
+def _leaving(module, args, output):
+    _stack().pop()

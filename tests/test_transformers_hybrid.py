@@ -1,0 +1,113 @@
+"""Hybrid transformers models (attention beside short convolutions, linear attention or
+state-space mixers) under sequence parallelism: small random models of each family
+through apply + shard_batch + causal_lm_loss + all_reduce_gradients on gloo ranks against
+transformers' own single-process run (loss and every parameter's gradient), in every
+mode; a packed batch against each document run alone; what cannot run raises.
+
+The parity harness is tests/test_transformers_integration.py's (run_parity_cases): its
+FAMILIES gain the hybrid families here, in every process that imports this module (the
+rank pool's workers import it to run this module's rank functions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import test_transformers_integration as integration  # noqa: E402
+from conftest import pool_for  # noqa: E402
+from on_ranks import on_every_rank, raises  # noqa: E402
+
+# (config class, model class, what the tiny config sets); layers of every kind, mixers
+# between attention layers.
+HYBRID_FAMILIES = {
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",  # short convolutions of kernel 3 (windows of 2 rows back)
+             dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3)),
+}  # fmt: skip
+integration.FAMILIES.update(HYBRID_FAMILIES)
+
+
+def _here() -> list[str]:
+    return [family for family, (config_class, _, _) in HYBRID_FAMILIES.items() if hasattr(transformers, config_class)]
+
+
+def _cases(family: str) -> list[dict]:
+    case = integration._case
+    return [
+        case("ulysses", "contiguous", "dense", family=family),
+        case("ring", "balanced", "packed", family=family, per_document=True),
+        case("ring", "contiguous", "padded", family=family),
+        case("usp", "balanced", "dense", family=family, ulysses=2),
+        case("usp", "contiguous", "packed", family=family, ulysses=2, per_document=True),
+    ]
+
+
+@on_every_rank
+def run_hybrid_cases(cases):
+    return integration.run_parity_cases(cases)
+
+
+@pytest.mark.parametrize("family", list(HYBRID_FAMILIES))
+def test_family_matches_the_single_process_model(family):
+    if family not in _here():
+        pytest.skip(f"transformers {transformers.__version__} has no {HYBRID_FAMILIES[family][0]}")
+    cases = _cases(family)
+    failures = [failure for per_rank in pool_for(4).run(run_hybrid_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_three_ranks_uneven_pieces():
+    cases = [integration._case("ring", "contiguous", "dense", family=family, seqlen=29) for family in _here()]
+    failures = [failure for per_rank in pool_for(3).run(run_hybrid_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_unknown_mixers_raise_naming_them():
+    """A model whose layers mix the sequence in a way the package does not run raises at
+    apply(), naming the module (Kimi Linear's delta attention where this release has it)."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    if not hasattr(transformers, "KimiLinearConfig"):
+        pytest.skip("no Kimi Linear in this transformers release")
+    config = transformers.KimiLinearConfig(
+        vocab_size=integration.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model = transformers.KimiLinearForCausalLM(config)
+    problem = raises(lambda: sp_transformers.apply(model, "ring"), "KimiLinearDeltaAttention|does not run")
+    assert problem is None, problem
+
+
+@on_every_rank
+def run_cache_raises(family):
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    model = integration._family_model(family)
+    groups = {"group": integration.timeout_group()}
+    sp_transformers.apply(model, "ring", **groups)
+    batch, _, _ = integration._batch("dense", 11)
+    local = sp_transformers.shard_batch(batch, mode="ring", **groups)
+    local.pop("shift_labels")
+    return raises(lambda: model.model(**local, use_cache=True), "cache|use_cache")
+
+
+def test_a_cache_raises():
+    for family in _here():
+        for rank, problem in enumerate(pool_for(2).run(run_cache_raises, family)):
+            assert problem is None, f"{family} rank {rank}: {problem}"
+
+
+def test_mixers_run_their_original_outside_an_applied_model():
+    """The dispatchers replace functions of transformers' modeling modules: a model that
+    apply() did not set up still runs them, unchanged."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    for family in _here():
+        applied, plain = integration._family_model(family), integration._family_model(family)
+        sp_transformers.apply(applied, "ring")
+        ids = torch.randint(0, integration.VOCAB, (1, 9))
+        with torch.no_grad():
+            first = plain(input_ids=ids).logits
+            again = integration._family_model(family)(input_ids=ids).logits
+        torch.testing.assert_close(first, again, rtol=0, atol=0)

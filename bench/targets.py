@@ -6,7 +6,9 @@ never asserted.
     bytes sent exactly at theory               comm_stats against each bench's formula
     ours computes what the baseline computes   no "MISMATCH" check (transformers: each mode's
                                                loss and gradients = the single process's)
-    CPU: fused no slower than unfused          speedup >= 1 (the fused-vs-unfused benches)
+    CPU: fused no slower than unfused in       in every case of the fused-vs-unfused benches,
+         every case (at most the noise band)   speedup >= 1 or ours won >= CLEARLY_SLOWER_SHARE
+                                               of the paired rounds (a tie within the noise)
     GPU: pack/unpack/merge                     >= GPU_BANDWIDTH_TARGET of peak memory
                                                bandwidth and >= GPU_SPEEDUP_TARGET x unfused
     ring, USP, varlen: error                   <= FLASH_RULE_FACTOR x plain torch's
@@ -47,7 +49,8 @@ STEP_TARGETS = {"ring-step-fwd": 0.9, "ring-step-bwd": 0.8}
 # The flash-attention rule on error_vs_plain: ours errs at most this many times plain
 # torch's error, the factor of the tests' accuracy rule (tools/reference.py).
 FLASH_RULE_FACTOR = ERROR_FACTOR
-# A case where ours won fewer than this share of the paired rounds is slower beyond noise.
+# A case where ours won fewer than this share of the paired rounds is slower beyond noise;
+# the CPU target allows a median slower than the baseline's only within that band.
 CLEARLY_SLOWER_SHARE = 0.25
 # bench_varlen.py's rows: packed documents against one dense sequence (or the balanced
 # plan against the contiguous one), no unfused baseline.
@@ -88,8 +91,13 @@ def _agreement_check(rows: list[Row]) -> Check:
     return Check(target, _status(len(agree) == len(rows)), _count(agree, rows))
 
 
+def _clearly_slower(row: Row) -> bool:
+    """Ours slower beyond the noise band: a slower median, and the paired rounds agree."""
+    return row.speedup < 1.0 and row.ours_faster_share < CLEARLY_SLOWER_SHARE
+
+
 def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
-    target = "CPU: fused no slower than unfused"
+    target = "CPU: fused no slower than unfused in every case (at most the noise band)"
     if on_gpu:
         return Check(target, "n/a (GPU run)", "")
     # No unfused baseline in the ring's, USP's and varlen's rows; the loss rows' target
@@ -102,13 +110,14 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     if not rows:
         return Check(target, "n/a (not run)", "")
     not_slower = [row for row in rows if row.speedup >= 1.0]
-    clearly_slower = [row for row in rows if row.ours_faster_share < CLEARLY_SLOWER_SHARE]
+    clearly_slower = [row for row in rows if _clearly_slower(row)]
     detail = (
-        f"{_count(not_slower, rows)}; {len(clearly_slower)} clearly slower (ours faster in "
-        f"< {CLEARLY_SLOWER_SHARE:.0%} of rounds); "
-        + _worst(rows, lambda row: row.speedup, lambda row: f"x{row.speedup:.2f}")
-    )
-    return Check(target, _status(len(not_slower) == len(rows)), detail)
+        f"{_count(not_slower, rows)} at x1 or above; {len(clearly_slower)} clearly slower (a slower "
+        f"median and ours faster in < {CLEARLY_SLOWER_SHARE:.0%} of rounds); "
+        + _worst(rows, lambda row: row.speedup,
+                 lambda row: f"x{row.speedup:.2f} (won {row.ours_faster_share:.0%})")
+    )  # fmt: skip
+    return Check(target, _status(not clearly_slower), detail)
 
 
 def _gpu_kernel_check(rows: list[Row], on_gpu: bool, target: str, key, goal: float, describe) -> Check:

@@ -302,6 +302,24 @@ def test_zigzag_target_not_judged_at_world_size_1():
     assert zigzag_status([zigzag_row(8, 1.05)]) == "met"
 
 
+def cpu_speed_status(cases: list[tuple[float, float]]) -> str:
+    """The CPU target's status for pack rows of these (speedup, ours_faster_share)."""
+    rows = [
+        Row(bench="pack", case=f"case {index}", shape="", dtype="bf16", world_size=4, backend="gloo",
+            device="CPU", ours_s=1.0, baseline_s=speedup, speedup=speedup, ours_faster_share=share,
+            noise=0.1, reps=20, check="identical")
+        for index, (speedup, share) in enumerate(cases)
+    ]  # fmt: skip
+    (check,) = [check for check in target_checks(rows, on_gpu=False) if check.target.startswith("CPU: fused")]
+    return check.status
+
+
+def test_cpu_target_allows_a_slower_median_only_within_the_noise():
+    assert cpu_speed_status([(1.3, 0.9), (1.0, 0.5)]) == "met"
+    assert cpu_speed_status([(1.3, 0.9), (0.97, 0.4)]) == "met"  # the rounds cannot tell them apart
+    assert cpu_speed_status([(1.3, 0.9), (0.97, 0.1)]) == "NOT MET"  # slower in 90% of the rounds
+
+
 def test_failed_rows_are_left_out_of_the_targets_and_listed():
     class Ctx:
         world_size, backend, device_name = 8, "nccl", "GPU"

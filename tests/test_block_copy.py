@@ -169,6 +169,29 @@ def test_ulysses_sized_pack_and_unpack_on_threads(cpu_threads, destinations, k_l
     assert torch.equal(unpacked[0], q) and torch.equal(unpacked[1], k)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_large_copies_with_whole_and_partial_cache_lines(cpu_threads, dtype):
+    # Over 1 MiB in all: the CPU kernels write rows of whole, line-aligned cache lines
+    # with streaming stores and other rows with plain ones. q's rows are whole lines
+    # (D = 64), k's start anywhere in a line (D = 67: also the q blocks after them), v's
+    # are strided; tasks split blocks.
+    q = make((2, 1500, 8, 64), dtype, "cpu", 11)
+    k = make((2, 1500, 6, 67), dtype, "cpu", 12)
+    v = views(make((2, 1500, 3, 9), dtype, "cpu", 13), "transposed")
+    starts = [0, 0, 0, 2, 1, 1, 4, 3, 2, 5, 5, 2]  # rank-major: (q, k, v) per rank
+    lengths = [2, 1, 1, 2, 2, 1, 1, 2, 1, 3, 1, 1]
+    packed = pack_blocks([q, k, v], [2, 2, 2], starts, lengths)
+    assert packed.numel() * packed.element_size() >= 1 << 20
+    assert torch.equal(packed, reference_pack([q, k, v], [2, 2, 2], starts, lengths))
+    # Split along the sequence, each output in (B, H, S, D) memory, as Ulysses unpacks.
+    seq_starts = [s for s in [0, 333, 1000, 1001] for _ in range(3)]
+    seq_lengths = [n for n in [333, 667, 1, 499] for _ in range(3)]
+    buffer = reference_pack([q, k, v], [1, 1, 1], seq_starts, seq_lengths)
+    shapes = [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    unpacked = unpack_blocks(buffer, shapes, [1, 1, 1], seq_starts, seq_lengths, [(0, 2, 1, 3)] * 3)
+    assert all(torch.equal(out, tensor) for out, tensor in zip(unpacked, [q, k, v]))
+
+
 def test_unpack_rejects_wrong_buffer_size():
     with pytest.raises(RuntimeError, match="blocks hold"):
         unpack_blocks(torch.zeros(10), [(2, 3)], [0], [0, 1], [1, 1])

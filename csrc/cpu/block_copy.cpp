@@ -2,17 +2,31 @@
 //
 // Work is split into rows (BlockRows in seqpar/block_copy.h, which the CUDA kernel
 // shares): a row is the longest run of a block that is contiguous in the strided
-// tensor, one memcpy; rows with a non-unit innermost stride copy element by element.
+// tensor, one copy; rows with a non-unit innermost stride copy element by element.
+// Large copies write their destination with streaming (non-temporal) stores.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <climits>
 #include <vector>
 
+// Streaming stores through SSE2, which every x86-64 CPU has; elsewhere plain copies.
+#if defined(__SSE2__) || defined(_M_X64)
+#define SEQPAR_STREAMING_STORES 1
+#include <emmintrin.h>
+#endif
+
 #include "seqpar/block_copy.h"
 #include "seqpar/block_copy_plan.h"
+
+#if defined(__GNUC__)
+#define SEQPAR_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define SEQPAR_ALWAYS_INLINE inline
+#endif
 
 namespace seqpar {
 namespace {
@@ -24,11 +38,56 @@ template <typename Unit>
 void copy_strided_row(char* strided, int64_t stride, char* flat, int64_t count, bool to_flat) {
   auto* strided_units = reinterpret_cast<Unit*>(strided);
   auto* flat_units = reinterpret_cast<Unit*>(flat);
+  // Pointer steps, not i * stride: no multiply per element.
   if (to_flat) {
-    for (int64_t i = 0; i < count; ++i) flat_units[i] = strided_units[i * stride];
+    for (int64_t i = 0; i < count; ++i, strided_units += stride) flat_units[i] = *strided_units;
   } else {
-    for (int64_t i = 0; i < count; ++i) strided_units[i * stride] = flat_units[i];
+    for (int64_t i = 0; i < count; ++i, strided_units += stride) *strided_units = flat_units[i];
   }
+}
+
+// Copies that write at least this many bytes in all store their whole cache lines with
+// streaming (non-temporal) stores: such a destination outgrows a core's L2 anyway, and a
+// plain store first reads each line it writes (read for ownership) and evicts the source.
+// Below it the result stays in cache for the op that reads it next. docs/tuning.md has
+// the measurements.
+constexpr int64_t kStreamingBytes = int64_t{1} << 20;
+constexpr int64_t kLineBytes = 64;
+
+// Copies whole 64-byte lines to a line-aligned destination with streaming stores. Only
+// rows made of whole lines stream (rows_fill_lines): plain stores to partial lines
+// beside streamed ones make the prefetchers pull those into the cache, and each
+// streamed line then costs an eviction. The caller fences (stream_fence) before its
+// writes may be read.
+SEQPAR_ALWAYS_INLINE void copy_lines_streaming(char* destination, const char* source,
+                                               size_t bytes) {
+#if defined(SEQPAR_STREAMING_STORES)
+  for (size_t done = 0; done < bytes; done += static_cast<size_t>(kLineBytes)) {
+    // The line is loaded whole before any of it is stored: one write-combining flush.
+    const auto* from = reinterpret_cast<const __m128i*>(source + done);
+    auto* to = reinterpret_cast<__m128i*>(destination + done);
+    const __m128i part0 = _mm_loadu_si128(from);
+    const __m128i part1 = _mm_loadu_si128(from + 1);
+    const __m128i part2 = _mm_loadu_si128(from + 2);
+    const __m128i part3 = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, part0);
+    _mm_stream_si128(to + 1, part1);
+    _mm_stream_si128(to + 2, part2);
+    _mm_stream_si128(to + 3, part3);
+  }
+#else
+  std::memcpy(destination, source, bytes);
+#endif
+}
+
+// Orders this thread's streaming stores before whatever publishes them (the end of its
+// at::parallel_for task): they are weakly ordered.
+inline void stream_fence(bool stream) {
+#if defined(SEQPAR_STREAMING_STORES)
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
 }
 
 // Rows up to this size are copied by an inlined loop of 16-byte moves rather than a
@@ -41,40 +100,117 @@ struct alignas(16) Bytes16 {
   char bytes[16];
 };
 
-void copy_row(char* strided, int64_t stride, char* flat, int64_t count, int64_t element_size,
-              bool to_flat) {
-  if (stride == 1) {
-    const size_t bytes = static_cast<size_t>(count * element_size);
-    char* destination = to_flat ? flat : strided;
-    const char* source = to_flat ? strided : flat;
-    if (bytes <= kInlineCopyBytes && bytes % 16 == 0) {
-      for (size_t i = 0; i < bytes; i += 16) std::memcpy(destination + i, source + i, 16);
-    } else {
-      std::memcpy(destination, source, bytes);
-    }
-    return;
+// How each row of a block is copied, decided once per block so that the row loops
+// test nothing per row.
+enum class RowMethod {
+  kStreaming,  // contiguous whole lines at line-aligned destinations: streaming stores
+  kInline,     // contiguous, a multiple of 16 bytes up to kInlineCopyBytes: 16-byte moves
+  kMemcpy,     // contiguous, any other length
+  kStrided,    // a non-unit stride inside the row: element by element
+};
+
+struct RowCopy {
+  RowMethod method;
+  size_t bytes;          // of a row
+  int64_t count;         // elements of a row
+  int64_t stride;        // between a row's elements in the strided tensor (elements)
+  int64_t element_size;  // bytes
+};
+
+bool line_aligned(const void* address) {
+  return reinterpret_cast<uintptr_t>(address) % kLineBytes == 0;
+}
+
+// Whether every row of the block is whole cache lines of its destination: each row's
+// bytes a multiple of a line and its first byte on a line boundary (in the buffer when
+// packing, in the strided tensor when unpacking).
+bool rows_fill_lines(const BlockCopyPlan& plan, const BlockDescriptor& block,
+                     const BlockRows& shape, const char* flat, bool to_flat) {
+  const int64_t element_size = plan.element_size;
+  if (shape.inner_stride != 1 || (shape.row_length * element_size) % kLineBytes != 0) return false;
+  if (to_flat) return line_aligned(flat + block.flat_offset * element_size);
+  const StridedLayout& layout = plan.layouts[block.tensor_index];
+  for (int d = 0; d < shape.outer_ndim; ++d) {
+    if ((layout.strides[d] * element_size) % kLineBytes != 0) return false;
   }
-  switch (element_size) {
-    case 1: return copy_strided_row<uint8_t>(strided, stride, flat, count, to_flat);
-    case 2: return copy_strided_row<uint16_t>(strided, stride, flat, count, to_flat);
-    case 4: return copy_strided_row<uint32_t>(strided, stride, flat, count, to_flat);
-    case 8: return copy_strided_row<uint64_t>(strided, stride, flat, count, to_flat);
-    case 16: return copy_strided_row<Bytes16>(strided, stride, flat, count, to_flat);
-    default:
-      for (int64_t i = 0; i < count; ++i) {
-        char* element = strided + i * stride * element_size;
-        char* packed = flat + i * element_size;
-        if (to_flat) std::memcpy(packed, element, element_size);
-        else std::memcpy(element, packed, element_size);
+  return line_aligned(plan.bases[block.tensor_index] + shape.start_offset * element_size);
+}
+
+RowCopy row_copy(const BlockRows& shape, int64_t element_size, bool stream) {
+  RowCopy copy{RowMethod::kMemcpy, static_cast<size_t>(shape.row_length * element_size),
+               shape.row_length, shape.inner_stride, element_size};
+  if (shape.inner_stride != 1) copy.method = RowMethod::kStrided;
+  else if (stream) copy.method = RowMethod::kStreaming;
+  else if (copy.bytes <= kInlineCopyBytes && copy.bytes % 16 == 0) copy.method = RowMethod::kInline;
+  return copy;
+}
+
+void copy_strided_row(const RowCopy& copy, char* strided, char* flat, bool to_flat) {
+  switch (copy.element_size) {
+    case 1: return copy_strided_row<uint8_t>(strided, copy.stride, flat, copy.count, to_flat);
+    case 2: return copy_strided_row<uint16_t>(strided, copy.stride, flat, copy.count, to_flat);
+    case 4: return copy_strided_row<uint32_t>(strided, copy.stride, flat, copy.count, to_flat);
+    case 8: return copy_strided_row<uint64_t>(strided, copy.stride, flat, copy.count, to_flat);
+    case 16: return copy_strided_row<Bytes16>(strided, copy.stride, flat, copy.count, to_flat);
+    default: {
+      const int64_t step = copy.stride * copy.element_size;
+      for (int64_t i = 0; i < copy.count; ++i, strided += step, flat += copy.element_size) {
+        if (to_flat) std::memcpy(flat, strided, copy.element_size);
+        else std::memcpy(strided, flat, copy.element_size);
       }
+    }
   }
 }
 
+// Copies `rows` rows: row i starts at strided + i * strided_step (bytes) in the tensor
+// and at flat + i * copy.bytes in the buffer. One loop per method and direction, each
+// with its copy inlined: as a call per row, entry and exit cost about as much as
+// copying a 256-byte row.
+template <RowMethod kMethod, bool kToFlat>
+void copy_rows_as(const RowCopy& copy, char* strided, int64_t strided_step, char* flat,
+                  int64_t rows) {
+  const size_t bytes = copy.bytes;
+  for (int64_t i = 0; i < rows; ++i, strided += strided_step, flat += bytes) {
+    char* destination = kToFlat ? flat : strided;
+    const char* source = kToFlat ? strided : flat;
+    if constexpr (kMethod == RowMethod::kStreaming) {
+      copy_lines_streaming(destination, source, bytes);
+    } else if constexpr (kMethod == RowMethod::kInline) {
+      for (size_t b = 0; b < bytes; b += 16) std::memcpy(destination + b, source + b, 16);
+    } else if constexpr (kMethod == RowMethod::kMemcpy) {
+      std::memcpy(destination, source, bytes);
+    } else {
+      copy_strided_row(copy, strided, flat, kToFlat);
+    }
+  }
+}
+
+template <bool kToFlat>
+void copy_rows_to(const RowCopy& copy, char* strided, int64_t strided_step, char* flat,
+                  int64_t rows) {
+  switch (copy.method) {
+    case RowMethod::kStreaming:
+      return copy_rows_as<RowMethod::kStreaming, kToFlat>(copy, strided, strided_step, flat, rows);
+    case RowMethod::kInline:
+      return copy_rows_as<RowMethod::kInline, kToFlat>(copy, strided, strided_step, flat, rows);
+    case RowMethod::kMemcpy:
+      return copy_rows_as<RowMethod::kMemcpy, kToFlat>(copy, strided, strided_step, flat, rows);
+    case RowMethod::kStrided:
+      return copy_rows_as<RowMethod::kStrided, kToFlat>(copy, strided, strided_step, flat, rows);
+  }
+}
+
+SEQPAR_ALWAYS_INLINE void copy_rows(const RowCopy& copy, char* strided, int64_t strided_step,
+                                    char* flat, int64_t rows, bool to_flat) {
+  if (to_flat) copy_rows_to<true>(copy, strided, strided_step, flat, rows);
+  else copy_rows_to<false>(copy, strided, strided_step, flat, rows);
+}
+
 // A block is copied as rows (BlockRows, shared with the CUDA kernel): each row one
-// memcpy, the outer dims walked with an odometer. Measured on a 2-core Xeon, Ulysses'
-// q pack (B*S, H, D): one memcpy per (token, head) row plus index division per row
-// made the kernel 1.45x slower than permute().contiguous(); rows of (heads of one
-// rank) x D elements and no division per row remove that.
+// copy (RowCopy), the outer dims walked with an odometer. Measured on a 2-core Xeon,
+// Ulysses' q pack (B*S, H, D): one memcpy per (token, head) row plus index division
+// per row made the kernel 1.45x slower than permute().contiguous(); rows of (heads of
+// one rank) x D elements and no division per row remove that.
 
 // Walks a block's outer dims in C order and keeps the strided offset of the current
 // row (relative to the block's start): row_offset's divisions to start, none per step.
@@ -102,6 +238,27 @@ struct RowOdometer {
       offset -= index[d] * strides[d];
       index[d] = 0;
     }
+  }
+
+  // Rows from here to the end of the innermost outer dim: a run, whose rows lie
+  // run_step() units apart in the tensor.
+  int64_t run_left() const {
+    return outer_ndim == 0 ? INT64_MAX : extents[outer_ndim - 1] - index[outer_ndim - 1];
+  }
+  int64_t run_step() const { return outer_ndim == 0 ? 0 : strides[outer_ndim - 1]; }
+
+  // Moves `rows` rows on, at most run_left().
+  void advance(int64_t rows) {
+    if (outer_ndim == 0) return;
+    const int d = outer_ndim - 1;
+    if (index[d] + rows < extents[d]) {
+      index[d] += rows;
+      offset += rows * strides[d];
+      return;
+    }
+    index[d] += rows - 1;
+    offset += (rows - 1) * strides[d];
+    step();
   }
 };
 
@@ -147,7 +304,7 @@ bool rows_interleave(const BlockCopyPlan& plan, const std::vector<BlockRows>& sh
 }
 
 void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRows>& shapes,
-                            char* flat, bool to_flat) {
+                            char* flat, bool to_flat, bool stream) {
   const int64_t num_blocks = static_cast<int64_t>(plan.blocks.size());
   const int64_t element_size = plan.element_size;
   const int64_t rows = shapes[0].rows;
@@ -173,9 +330,13 @@ void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRo
   });
   // The first block of each tensor carries its outer dims.
   std::vector<int64_t> first_block(plan.num_tensors, -1);
+  std::vector<RowCopy> copies(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b) {
     auto& first = first_block[plan.blocks[b].tensor_index];
     if (first < 0) first = b;
+    const bool stream_rows =
+        stream && rows_fill_lines(plan, plan.blocks[b], shapes[b], flat, to_flat);
+    copies[b] = row_copy(shapes[b], element_size, stream_rows);
   }
   at::parallel_for(0, rows, grain, [&](int64_t row_begin, int64_t row_end) {
     RowOdometer odometers[kMaxTensors];
@@ -198,16 +359,16 @@ void block_copy_interleaved(const BlockCopyPlan& plan, const std::vector<BlockRo
       for (const int64_t b : visit_order) {
         const BlockDescriptor& block = plan.blocks[b];
         const BlockRows& shape = shapes[b];
-        const int64_t row_bytes = shape.row_length * element_size;
+        const RowCopy& copy = copies[b];
         char* strided = plan.bases[block.tensor_index] + shape.start_offset * element_size;
         char* packed = flat + (block.flat_offset + visit_begin * shape.row_length) * element_size;
         const int64_t* offsets = visit_offsets[block.tensor_index];
-        for (int64_t i = 0; i < visit_rows; ++i, packed += row_bytes) {
-          copy_row(strided + offsets[i] * element_size, shape.inner_stride, packed,
-                   shape.row_length, element_size, to_flat);
+        for (int64_t i = 0; i < visit_rows; ++i, packed += copy.bytes) {
+          copy_rows(copy, strided + offsets[i] * element_size, 0, packed, 1, to_flat);
         }
       }
     }
+    stream_fence(stream);
   });
 }
 
@@ -221,9 +382,12 @@ void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
     shapes[b] = block_rows(plan.layouts[plan.blocks[b].tensor_index], plan.blocks[b]);
     rows_before[b + 1] = rows_before[b] + shapes[b].rows;
   }
-  if (rows_interleave(plan, shapes)) return block_copy_interleaved(plan, shapes, flat, to_flat);
   int64_t total_units = 0;
   for (const BlockDescriptor& block : plan.blocks) total_units += block.numel;
+  const bool stream = total_units * element_size >= kStreamingBytes;
+  if (rows_interleave(plan, shapes)) {
+    return block_copy_interleaved(plan, shapes, flat, to_flat, stream);
+  }
   const int64_t total_rows = rows_before[num_blocks];
   const int64_t mean_row_bytes = std::max<int64_t>(1, total_units * element_size / total_rows);
   const int64_t grain = std::max<int64_t>(1, kBytesPerTask / mean_row_bytes);
@@ -234,20 +398,28 @@ void block_copy_cpu(const BlockCopyPlan& plan, char* flat, bool to_flat) {
     while (row < row_end) {
       const BlockDescriptor& block = plan.blocks[b];
       const BlockRows& shape = shapes[b];
+      const bool stream_rows = stream && rows_fill_lines(plan, block, shape, flat, to_flat);
+      const RowCopy copy = row_copy(shape, element_size, stream_rows);
       char* strided = plan.bases[block.tensor_index] + shape.start_offset * element_size;
       // The odometer starts at this task's first row of the block.
       RowOdometer odometer;
       odometer.start(plan.layouts[block.tensor_index], block, shape, row - rows_before[b]);
       const int64_t last_row = std::min(row_end, rows_before[b + 1]);
       char* packed = flat + (block.flat_offset + (row - rows_before[b]) * shape.row_length) * element_size;
-      for (; row < last_row; ++row) {
-        copy_row(strided + odometer.offset * element_size, shape.inner_stride, packed,
-                 shape.row_length, element_size, to_flat);
-        packed += shape.row_length * element_size;
-        odometer.step();
+      const int64_t run_step_bytes = odometer.run_step() * element_size;
+      // Runs along the innermost outer dim: one loop of rows a fixed step apart, the
+      // odometer's carry once per run.
+      while (row < last_row) {
+        const int64_t run = std::min(last_row - row, odometer.run_left());
+        copy_rows(copy, strided + odometer.offset * element_size, run_step_bytes, packed, run,
+                  to_flat);
+        packed += run * static_cast<int64_t>(copy.bytes);
+        row += run;
+        odometer.advance(run);
       }
       ++b;
     }
+    stream_fence(stream);
   });
 }
 

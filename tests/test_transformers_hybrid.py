@@ -72,7 +72,8 @@ def test_unknown_mixers_raise_naming_them():
         pytest.skip("no Kimi Linear in this transformers release")
     config = transformers.KimiLinearConfig(
         vocab_size=integration.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
     )  # fmt: skip
     model = transformers.KimiLinearForCausalLM(config)
     problem = raises(lambda: sp_transformers.apply(model, "ring"), "KimiLinearDeltaAttention|does not run")

@@ -59,10 +59,18 @@ def _as_torchrun_started() -> None:
 
 def _model(kind: str = "llama"):
     """A small random model: Llama, or (kind "sliding-window") Qwen2 whose first layer
-    attends within a window of 8 tokens."""
+    attends within a window of 8 tokens, or (kind "hybrid") LFM2: short convolutions
+    between attention layers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(SEED)
+    if kind == "hybrid":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM(Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                          layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                                          use_cache=False))  # fmt: skip
     if kind == "sliding-window":
         return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -414,6 +422,17 @@ def test_loss_under_fsdp(version):
 
 def test_sliding_window_model_matches_the_plain_trainer():
     _check(2, _case("ring", "balanced", "packed", model="sliding-window", args=ACCUMULATE))
+
+
+def test_hybrid_model_matches_the_plain_trainer():
+    """A model whose convolution layers pass their state across the ranks (LFM2), where
+    this transformers release runs its mixers through the functions the package replaces.
+    Padded batches: transformers' own convolution runs across packed documents, which
+    the sequence-parallel one restarts (tests/test_transformers_hybrid.py checks packed
+    batches against each document run alone)."""
+    if not hasattr(transformers, "Lfm2Config") or transformers.__version__.startswith("4."):
+        pytest.skip(f"transformers {transformers.__version__}: no LFM2 with the mixers' functions")
+    _check(3, _case("ring", "balanced", "padded", model="hybrid", args=ACCUMULATE))
 
 
 # ----------------------------------------------------------------------------------

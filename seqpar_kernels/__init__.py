@@ -6,6 +6,8 @@ Public API:
     ring_attention, zigzag_split, zigzag_gather            (ring attention)
     usp_attention, usp_split, usp_gather, make_usp_groups  (USP: Ulysses inside a ring)
     varlen_plan                                            (packed documents: varlen=plan)
+    ssd_scan, selective_scan                               (state-space scans of hybrid models:
+                                                            Mamba2's SSD and Mamba's selective scan)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
@@ -27,6 +29,7 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
 from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
 from seqpar_kernels.parallel.ulysses import ulysses_attention
 from seqpar_kernels.parallel.usp import make_usp_groups, usp_attention, usp_gather, usp_split
@@ -48,6 +51,8 @@ __all__ = [
     "make_usp_groups",
     "varlen_plan",
     "VarlenPlan",
+    "ssd_scan",
+    "selective_scan",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
     "shard_batch",

@@ -1,6 +1,7 @@
 """The mixers of hybrid models, sequence-parallel: their state passed across ranks.
 
     causal_conv1d(x, weight, bias=None, *, activation=None, <where>)    short convolutions
+    ssd_scan, selective_scan (parallel/state_space.py)                  Mamba2's and Mamba's scans
 
 <where>, the same keyword arguments for every mixer: the ranks and the layout the
 sequence is sharded in, as the attention functions take them:

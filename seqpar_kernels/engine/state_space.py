@@ -1,0 +1,184 @@
+"""The state-space scans of hybrid models' mixers over one rank's runs of the sequence:
+Mamba2's SSD scan (a scalar decay per head) and Mamba's selective scan (a decay per
+channel and state). Each run is scanned from a zero state, summarised by its transition
+and its final state, and corrected by the state entering it (from the runs before it,
+on other ranks too: parallel/state_space.py).
+
+Both scans are affine in the state entering a run: with log_decay_t the run's summed
+log-decay from its first token through token t,
+
+    state_t = exp(log_decay_t) * state_in + state_t(from zero)
+    y_t     = y_t(from zero) + readout_t(exp(log_decay_t) * state_in)
+
+so a run's summary is (exp(log_decay_last), final state from zero), and the state after
+it is next_state(state_in) = exp(log_decay_last) * state_in + final.
+
+Layouts (sequence on dim 1; a run's rows narrowed from it; the compute dtype: fp32, fp64
+for fp64 inputs):
+    SSD        x (B, L, H, P), dt (B, L, H) (discretised), A (H,), B and C (B, L, G, N),
+               G dividing H (head h reads group h // (H / G)); the state (B, H, P, N)
+               h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,  y_t = h_t C_t
+    selective  u (B, L, D), delta (B, L, D) (discretised), A (D, N), B and C (B, L, N);
+               the state (B, D, N)
+               h_t = exp(delta_t A) * h_{t-1} + delta_t u_t B_t,  y_t = h_t C_t
+Everything is differentiable torch: autograd gives the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 inside, fp64 for fp64 inputs (references)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def discretised_dt(dt: torch.Tensor, bias, softplus: bool, limit=None, dtype=torch.float32) -> torch.Tensor:
+    """dt + bias (bias broadcast over the last dim), softplus, clamped to limit (low, high)
+    when given; in `dtype` (B, L, H) -> (B, L, H)."""
+    dt = dt.to(dtype)
+    if bias is not None:
+        dt = dt + bias.to(dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    if limit is not None:
+        dt = dt.clamp(min=limit[0], max=limit[1])
+    return dt
+
+
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """(..., T) -> (..., T, T): [i, j] = a[j + 1] + ... + a[i] for j <= i (the log-decay
+    from token j to token i), -inf above the diagonal. Summed from masked copies, not
+    as a difference of prefix sums, which would cancel."""
+    length = a.shape[-1]
+    below = torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1)
+    sums = a[..., :, None].expand(*a.shape, length).masked_fill(~below, 0).cumsum(-2)
+    return sums.masked_fill(~below.logical_or(torch.eye(length, dtype=torch.bool, device=a.device)), -math.inf)
+
+
+def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, L, ...) -> (B, ceil(L / chunk), chunk, ...), zeros after the last token."""
+    pad = -t.shape[1] % chunk
+    if pad:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.view(t.shape[0], t.shape[1] // chunk, chunk, *t.shape[2:])
+
+
+def ssd_from_zero(x, dt, A, B, C, chunk_size: int):
+    """One run of the SSD scan from a zero state, chunk_size tokens at a time (the
+    chunked form of transformers' mamba2_chunk_scan: within a chunk as masked attention,
+    across chunks by the chunks' states). Inputs in the compute dtype, dt discretised.
+    Returns y (B, L, H, P), log_decay (B, L, H) (the cumulative sum of dt A over the run)
+    and the final state (B, H, P, N)."""
+    batch, length, heads, head_dim = x.shape
+    groups, state_size = B.shape[2:]
+    per_group = heads // groups
+    chunk = min(chunk_size, length)
+    count = -(-length // chunk)
+    a = dt * A
+    x_dt = _chunked(x * dt[..., None], chunk).view(batch, count, chunk, groups, per_group, head_dim)
+    B_chunks, C_chunks = _chunked(B, chunk), _chunked(C, chunk)  # (B, c, l, G, N)
+    # Zeros after the last token: decay 1 and no input, so the last chunk's state is the run's.
+    a_chunks = _chunked(a, chunk).permute(0, 3, 1, 2)  # (B, H, c, l)
+    cum = a_chunks.cumsum(-1)
+
+    # Within each chunk: y_l = sum_{s <= l} exp(a[s+1..l]) (C_l . B_s) dt_s x_s.
+    within = torch.exp(_segment_sums(a_chunks)).view(batch, groups, per_group, count, chunk, chunk)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", C_chunks, B_chunks)
+    y_diag = torch.einsum("bgrcls,bcsgrp->bclgrp", scores.unsqueeze(2) * within, x_dt)
+
+    # Each chunk's own final state, then the state entering every chunk (and leaving the last).
+    to_end = torch.exp(cum[..., -1:] - cum).view(batch, groups, per_group, count, chunk)
+    chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", B_chunks, to_end, x_dt)
+    chunk_states = chunk_states.reshape(batch, count, heads, head_dim, state_size)
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    between = torch.exp(_segment_sums(F.pad(cum[..., -1], (1, 0))))  # (B, H, c + 1, c + 1)
+    entering = torch.einsum("bhij,bjhpn->bihpn", between, chunk_states)
+
+    # Across chunks: y_l += exp(cum_l) C_l . (state entering the chunk).
+    starts = entering[:, :count].view(batch, count, groups, per_group, head_dim, state_size)
+    from_start = torch.exp(cum).view(batch, groups, per_group, count, chunk)
+    y_off = torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", C_chunks, starts, from_start)
+    y = (y_diag + y_off).reshape(batch, count * chunk, heads, head_dim)[:, :length]
+    return y, a.cumsum(1), entering[:, count]
+
+
+def ssd_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """What the state entering a run adds to its SSD output: exp(log_decay_t) C_t . state.
+    log_decay (B, L, H), C (B, L, G, N), state (B, H, P, N) -> (B, L, H, P)."""
+    batch, length, heads = log_decay.shape
+    groups = C.shape[2]
+    per_group = heads // groups
+    grouped = state.view(batch, groups, per_group, *state.shape[2:])
+    readout = torch.einsum("blgn,bgrpn->blgrp", C, grouped).reshape(batch, length, heads, -1)
+    return readout * torch.exp(log_decay)[..., None]
+
+
+def ssd_summary(log_decay: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """(B, H, 1 + P N): the run's decay exp(log_decay_last) (B, H), then its final state
+    from zero (B, H, P, N) flattened."""
+    decay = torch.exp(log_decay[:, -1])
+    return torch.cat([decay[..., None], final.flatten(2)], dim=-1)
+
+
+def ssd_next_state(state: torch.Tensor, summary: torch.Tensor, run=None) -> torch.Tensor:
+    """The state after a run from the state before it (B, H, P, N) and the run's summary."""
+    decay, final = summary[..., 0], summary[..., 1:].view(state.shape)
+    return decay[..., None, None] * state + final
+
+
+def selective_from_zero(u, delta, A, B, C, chunk_size: int | None = None):
+    """One run of the selective scan from a zero state: the recurrence itself, in chunks
+    of chunk_size tokens (default about sqrt(L)) run side by side, then the chunks' states
+    carried from chunk to chunk (L / chunk + chunk steps of (B, D, N) multiply-adds, not L;
+    no exponent of a long sum, so nothing overflows). Inputs in the compute dtype, delta
+    discretised. Returns y (B, L, D), log_decay (B, L, D, N) (the cumulative sum of
+    delta A over the run) and the final state (B, D, N)."""
+    batch, length, channels = u.shape
+    chunk = chunk_size or max(1, math.isqrt(length))
+    chunk = min(chunk, length)
+    count = -(-length // chunk)
+    a = delta[..., None] * A  # (B, L, D, N)
+    inputs = (delta * u)[..., None] * B[:, :, None, :]
+    # Zeros after the last token: decay 1 and no input, so the last chunk's state is the run's.
+    a_chunks, input_chunks = _chunked(a, chunk), _chunked(inputs, chunk)  # (B, c, l, D, N)
+    decays = torch.exp(a_chunks)
+    state = torch.zeros_like(input_chunks[:, :, 0])
+    local = []
+    for step in range(chunk):  # every chunk from a zero state at once
+        state = decays[:, :, step] * state + input_chunks[:, :, step]
+        local.append(state)
+    local = torch.stack(local, dim=2)  # (B, c, l, D, N)
+    chunk_decays = torch.exp(a_chunks.sum(2))  # (B, c, D, N)
+    carried = [torch.zeros_like(local[:, 0, 0])]
+    for index in range(count - 1):
+        carried.append(chunk_decays[:, index] * carried[-1] + local[:, index, -1])
+    entering = torch.stack(carried, dim=1)  # (B, c, D, N)
+    states = local + torch.exp(a_chunks.cumsum(2)) * entering[:, :, None]
+    final = chunk_decays[:, -1] * entering[:, -1] + local[:, -1, -1]
+    states = states.reshape(batch, count * chunk, channels, -1)[:, :length]
+    y = torch.einsum("bldn,bln->bld", states, C)
+    return y, a.cumsum(1), final
+
+
+def selective_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """What the state entering a run adds to its selective-scan output:
+    sum_n C_t[n] exp(log_decay_t[d, n]) state[d, n]. log_decay (B, L, D, N), C (B, L, N),
+    state (B, D, N) -> (B, L, D)."""
+    return torch.einsum("bldn,bdn,bln->bld", torch.exp(log_decay), state, C)
+
+
+def selective_summary(log_decay: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """(B, D, 2 N): the run's decay exp(log_decay_last) (B, D, N), then its final state
+    from zero (B, D, N)."""
+    return torch.cat([torch.exp(log_decay[:, -1]), final], dim=-1)
+
+
+def selective_next_state(state: torch.Tensor, summary: torch.Tensor, run=None) -> torch.Tensor:
+    """The state after a run from the state before it (B, D, N) and the run's summary."""
+    decay, final = summary.split(state.shape[-1], dim=-1)
+    return decay * state + final

@@ -21,9 +21,26 @@ from on_ranks import on_every_rank, raises  # noqa: E402
 
 # (config class, model class, what the tiny config sets); layers of every kind, mixers
 # between attention layers.
+# Mamba2 mixers: 4 heads of 16 in 2 groups, a state of 8, chunks of 4 tokens (several per
+# rank's piece), a convolution of kernel 3.
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, mamba_d_conv=3,
+               mamba_expand=1)  # fmt: skip
 HYBRID_FAMILIES = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",  # short convolutions of kernel 3 (windows of 2 rows back)
              dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3)),
+    "bamba": ("BambaConfig", "BambaForCausalLM",  # Mamba2 layers around an attention layer
+              dict(num_hidden_layers=3, attn_layer_indices=[1], **_MAMBA2)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",  # attention and Mamba2 side by side in every layer
+                  dict(num_hidden_layers=2, mamba_d_ssm=64, **_MAMBA2)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",  # Mamba2 and attention layers, MoE
+                         dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=2,
+                              num_experts_per_tok=1, **_MAMBA2)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",  # its own Mamba2 mixer, by pattern
+                   dict(num_hidden_layers=3, hybrid_override_pattern="M*M", mamba_num_heads=4, mamba_head_dim=16,
+                        n_groups=2, ssm_state_size=8, chunk_size=4, conv_kernel=3)),
+    "jamba": ("JambaConfig", "JambaForCausalLM",  # Mamba (a diagonal decay) and attention layers, MoE
+              dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+                   mamba_d_state=8, mamba_d_conv=3, mamba_expand=1)),
 }  # fmt: skip
 integration.FAMILIES.update(HYBRID_FAMILIES)
 

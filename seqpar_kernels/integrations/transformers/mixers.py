@@ -28,6 +28,7 @@ import torch
 
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
+from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
 from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["install", "mixers_of", "HANDLED_FUNCTIONS"]
@@ -51,8 +52,28 @@ def _conv(context, hidden_states, weight, bias=None, activation=None, **kwargs):
     return out.transpose(1, 2)
 
 
+def _ssd(context, hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, initial_states=None,
+         dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
+    """transformers' mamba2_chunk_scan: hidden_states (B, S, H, P) -> (B, S, H, P) fp32,
+    as transformers' scan returns it."""
+    return ssd_scan(hidden_states.float(), dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                    dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), **_where(context))  # fmt: skip
+
+
+def _selective(context, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+               return_last_state=False, **kwargs):  # fmt: skip
+    """transformers' mamba_selective_scan: hidden_states, dt, z (B, D, S), B and C
+    (B, N, S) -> (B, D, S)."""
+    out = selective_scan(
+        hidden_states.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=D,
+        z=None if z is None else z.transpose(1, 2), delta_bias=delta_bias, delta_softplus=delta_softplus,
+        **_where(context),
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
 # The functions a mixer calls by name, and what runs in their place under sequence parallelism.
-HANDLED_FUNCTIONS = {"causal_conv1d_fn": _conv}
+HANDLED_FUNCTIONS = {"causal_conv1d_fn": _conv, "mamba2_chunk_scan": _ssd, "mamba_selective_scan": _selective}
 # Fused kernels' entry points: None makes the mixer take its unfused path.
 FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 # One token at a time from a cache (generation): not sequence-parallel.
@@ -104,7 +125,7 @@ def _without_cache(name: str, kwargs: dict) -> dict:
     for key in ("initial_state", "initial_states"):
         if kwargs.get(key) is not None:
             raise ValueError(f"sequence-parallel mixers: {name} got a cached {key}; pass use_cache=False")
-    for key in ("output_final_state", "return_final_states", "return_last_state"):
+    for key in ("output_final_state", "return_final_states", "return_last_state"):  # the state a cache keeps
         if kwargs.get(key):
             raise ValueError(f"sequence-parallel mixers: {name} was asked for its final state (a cache); "
                              "pass use_cache=False")  # fmt: skip

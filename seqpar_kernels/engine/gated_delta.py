@@ -21,8 +21,9 @@ state, beta = 0 adds nothing), per chunk, gc the cumulative g inside it, G = gc[
     h <- exp(G) h + (exp(G - gc) k)^T V'
 
 Only the last two lines are sequential: `chunk_states` runs them (a torch loop, or on
-CUDA the Triton kernels of kernels/gated_delta_kernels.py), forward and backward; the
-rest are batched matmuls over every chunk, differentiated by autograd.
+CUDA the Triton kernels of kernels/gated_delta_kernels.py, whose products are TF32),
+forward and backward; the rest are batched matmuls over every chunk, differentiated by
+autograd.
 
 Layouts: the public tensors (batch, seqlen, heads, dim) as transformers' (q, k (B, S, Hk,
 dk), v (B, S, Hv, dv), g and beta (B, S, Hv)); inside, heads first: (B, Hv, L, dim), and
@@ -36,6 +37,8 @@ is known, o_t = o_t(zero start) + S_in^T e_t (`corrected`).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -92,8 +95,9 @@ def chunked(q, k, v, g, beta, lengths, initial, chunk_size: int = CHUNK_SIZE, ba
     """The recurrence over consecutive runs of L positions, each from its own state.
 
     q, k (B, H, L, dk), v (B, H, L, dv), g, beta (B, H, L): prepared (heads first, compute
-    dtype); lengths: the runs' lengths (summing to L); initial (R, B, H, dk, dv).
-    Returns the output (B, H, L, dv) and every run's final state (R, B, H, dk, dv)."""
+    dtype); lengths: the runs' lengths (summing to L); initial (R, B, H, dk, dv + E): the
+    value read as [v | 0_E] (E extra zero columns: a transition's). Returns the output
+    (B, H, L, dv + E) and every run's final state (R, B, H, dk, dv + E)."""
     batch, heads, length, key_dim = k.shape
     rows, chunk_offsets, kept = _chunk_layout(lengths, chunk_size, length, q.device)
     chunks = chunk_offsets[-1]
@@ -110,6 +114,7 @@ def chunked(q, k, v, g, beta, lengths, initial, chunk_size: int = CHUNK_SIZE, ba
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * gamma  # unit lower triangular once its diagonal is read as 1
     u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    u = F.pad(u, (0, initial.shape[-1] - v.shape[-1]))  # T [v | 0] = [T v | 0]
     w = torch.linalg.solve_triangular(system, k_beta * gc.exp().unsqueeze(-1), upper=False, unitriangular=True)
     decay = gc[..., -1]
     k_decayed = k * (decay.unsqueeze(-1) - gc).exp().unsqueeze(-1)
@@ -150,7 +155,7 @@ def chunk_states(w, u, k_decayed, decay, initial, chunk_offsets, backend: str = 
 def _backend(backend: str, w: torch.Tensor) -> str:
     if backend == "auto":
         triton_fits = w.is_cuda and w.dtype == torch.float32 and w.shape[-1] <= TRITON_MAX_KEY_DIM
-        return "triton" if triton_fits else "torch"
+        return "triton" if triton_fits and importlib.util.find_spec("triton") is not None else "torch"
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     return backend
@@ -242,7 +247,6 @@ def gated_delta_runs(q, k, v, g, beta, runs: tuple[Run, ...], *, scale: float | 
     value_dim = v.shape[-1]
     zero_state = v.new_zeros(len(runs), batch, heads, key_dim, value_dim)
     if transitions:  # the value [v | 0] from the state [0 | I]
-        v = torch.cat([v, v.new_zeros(batch, heads, v.shape[2], key_dim)], dim=-1)
         identity = torch.eye(key_dim, dtype=v.dtype, device=v.device).expand(len(runs), batch, heads, -1, -1)
         initial = torch.cat([zero_state, identity], dim=-1)
     else:

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
@@ -72,8 +73,19 @@ def _selective(context, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=N
     return out.transpose(1, 2)
 
 
+def _gated_delta(context, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """transformers' torch_chunk_gated_delta_rule: query, key (B, S, Hk, dk), value
+    (B, S, Hv, dv), g and beta (B, S, Hv) -> ((B, S, Hv, dv), no final state)."""
+    out = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm_in_kernel, **_where(context))
+    return out, None
+
+
 # The functions a mixer calls by name, and what runs in their place under sequence parallelism.
-HANDLED_FUNCTIONS = {"causal_conv1d_fn": _conv, "mamba2_chunk_scan": _ssd, "mamba_selective_scan": _selective}
+HANDLED_FUNCTIONS = {
+    "causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _gated_delta, "mamba2_chunk_scan": _ssd,
+    "mamba_selective_scan": _selective,
+}  # fmt: skip
 # Fused kernels' entry points: None makes the mixer take its unfused path.
 FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 # One token at a time from a cache (generation): not sequence-parallel.

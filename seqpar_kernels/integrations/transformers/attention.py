@@ -51,8 +51,11 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.integrations.transformers.generation import install as install_generation
+from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
+from seqpar_kernels.parallel.inference import decode_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 
@@ -201,6 +204,9 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
     settings = _settings_of(module, mode)
     mask = _layer_mask(describe, module, attention_mask, kwargs)
+    cache = running_step()
+    if cache is not None and cache.step.kind == "decode":
+        return _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings, cache), None
     _check_call(describe, module, query, key, dropout, kwargs)
     shard: SequenceShard | None = kwargs.get("sequence_shard")
     position_ids = kwargs.get("position_ids")
@@ -243,6 +249,26 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     else:
         options.update(seq_lens=seq_lens)
     return settings.attention(q, k, v, **options), None  # (B, S_local, H, D), no attention weights
+
+
+def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings, cache):
+    """A decode step's attention: the new queries (the same on every rank) over every
+    rank's cached keys, merged across the ranks (decode_attention). query (B, H, Tq, D);
+    key, value (B, H_kv, capacity, D): this rank's shard (generation.ShardedCache).
+    Returns (B, Tq, H, D)."""
+    if dropout and module.training:
+        raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
+    if _scales_queries_by_row(module):
+        raise ValueError(f"{describe}: generate over a sharded cache does not rescale queries by row (Llama 4's "
+                         "temperature tuning); generate in one process")  # fmt: skip
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    # Every rank runs the same step of one generate: their arguments agree by construction.
+    return decode_attention(
+        q, k, v, q_positions=cache.step.query_positions, cache_positions=cache.positions,
+        cache_lengths=cache.lengths, causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
+        attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"),
+        check_ranks=False, **settings.group_kwargs(),
+    )  # fmt: skip
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):
@@ -338,6 +364,7 @@ def apply(
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     if mixers:
         install(model, settings)
+    install_generation(model, settings)
     return settings
 
 

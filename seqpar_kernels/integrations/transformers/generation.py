@@ -1,0 +1,323 @@
+"""model.generate over a KV cache sharded across ranks (transformers 5.x generate).
+
+After apply(model, mode, ...), `model.generate(...)` called on every rank with the same
+full inputs returns the same result on every rank, what one process returns. How:
+
+    prefill  the prompt's real tokens (left padding dropped) packed into one row of
+             documents, one per sequence, sharded as in training (a varlen plan on the
+             model's groups and layout); the attention runs the training path, and each
+             rank's cache keeps the keys and values of the tokens it holds. Every
+             sequence's last token's logits are summed over the ranks (the rank holding it
+             gives them, the others zeros): the logits generate reads, on every rank.
+    decode   the new tokens (the same on every rank) run on every rank; their attention is
+             the partial attention over each rank's cached keys merged by lse across the
+             ranks (parallel/inference.py); each step's keys and values are kept by one
+             rank, the ranks taking turns, so that the shards stay even.
+
+The cache generate sees is a ShardedCache (a transformers Cache): layers[i].keys hold
+this rank's tokens only, (batch, kv_heads, capacity, head_dim), row b's first lengths[b]
+valid, at global positions positions[b] (each sequence's own, from 0 at its first real
+token); get_seq_length() is the padded length generate counts.
+
+Hooks on the model (installed by apply): a pre-hook rewrites each call's inputs (the
+prefill's shard, the decode step's positions, the ShardedCache in place of generate's
+own), a hook on the output gives generate its logits and the cache; the attention
+functions read the running step (running_step()).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.training import SequenceShard
+from seqpar_kernels.parallel.varlen import varlen_plan
+
+__all__ = ["ShardedCache", "install", "running_step"]
+
+
+# ----------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One layer's keys and values of this rank's tokens: (batch, kv_heads, capacity,
+    head_dim), the rows' tokens as their ShardedCache's lengths and positions say."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: ShardedCache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        capacity = self.cache.capacity
+        self.keys = key_states.new_zeros((batch, heads, capacity, head_dim))
+        self.values = value_states.new_zeros((batch, value_states.shape[1], capacity, value_states.shape[-1]))
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Keeps this rank's share of the running step's tokens; returns what the
+        attention reads: the prefill's keys and values as they are (the training path),
+        the decode step's this rank's whole shard (its keys then padding)."""
+        step = self.cache.step
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._grow(self.cache.capacity)
+        if step.kind == "prefill":
+            # Packed (1, kv_heads, S_local, D) -> each token's row and slot.
+            rows, slots = step.rows, step.slots
+            self.keys[rows, :, slots] = key_states[0].transpose(0, 1).to(self.keys.dtype)
+            self.values[rows, :, slots] = value_states[0].transpose(0, 1).to(self.values.dtype)
+            return key_states, value_states
+        if step.kept:
+            slot = step.slots  # (batch,): each row's next slot
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            self.keys[rows, :, slot] = key_states[:, :, -1].to(self.keys.dtype)
+            self.values[rows, :, slot] = value_states[:, :, -1].to(self.values.dtype)
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        if self.keys.shape[2] < capacity:
+            grow = capacity - self.keys.shape[2]
+            self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, grow))
+            self.values = torch.nn.functional.pad(self.values, (0, 0, 0, grow))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("ShardedCache: beam search reorders the cache by sequence; it is not supported (num_beams=1)")
+
+
+@dataclass
+class Step:
+    """What the running call does with the cache.
+
+    kind    "prefill" (the prompt, packed and sharded) or "decode" (new tokens on every rank)
+    rows, slots   prefill: each local token's row and slot; decode: each row's slot for
+                  the step's token (when kept)
+    kept    decode: whether this rank keeps the step's keys and values
+    query_positions  decode: (batch, new tokens) each new token's position
+    last_local, last_rows  prefill: the local rows of the sequences' last tokens held
+                  here, and their sequences (whose next-token logits this rank gives)"""
+
+    kind: str
+    rows: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    kept: bool = False
+    query_positions: torch.Tensor | None = None
+    last_local: torch.Tensor | None = None
+    last_rows: torch.Tensor | None = None
+
+
+class ShardedCache(Cache):
+    """A transformers Cache whose layers hold this rank's tokens only (ShardedLayer).
+
+    parallelism  the model's SequenceParallelism (whose ranks share the sequences)
+    lengths      (batch,) int64: the tokens row b holds on this rank
+    positions    (batch, capacity) int64: their positions in the sequence (from 0 at its
+                 first real token)
+    real_lengths (batch,) int64: every sequence's tokens so far, over all ranks
+    seen         the padded length generate counts (the prompt's columns, then one a step)
+    steps        decode steps run: the step's keys go to piece steps % pieces"""
+
+    def __init__(self, parallelism: SequenceParallelism, num_layers: int):
+        self.parallelism = parallelism
+        self.lengths: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.real_lengths: torch.Tensor | None = None
+        self.seen = 0
+        self.steps = 0
+        self.step: Step | None = None
+        super().__init__(layers=[ShardedLayer(self) for _ in range(num_layers)])
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("ShardedCache: beam search reorders the cache by sequence; it is not supported (num_beams=1)")
+
+    # -- the steps ------------------------------------------------------------------
+
+    def begin_prefill(self, rows: torch.Tensor, positions: torch.Tensor, real_lengths: torch.Tensor, padded: int):
+        """This rank's prompt tokens: each one's row (sequence) and position, in local
+        order; real_lengths every sequence's prompt length; padded the prompt's columns."""
+        batch = real_lengths.shape[0]
+        device = real_lengths.device
+        self.lengths = torch.bincount(rows, minlength=batch).to(device)
+        capacity = int(self.lengths.max()) if rows.numel() else 0
+        # Each token's slot: its rank among this rank's tokens of its row (local order is position order).
+        order = torch.argsort(rows, stable=True)
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        slots = torch.empty_like(rows)
+        slots[order] = torch.arange(rows.numel(), device=device) - starts[rows[order]]
+        self.positions = torch.zeros((batch, capacity), dtype=torch.int64, device=device)
+        self.positions[rows, slots] = positions
+        self.real_lengths = real_lengths.clone()
+        self.seen = padded
+        self.step = Step("prefill", rows=rows, slots=slots)
+
+    def begin_decode(self, new_tokens: int) -> Step:
+        """A decode step of new_tokens tokens a row (the same on every rank)."""
+        if new_tokens != 1:
+            raise ValueError(f"ShardedCache: decode steps of one token a sequence; got {new_tokens}")
+        query_positions = self.real_lengths[:, None].clone()
+        kept = self.steps % self.parallelism.pieces == self.parallelism.piece
+        slots = self.lengths.clone()
+        if kept:
+            self.positions = torch.nn.functional.pad(self.positions, (0, 1)) if bool(
+                (self.lengths >= self.capacity).any()) else self.positions  # fmt: skip
+            self.positions[torch.arange(self.positions.shape[0]), slots] = query_positions[:, 0]
+            self.lengths = self.lengths + 1
+        self.real_lengths = self.real_lengths + 1
+        self.seen += 1
+        self.steps += 1
+        self.step = Step("decode", slots=slots, kept=kept, query_positions=query_positions)
+        return self.step
+
+
+# ----------------------------------------------------------------------------------
+# The running step, for the attention functions
+# ----------------------------------------------------------------------------------
+
+_running = threading.local()
+
+
+def running_step() -> ShardedCache | None:
+    """The ShardedCache of the model call running on this thread, or None."""
+    return getattr(_running, "cache", None)
+
+
+@dataclass
+class _Hooks:
+    parallelism: SequenceParallelism
+    handles: list = field(default_factory=list)
+
+
+def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> None:
+    """The generation hooks on model (a transformers causal LM), replacing earlier ones.
+    transformers 5 and newer (its generate's cache argument); with older releases a
+    generate over a cache raises in the attention (a KV cache)."""
+    for handle in getattr(model, "seqpar_generation_hooks", ()):
+        handle.remove()
+    model.seqpar_generation_hooks = ()
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return
+    num_layers = model.config.get_text_config().num_hidden_layers
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, Cache) or module.training:
+            _running.cache = None
+            return None
+        return _prepare(module, kwargs, cache, parallelism, num_layers)
+
+    def after(module, args, kwargs, output):
+        cache = running_step()
+        _running.cache = None
+        if cache is None:
+            return output
+        return _finish(cache, output)
+
+    model.seqpar_generation_hooks = (
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    )
+
+
+def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism, num_layers: int):
+    """The call's inputs rewritten for its step (prefill or decode)."""
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError("generate over a sharded cache: pass input_ids, not inputs_embeds")
+    input_ids = kwargs["input_ids"]
+    if not isinstance(cache, ShardedCache):
+        if cache.get_seq_length() > 0:
+            raise ValueError(
+                f"generate over a sharded cache: got a {type(cache).__name__} holding "
+                f"{cache.get_seq_length()} tokens; pass back the ShardedCache a sequence-parallel generate returned"
+            )
+        cache = ShardedCache(parallelism, num_layers)
+    elif cache.parallelism != parallelism:
+        raise ValueError(f"generate: the cache was made for {cache.parallelism}, the model runs {parallelism}")
+    kwargs = {key: value for key, value in kwargs.items() if key != "past_key_values"}
+    kwargs["cache"] = cache
+    if cache.seen == 0:
+        kwargs.update(_prefill(cache, input_ids, kwargs.get("attention_mask"), parallelism))
+    else:
+        if input_ids.shape[1] != 1:
+            raise ValueError(
+                f"generate over a sharded cache: a second prompt over the cache ({input_ids.shape[1]} new tokens a "
+                "sequence) is not supported yet; continue one token at a time"
+            )
+        step = cache.begin_decode(input_ids.shape[1])
+        kwargs.update(position_ids=step.query_positions, attention_mask=None)
+    _running.cache = cache
+    return (), kwargs
+
+
+def _prefill(cache: ShardedCache, input_ids: torch.Tensor, attention_mask, parallelism: SequenceParallelism) -> dict:
+    """The prompt's real tokens packed into one row (one document a sequence), this
+    rank's piece of it: the model's inputs for the prefill."""
+    batch, columns = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(torch.bool)
+    if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
+        raise ValueError("generate over a sharded cache: pad on the left (tokenizer.padding_side = 'left')")
+    real_lengths = attention_mask.sum(1)
+    if bool((real_lengths == 0).any()):
+        raise ValueError("generate over a sharded cache: a sequence of the batch has no token")
+    packed = input_ids[attention_mask]  # (N,) the rows' real tokens, row after row
+    bounds = [0, *torch.cumsum(real_lengths, 0).tolist()]
+    plan = varlen_plan(bounds, layout=parallelism.layout, device=input_ids.device, **parallelism.group_kwargs())
+    positions = plan.position_ids[0].to(input_ids.device)  # (S_local,) within each sequence
+    global_rows = plan.split(torch.arange(bounds[-1], device=input_ids.device), dim=0)
+    rows = torch.bucketize(global_rows, torch.tensor(bounds[1:], device=input_ids.device), right=True)
+    cache.begin_prefill(rows, positions, real_lengths, columns)
+    # The logits of each sequence's last token held here, for generate's next token.
+    last = torch.tensor(bounds[1:], device=input_ids.device) - 1
+    held = torch.isin(global_rows, last)
+    cache.step.last_local = torch.nonzero(held).flatten()
+    cache.step.last_rows = rows[held]
+    local_ids = plan.split(packed[None], dim=1)
+    shard = SequenceShard(parallelism, tuple(plan.seq_lens), plan, False)
+    return dict(input_ids=local_ids, position_ids=positions[None], attention_mask=None, sequence_shard=shard,
+                logits_to_keep=cache.step.last_local)  # fmt: skip
+
+
+def _finish(cache: ShardedCache, output):
+    """generate's view of the call: every sequence's next-token logits on every rank
+    (batch, 1, vocab), and the ShardedCache."""
+    step = cache.step
+    if step.kind == "prefill":
+        local = output.logits[0]  # (tokens of sequences ending here, vocab)
+        logits = local.new_zeros((cache.real_lengths.shape[0], local.shape[-1]))
+        logits[step.last_rows] = local
+        for group in cache.parallelism.groups():
+            if group is not None:
+                torch.distributed.all_reduce(logits, group=group)
+        output.logits = logits[:, None]
+    output.cache = cache
+    if "past_key_values" in output:
+        output.past_key_values = cache
+    return output

@@ -14,6 +14,8 @@ Public API:
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
                                                             shifted labels; the ranks' gradient shares summed)
+    decode_attention, prefill_attention,                   (inference over a KV cache sharded across ranks;
+    decode_attention_partial, merge_attention_partials      the local part and the merge, for serving engines)
     comm_stats                                             (bytes sent, for tests and benchmarks;
                                                             seqpar_kernels.traffic has the formulas)
 """
@@ -28,6 +30,12 @@ from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy_from_logits,
 )
 from seqpar_kernels.parallel.gated_delta import gated_delta_rule
+from seqpar_kernels.parallel.inference import (
+    decode_attention,
+    decode_attention_partial,
+    merge_attention_partials,
+    prefill_attention,
+)
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
@@ -65,4 +73,8 @@ __all__ = [
     "SequenceParallelism",
     "AttentionMask",
     "causal_conv1d",
+    "decode_attention",
+    "decode_attention_partial",
+    "merge_attention_partials",
+    "prefill_attention",
 ]

@@ -12,6 +12,9 @@ formulas of what each collective sends, the one place they are written.
     usp_bytes                  usp_attention: the Ulysses group's and the ring group's
     state_passing_bytes        the recurrent mixers' state across ranks (CallBytes)
     gated_delta_summary_bytes  one run's summary of the gated delta rule
+    decode_attention_bytes     decode_attention: the partials gathered over each group
+    prefill_attention_bytes    prefill_attention, pass-KV or pass-Q
+    prefill_attention_method   the method prefill_attention's "auto" takes: fewer bytes
 
 The formulas are pure arithmetic on lengths, heads and element sizes: the tests and
 the benchmarks compare comm_stats with them, and the README quotes them. Pieces follow
@@ -258,6 +261,70 @@ def gated_delta_summary_bytes(batch: int, value_heads: int, key_dim: int, value_
     transition (dk, dk) and final state (dk, dv) per batch entry and value head, in the
     compute dtype (fp32; fp64 for fp64 inputs)."""
     return batch * value_heads * key_dim * (key_dim + value_dim) * element_size
+
+
+def decode_attention_bytes(group_sizes: Sequence[int], *, batch: int, num_queries: int, num_heads: int,
+                           head_dim: int) -> int:  # fmt: skip
+    """Bytes decode_attention sends from any rank: its fp32 partial (out and lse) of the
+    batch x num_queries x num_heads rows to every other rank of each group in turn
+    (group_sizes: [P] for a group; [U, R] for a USP grid; a mesh's dims).
+        sum over groups of (size - 1) x batch x num_queries x num_heads x (head_dim + 1) x 4
+    Independent of the cache's length."""
+    return sum(size - 1 for size in group_sizes) * batch * num_queries * num_heads * (head_dim + 1) * FP32_BYTES
+
+
+POSITION_BYTES = 8  # positions and lengths travel as int64
+
+# The prefill methods (prefill_attention's method=).
+PASS_KV, PASS_Q = "pass-kv", "pass-q"
+
+
+def prefill_attention_bytes(
+    cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], rank: int, *, method: str, batch: int,
+    num_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+) -> int:  # fmt: skip
+    """Bytes prefill_attention sends from `rank` by `method` (PASS_KV or PASS_Q).
+
+    cache_seq_lens: every rank's cached rows S_j (k_cache.shape[1]); chunk_seq_lens: every
+    rank's rows C_j of the new chunk; q (batch, C_r, num_heads, head_dim), k and v of the
+    chunk and of the cache num_kv_heads heads, element_size bytes each.
+        pass-kv  each rank's block travels the ring: its cached and new K and V, their
+                 positions and its cache's lengths. Block j, with e the element size:
+                     B_j = batch x ((S_j + C_j) x (2 x num_kv_heads x head_dim x e + 8) + 8)
+                 rank r passes on the blocks it holds at steps 0..P-2 (ranks r, r-1, ...):
+                     sum_{s=0}^{P-2} B_{r-s}
+        pass-q   the new queries and their positions go to every other rank (a gather),
+                 and each rank's fp32 partial (out, lse) of every other rank's queries
+                 goes back to that rank:
+                     (P-1) x batch x C_r x (num_heads x head_dim x e + 8)
+                     + sum_{j != r} batch x C_j x num_heads x (head_dim + 1) x 4"""
+    world_size = len(cache_seq_lens)
+    if method == PASS_KV:
+        block = [batch * ((cache + chunk) * (2 * num_kv_heads * head_dim * element_size + POSITION_BYTES)
+                          + POSITION_BYTES) for cache, chunk in zip(cache_seq_lens, chunk_seq_lens)]  # fmt: skip
+        return sum(block[(rank - step) % world_size] for step in range(world_size - 1))
+    if method != PASS_Q:
+        raise ValueError(f"method must be {PASS_KV!r} or {PASS_Q!r}, got {method!r}")
+    queries = (world_size - 1) * batch * chunk_seq_lens[rank] * (num_heads * head_dim * element_size + POSITION_BYTES)
+    others = sum(chunk_seq_lens) - chunk_seq_lens[rank]
+    return queries + others * batch * num_heads * (head_dim + 1) * FP32_BYTES
+
+
+def prefill_attention_method(
+    cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], *, batch: int, num_heads: int, num_kv_heads: int,
+    head_dim: int, element_size: int,
+) -> str:  # fmt: skip
+    """The method prefill_attention's method="auto" takes: PASS_Q where it sends fewer
+    bytes over all ranks together than PASS_KV (prefill_attention_bytes summed over the
+    ranks), else PASS_KV. That is Meta's rule (arXiv:2411.01783) in bytes: pass-Q when the
+    cached tokens dominate the chunk's; pass-KV for a first prompt or a long chunk. The
+    same on every rank, from every rank's lengths."""
+    sizes = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 element_size=element_size)  # fmt: skip
+    ranks = range(len(cache_seq_lens))
+    totals = {method: sum(prefill_attention_bytes(cache_seq_lens, chunk_seq_lens, rank, method=method, **sizes)
+                          for rank in ranks) for method in (PASS_KV, PASS_Q)}  # fmt: skip
+    return PASS_Q if totals[PASS_Q] < totals[PASS_KV] else PASS_KV
 
 
 def _slot_pieces(seq_lens: Sequence[int], ring_index: int, ulysses_size: int) -> list[int]:

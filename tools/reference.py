@@ -3,6 +3,8 @@
     attention(q, k, v, causal, scale)        plain attention, scores materialized, in
                                              the inputs' dtype (fp64 inputs: the exact
                                              answer the tests compare with)
+    masked_attention(q, k, v, keep, scale)   the same under any mask of the keys each
+                                             query sees (visible_at: by positions)
     sdpa(q, k, v, causal, scale)             torch's fused attention, in the inputs' dtype
     with_grads(fn, leaves, dout[, make_inputs])  out and the leaves' gradients of any of them
     max_error(a, b)                          largest absolute difference, in fp64
@@ -70,14 +72,23 @@ def _repeat_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def visible(length, causal=False, window_size=(-1, -1), chunk_size=None, cu_seqlens=None, device=None):
     """(length, length) bool: which key each query sees, written out from the definitions:
-    the same document (cu_seqlens), key <= query (causal), query - left <= key <= query
-    + right (window_size (left, right), -1 no bound), the same chunk of chunk_size
-    positions counted from the document's start."""
+    the same document (cu_seqlens), then visible_at() of the offsets in the document
+    (causal, window, chunks counted from the document's start)."""
     positions = torch.arange(length, device=device)
     bounds = torch.tensor(cu_seqlens if cu_seqlens is not None else [0, length], device=device)
     document = torch.searchsorted(bounds, positions, right=True) - 1
-    query, key = positions[:, None], positions[None, :]
+    offset = positions - bounds[document]
     keep = document[:, None] == document[None, :]
+    return keep & visible_at(offset, offset, causal, window_size, chunk_size)
+
+
+def visible_at(q_positions, k_positions, causal=False, window_size=(-1, -1), chunk_size=None):
+    """(..., Sq, Sk) bool: which key each query sees by their positions ((..., Sq) and
+    (..., Sk) int tensors, any values, any order), from the definitions: key <= query
+    (causal), query - left <= key <= query + right (window_size (left, right), -1 no
+    bound), the same chunk of chunk_size positions."""
+    query, key = q_positions[..., :, None], k_positions[..., None, :]
+    keep = torch.ones(torch.broadcast_shapes(query.shape, key.shape), dtype=torch.bool, device=query.device)
     if causal:
         keep &= key <= query
     left, right = window_size
@@ -86,8 +97,7 @@ def visible(length, causal=False, window_size=(-1, -1), chunk_size=None, cu_seql
     if right >= 0:
         keep &= key <= query + right
     if chunk_size is not None:
-        offset = positions - bounds[document]
-        keep &= (offset[:, None] // chunk_size) == (offset[None, :] // chunk_size)
+        keep &= (query // chunk_size) == (key // chunk_size)
     return keep
 
 
@@ -98,12 +108,18 @@ def attention(q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softca
     out: visible()'s mask; softcap > 0: scores softcap * tanh(scores / softcap); sinks
     (H,): a logit per head in every row's softmax, with no value row. A row that sees no
     key (and has no sink) gives out 0 and lse -inf."""
+    keep = visible(q.shape[1], causal, window_size, chunk_size, cu_seqlens, q.device)
+    return masked_attention(q, k, v, keep, scale, softcap=softcap, sinks=sinks)
+
+
+def masked_attention(q, k, v, keep, scale=None, *, softcap=0.0, sinks=None):
+    """attention()'s (out, lse) where `keep` ((Sq, Sk), or (B, 1, Sq, Sk): per sequence)
+    says which key each query sees; q (B, Sq, H, D), k and v (B, Sk, H_kv, D)."""
     scale = default_scale(q) if scale is None else scale
     k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, S, S)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, Sq, Sk)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    keep = visible(q.shape[1], causal, window_size, chunk_size, cu_seqlens, q.device)
     scores = scores.masked_fill(~keep, float("-inf"))
     if sinks is not None:
         sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)

@@ -55,7 +55,7 @@ from seqpar_kernels.integrations.transformers.generation import install as insta
 from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
-from seqpar_kernels.parallel.inference import decode_attention
+from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 
@@ -205,7 +205,12 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     settings = _settings_of(module, mode)
     mask = _layer_mask(describe, module, attention_mask, kwargs)
     cache = running_step()
-    if cache is not None and cache.step.kind == "decode":
+    if cache is not None and _scales_queries_by_row(module) and (cache.real_lengths.shape[0] > 1
+                                                                  or cache.step.kind == "chunk"):  # fmt: skip
+        # The model scales a query by its column of the padded batch, which the packed prompt does not keep.
+        raise ValueError(f"{describe}: generate over a sharded cache rescales queries by row (Llama 4's temperature "
+                         "tuning) for one prompt at a time, without a next turn over the cache")  # fmt: skip
+    if cache is not None and cache.step.kind in ("decode", "chunk"):
         return _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings, cache), None
     _check_call(describe, module, query, key, dropout, kwargs)
     shard: SequenceShard | None = kwargs.get("sequence_shard")
@@ -252,23 +257,30 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
 
 
 def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings, cache):
-    """A decode step's attention: the new queries (the same on every rank) over every
-    rank's cached keys, merged across the ranks (decode_attention). query (B, H, Tq, D);
-    key, value (B, H_kv, capacity, D): this rank's shard (generation.ShardedCache).
-    Returns (B, Tq, H, D)."""
+    """A generate step's attention over the sharded cache (generation.ShardedCache).
+    decode: the new queries (the same on every rank) over every rank's cached keys,
+    merged across the ranks (decode_attention); query (B, H, Tq, D), key, value
+    (B, H_kv, capacity, D): this rank's shard. chunk: this rank's piece of a next turn
+    over every rank's cache and the whole chunk (prefill_attention); query, key, value
+    the piece's. Returns (B, Tq, H, D)."""
     if dropout and module.training:
         raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
-    if _scales_queries_by_row(module):
-        raise ValueError(f"{describe}: generate over a sharded cache does not rescale queries by row (Llama 4's "
-                         "temperature tuning); generate in one process")  # fmt: skip
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    variants = dict(causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
+                    attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0,
+                    sinks=kwargs.get("s_aux"))  # fmt: skip
+    step = cache.step
     # Every rank runs the same step of one generate: their arguments agree by construction.
-    return decode_attention(
-        q, k, v, q_positions=cache.step.query_positions, cache_positions=cache.positions,
-        cache_lengths=cache.lengths, causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
-        attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"),
-        check_ranks=False, **settings.group_kwargs(),
-    )  # fmt: skip
+    if step.kind == "decode":
+        return decode_attention(q, k, v, q_positions=step.query_positions, cache_positions=cache.positions,
+                                cache_lengths=cache.lengths, check_ranks=False, **variants,
+                                **settings.group_kwargs())  # fmt: skip
+    layer = cache.layers[module.layer_idx]
+    stored_keys, stored_values = (x.transpose(1, 2).narrow(1, 0, step.cache_rows) for x in (layer.keys, layer.values))
+    return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
+                             cache_positions=cache.positions[:, : step.cache_rows], cache_lengths=step.cache_lengths,
+                             check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,
+                             cache_seq_lens=step.cache_seq_lens, **variants, **settings.group_kwargs())  # fmt: skip
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):

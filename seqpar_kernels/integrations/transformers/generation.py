@@ -34,6 +34,7 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from seqpar_kernels.layouts import tensor_split_sizes
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 from seqpar_kernels.parallel.varlen import varlen_plan
@@ -58,8 +59,9 @@ class ShardedLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, head_dim = key_states.shape
-        capacity = self.cache.capacity
+        _, heads, _, head_dim = key_states.shape
+        # The cache's sequences: a prefill's keys come packed in one row.
+        batch, capacity = self.cache.real_lengths.shape[0], self.cache.capacity
         self.keys = key_states.new_zeros((batch, heads, capacity, head_dim))
         self.values = value_states.new_zeros((batch, value_states.shape[1], capacity, value_states.shape[-1]))
         self.device = key_states.device
@@ -78,6 +80,15 @@ class ShardedLayer(CacheLayerMixin):
             rows, slots = step.rows, step.slots
             self.keys[rows, :, slots] = key_states[0].transpose(0, 1).to(self.keys.dtype)
             self.values[rows, :, slots] = value_states[0].transpose(0, 1).to(self.values.dtype)
+            return key_states, value_states
+        if step.kind == "chunk":
+            # This rank's piece (B, kv_heads, C_r, D) after each row's cached tokens; the attention
+            # reads the cache as it was (step.cache_lengths) and the piece apart.
+            pieces = key_states.shape[2]
+            slots = step.slots[:, None] + torch.arange(pieces, device=key_states.device)  # (B, C_r)
+            rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
+            self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+            self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
             return key_states, value_states
         if step.kept:
             slot = step.slots  # (batch,): each row's next slot
@@ -109,13 +120,20 @@ class ShardedLayer(CacheLayerMixin):
 class Step:
     """What the running call does with the cache.
 
-    kind    "prefill" (the prompt, packed and sharded) or "decode" (new tokens on every rank)
+    kind    "prefill" (the prompt, packed and sharded), "decode" (new tokens on every
+            rank) or "chunk" (a next turn's tokens over the cache, each rank a piece)
     rows, slots   prefill: each local token's row and slot; decode: each row's slot for
                   the step's token (when kept)
     kept    decode: whether this rank keeps the step's keys and values
     query_positions  decode: (batch, new tokens) each new token's position
-    last_local, last_rows  prefill: the local rows of the sequences' last tokens held
-                  here, and their sequences (whose next-token logits this rank gives)"""
+    last_local, last_rows  prefill and chunk: the local rows of the sequences' last
+                  tokens held here, and their sequences (whose next-token logits this
+                  rank gives)
+    cache_lengths, cache_rows  chunk: this rank's cache before the chunk (each row's
+                  tokens, the rows in use)
+    chunk_seq_lens, cache_seq_lens  chunk: every rank's piece of the chunk and rows in use
+    new_columns   the columns generate counts for the call, added to the cache's seen
+                  once the call is done (the model reads the count before it while it runs)"""
 
     kind: str
     rows: torch.Tensor | None = None
@@ -124,6 +142,11 @@ class Step:
     query_positions: torch.Tensor | None = None
     last_local: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None
+    cache_lengths: torch.Tensor | None = None
+    cache_rows: int = 0
+    chunk_seq_lens: list[int] | None = None
+    cache_seq_lens: list[int] | None = None
+    new_columns: int = 0
 
 
 class ShardedCache(Cache):
@@ -174,8 +197,35 @@ class ShardedCache(Cache):
         self.positions = torch.zeros((batch, capacity), dtype=torch.int64, device=device)
         self.positions[rows, slots] = positions
         self.real_lengths = real_lengths.clone()
-        self.seen = padded
-        self.step = Step("prefill", rows=rows, slots=slots)
+        self.step = Step("prefill", rows=rows, slots=slots, new_columns=padded)
+
+    def begin_chunk(self, new_tokens: int) -> Step:
+        """A next turn of new_tokens tokens a row over the cache: piece p of its
+        torch.tensor_split over the pieces is rank p's (kept in its cache)."""
+        parallelism = self.parallelism
+        sizes = tensor_split_sizes(new_tokens, parallelism.pieces)
+        piece = parallelism.piece
+        offset, local = sum(sizes[:piece]), sizes[piece]
+        device = self.real_lengths.device
+        cache_lengths, cache_rows = self.lengths.clone(), int(self.lengths.max()) if self.lengths.numel() else 0
+        query_positions = self.real_lengths[:, None] + offset + torch.arange(local, device=device)
+        grow = int((self.lengths + local).max()) - self.capacity
+        if grow > 0:
+            self.positions = torch.nn.functional.pad(self.positions, (0, grow))
+        slots = self.lengths.clone()
+        rows = torch.arange(self.positions.shape[0], device=device)[:, None]
+        self.positions[rows, slots[:, None] + torch.arange(local, device=device)] = query_positions
+        self.lengths = self.lengths + local
+        self.real_lengths = self.real_lengths + new_tokens
+        held = local > 0 and offset + local == new_tokens  # this rank holds the chunk's last token
+        step = Step("chunk", slots=slots, query_positions=query_positions, cache_lengths=cache_lengths,
+                    cache_rows=cache_rows, chunk_seq_lens=list(sizes),
+                    cache_seq_lens=parallelism.gather_ints([cache_rows], device),
+                    last_local=torch.tensor([local - 1] if held else [], dtype=torch.int64, device=device),
+                    last_rows=torch.arange(self.positions.shape[0], device=device) if held else None,
+                    new_columns=new_tokens)  # fmt: skip
+        self.step = step
+        return step
 
     def begin_decode(self, new_tokens: int) -> Step:
         """A decode step of new_tokens tokens a row (the same on every rank)."""
@@ -190,9 +240,8 @@ class ShardedCache(Cache):
             self.positions[torch.arange(self.positions.shape[0]), slots] = query_positions[:, 0]
             self.lengths = self.lengths + 1
         self.real_lengths = self.real_lengths + 1
-        self.seen += 1
         self.steps += 1
-        self.step = Step("decode", slots=slots, kept=kept, query_positions=query_positions)
+        self.step = Step("decode", slots=slots, kept=kept, query_positions=query_positions, new_columns=1)
         return self.step
 
 
@@ -235,7 +284,7 @@ def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> None:
     def after(module, args, kwargs, output):
         cache = running_step()
         _running.cache = None
-        if cache is None:
+        if cache is None or output is None:  # not generating, or the call raised
             return output
         return _finish(cache, output)
 
@@ -263,12 +312,15 @@ def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism
     kwargs["cache"] = cache
     if cache.seen == 0:
         kwargs.update(_prefill(cache, input_ids, kwargs.get("attention_mask"), parallelism))
+    elif input_ids.shape[1] > 1:
+        if parallelism.mode == "usp":
+            raise ValueError("generate over a sharded cache: a next turn over the cache runs on one group (ulysses, "
+                             "ring), not on USP's grid")  # fmt: skip
+        step = cache.begin_chunk(input_ids.shape[1])
+        offset, local = sum(step.chunk_seq_lens[: parallelism.piece]), step.chunk_seq_lens[parallelism.piece]
+        kwargs.update(input_ids=input_ids[:, offset : offset + local], position_ids=step.query_positions,
+                      attention_mask=None, logits_to_keep=step.last_local)  # fmt: skip
     else:
-        if input_ids.shape[1] != 1:
-            raise ValueError(
-                f"generate over a sharded cache: a second prompt over the cache ({input_ids.shape[1]} new tokens a "
-                "sequence) is not supported yet; continue one token at a time"
-            )
         step = cache.begin_decode(input_ids.shape[1])
         kwargs.update(position_ids=step.query_positions, attention_mask=None)
     _running.cache = cache
@@ -309,15 +361,19 @@ def _finish(cache: ShardedCache, output):
     """generate's view of the call: every sequence's next-token logits on every rank
     (batch, 1, vocab), and the ShardedCache."""
     step = cache.step
-    if step.kind == "prefill":
-        local = output.logits[0]  # (tokens of sequences ending here, vocab)
-        logits = local.new_zeros((cache.real_lengths.shape[0], local.shape[-1]))
-        logits[step.last_rows] = local
+    cache.seen += step.new_columns
+    if step.kind in ("prefill", "chunk"):
+        # prefill: (1, sequences ending here, vocab); chunk: (batch, 1 or 0, vocab)
+        local = output.logits[0] if step.kind == "prefill" else output.logits[:, -1] if output.logits.shape[1] else None
+        logits = output.logits.new_zeros((cache.real_lengths.shape[0], output.logits.shape[-1]))
+        if local is not None and step.last_rows is not None:
+            logits[step.last_rows] = local
         for group in cache.parallelism.groups():
             if group is not None:
                 torch.distributed.all_reduce(logits, group=group)
         output.logits = logits[:, None]
-    output.cache = cache
-    if "past_key_values" in output:
+    if "cache" in output:
+        output.cache = cache
+    else:
         output.past_key_values = cache
     return output

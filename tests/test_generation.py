@@ -1,0 +1,149 @@
+"""model.generate over a KV cache sharded across ranks
+(seqpar_kernels/integrations/transformers/generation.py): small random models after
+apply(model, mode) on gloo ranks against the same model's generate in one process:
+greedy tokens equal, scores to fp32 rounding, sampling with the same seed, left-padded
+batches, a next turn over the returned cache, every rank's share of the cache; what
+cannot run raises."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("generate over a sharded cache needs transformers 5", allow_module_level=True)
+
+import test_transformers_integration as integration  # noqa: E402
+from conftest import pool_for  # noqa: E402
+from on_ranks import on_every_rank, raises  # noqa: E402
+
+SCORE_ATOL = 2e-4
+NEW_TOKENS = 5
+
+
+def _prompt(batch: int, length: int, padded: bool, seed: int = 3):
+    """Token ids (batch, length) from 3 up, the rows after the first left-padded by 0s
+    (3 and 5 of them) where padded; and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, integration.VOCAB, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    if padded:
+        for row, pads in zip(range(1, batch), (3, 5)):
+            ids[row, :pads], mask[row, :pads] = 0, 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, seed, cache=None, sample=False):
+    torch.manual_seed(seed)
+    options = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
+    # use_cache: the families' configs (built for training) say False.
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, cache=cache,
+                          use_cache=True, return_dict_in_generate=True, output_scores=True, **options)  # fmt: skip
+
+
+def _compare(name: str, ours, theirs) -> list[str]:
+    failures = []
+    if not torch.equal(ours.sequences, theirs.sequences):
+        failures.append(f"{name}: tokens {ours.sequences.tolist()} != {theirs.sequences.tolist()}")
+    else:
+        for step, (mine, expected) in enumerate(zip(ours.scores, theirs.scores)):
+            # Sampling's top-k leaves -inf where a token is filtered out: the same ones on both sides.
+            finite = torch.isfinite(expected)
+            if not torch.equal(finite, torch.isfinite(mine)):
+                failures.append(f"{name}: step {step} filters other tokens")
+            elif finite.any() and not (mine[finite] - expected[finite]).abs().max().item() <= SCORE_ATOL:
+                failures.append(f"{name}: step {step} scores differ by {(mine - expected)[finite].abs().max():.2e}")
+    return failures
+
+
+@on_every_rank
+def run_generate(cases):
+    """Per case: what differs from one process (empty: nothing)."""
+    import torch.distributed as dist
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    failures = []
+    for case in cases:
+        groups = integration._parallelism(case["mode"], case.get("ulysses", 2))
+        reference = integration._family_model(case.get("family", "mistral")).eval()
+        model = copy.deepcopy(reference)
+        sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
+        ids, mask = _prompt(case.get("batch", 2), case.get("length", 19), case.get("padded", True))
+        name = case["id"]
+        ours, theirs = (_generate(m, ids, mask, seed=11, sample=case.get("sample", False)) for m in (model, reference))
+        failures += _compare(name, ours, theirs)
+        cache = ours.cache
+        # Every rank's share: the prompt's real tokens over the pieces, and a decoded token a piece in turn.
+        pieces = dist.get_world_size()
+        held = int(cache.lengths.sum())
+        share = -(-int(mask.sum()) // pieces) + -(-(NEW_TOKENS - 1) * mask.shape[0] // pieces) + mask.shape[0]
+        if held > share:
+            failures.append(f"{name}: this rank holds {held} tokens, its share is at most {share}")
+        if case.get("next_turn"):
+            more = torch.randint(3, integration.VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(5))
+            ids2 = torch.cat([theirs.sequences, more], 1)
+            mask2 = torch.cat([mask, torch.ones(ids.shape[0], ids2.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+            ours2 = _generate(model, ids2, mask2, seed=12, cache=cache)
+            theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache)
+            failures += _compare(f"{name} next turn", ours2, theirs2)
+    return failures
+
+
+def _case(mode, **extra):
+    return dict(id="-".join([mode, *(f"{key}={value}" for key, value in extra.items())]), mode=mode, **extra)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_greedy_and_sampled_match_one_process(world_size):
+    cases = [
+        _case("ring", layout="balanced", next_turn=True),
+        _case("ulysses", sample=True, next_turn=True),
+        _case("ring", family="gemma2", padded=False),
+        _case("ring", layout="balanced", family="gpt_oss", batch=3),
+    ]
+    failures = [failure for per_rank in pool_for(world_size).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_usp_grid():
+    cases = [_case("usp", layout="balanced"), _case("usp", family="cohere2", sample=True, batch=1, length=23)]
+    failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_one_process():
+    """Without torch.distributed: the model alone, the same tokens."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    reference = integration._family_model("mistral").eval()
+    model = copy.deepcopy(reference)
+    sp_transformers.apply(model, "ring")
+    ids, mask = _prompt(2, 13, True)
+    assert not _compare("one process", _generate(model, ids, mask, 1), _generate(reference, ids, mask, 1))
+
+
+@on_every_rank
+def run_refusals():
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    groups = integration._parallelism("ring", 2)
+    model = copy.deepcopy(integration._family_model("mistral")).eval()
+    sp_transformers.apply(model, "ring", **groups)
+    ids, mask = _prompt(2, 11, True)
+    problems = {}
+    right = mask.flip(1)
+    problems["right padding"] = raises(lambda: _generate(model, ids, right, 1), "left")
+    problems["beams"] = raises(
+        lambda: model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2, pad_token_id=0, use_cache=True),
+        "beam",
+    )
+    return {name: problem for name, problem in problems.items() if problem}
+
+
+def test_what_cannot_run_raises():
+    for rank, problems in enumerate(pool_for(2).run(run_refusals)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -4,5 +4,6 @@ the block kernels they may use (block_attention), what each step computes under 
 attention mask (step_masks), one-process attention under any mask (local_attention),
 the custom ops of the ring and of the one-process attention (ring_ops, local_ops) and
 what they share (attention_ops: the mask's encoding, their autograd), the chunked
-cross entropy of one process (cross_entropy), and the state-space scans of one process,
-run by run (state_space)."""
+cross entropy of one process (cross_entropy), the state-space scans of one process,
+run by run (state_space), and which backend runs a recurrence's sequential part
+(kernel_backend)."""

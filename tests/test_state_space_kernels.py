@@ -1,13 +1,15 @@
 """The state-space scans' Triton kernels (seqpar_kernels/kernels/state_space_kernels.py):
-the selective scan over runs from their initial states, with and without input, against
-the torch path they replace on GPUs (engine/state_space.py), outputs and every
-gradient; and their compiles for GPUs that are not here (no register spill in the chunk
-loop). Without CUDA they run in the Triton interpreter on CPU tensors (conftest.py)."""
+the selective scan over runs from their initial states, with and without input, and the
+SSD scan's pass over its chunks' states, against the torch path they replace on GPUs
+(engine/state_space.py), outputs and every gradient; and their compiles for GPUs that
+are not here (no register spill in the chunk loop). Without CUDA they run in the Triton
+interpreter on CPU tensors (conftest.py)."""
 
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from triton_interpreter import compiled_without_interpreter, runs_triton_on
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
@@ -112,10 +114,66 @@ def test_selective_scan_of_runs_by_the_kernels_is_the_torch_path():
     assert mine[2][:, rows_without_share].eq(0).all() and mine[2][:, ~rows_without_share].ne(0).all()
 
 
+@runs_triton_on(DEVICE)
+def test_chunk_state_pass_from_a_state_is_the_torch_product():
+    """The kernels' pass over the SSD chunks' states from an initial state against the
+    torch path's product with the initial state as a chunk before the first (of decay 1):
+    the entering states, the final state and the gradients of the chunks' states, of the
+    log-decays and of the initial state; a state of 3 x 20 elements over two blocks of the
+    interpreter's."""
+    generator = torch.Generator().manual_seed(2)
+    batch, chunks, heads, head_dim, state_size = 2, 5, 3, 3, 20
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).float().to(DEVICE)
+
+    inputs = (randn(batch, chunks, heads, head_dim, state_size),
+              -torch.rand(batch, heads, chunks, generator=generator).to(DEVICE),
+              randn(batch, heads, head_dim, state_size))  # fmt: skip
+    grads = [randn(batch, chunks, heads, head_dim, state_size), randn(batch, heads, head_dim, state_size)]
+
+    def with_kernels(chunk_states, log_decays, initial):
+        return state_space._ChunkStatePass.apply(chunk_states, torch.exp(log_decays), initial)
+
+    def in_torch(chunk_states, log_decays, initial):
+        entering, final = state_space.states_entering_chunks(
+            torch.cat([initial[:, None], chunk_states], dim=1), F.pad(log_decays, (1, 0)), backend="torch"
+        )
+        return entering[:, 1:], final
+
+    names = ["entering", "final", "d chunk states", "d log decays", "d initial"]
+    _assert_all_close(names, _outputs_and_gradients(with_kernels, inputs, grads),
+                      _outputs_and_gradients(in_torch, inputs, grads))  # fmt: skip
+
+
+@runs_triton_on(DEVICE)
+def test_ssd_scan_with_the_kernels_is_the_torch_path():
+    """What engine/state_space.py runs on CUDA: one run of the SSD scan from zero in chunks
+    of 8 (4 full and a partial one), 4 heads reading 2 groups, through backend="triton"
+    against backend="torch": y, the final state and every gradient."""
+    generator = torch.Generator().manual_seed(3)
+    batch, length, heads, groups, head_dim, state_size = 2, 37, 4, 2, 3, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).float().to(DEVICE)
+
+    dt = (0.5 * torch.rand(batch, length, heads, generator=generator)).to(DEVICE)
+    B, C = randn(batch, length, groups, state_size), randn(batch, length, groups, state_size)
+    inputs = (randn(batch, length, heads, head_dim), dt, -torch.exp(randn(heads)), B, C)
+    grads = [randn(batch, length, heads, head_dim), randn(batch, heads, head_dim, state_size)]
+
+    def scans(backend):
+        return _outputs_and_gradients(
+            lambda x, dt, A, B, C: state_space.ssd_from_zero(x, dt, A, B, C, 8, backend=backend), inputs, grads
+        )
+
+    _assert_all_close(["y", "final", "dx", "d dt", "dA", "dB", "dC"], scans("triton"), scans("torch"))
+
+
 def _compiled_for_gpus() -> list[dict]:
-    """Both kernels compiled for sm_90 (H100/H200) and sm_80 (A100) as launches at Mamba's
-    16 states (every variant on sm_90) and at 256 states, the most the Triton path takes:
-    what the compiled kernels take."""
+    """Every kernel compiled for sm_90 (H100/H200) and sm_80 (A100): the SSD chunks' pass,
+    and the selective scan's at Mamba's 16 states (every variant on sm_90) and at 256
+    states, the most its Triton path takes: what the compiled kernels take."""
     from tools.ahead_of_time import compile_for_gpu
 
     # The compile reads the pointers' dtypes (meta tensors stand for them) and the sizes.
@@ -123,6 +181,13 @@ def _compiled_for_gpus() -> list[dict]:
     pointers = {kernels.selective_scan_fwd_kernel: 9, kernels.selective_scan_bwd_kernel: 14}
     cases = [(90, 16, has_input) for has_input in (True, False)] + [(90, 256, True), (80, 16, True)]
     rows = []
+    for capability in (90, 80):  # the SSD chunks' pass at 64 x 128 states (Mamba2's), 8 heads, 33 chunks
+        sizes = (8, 33, 64 * 128)
+        for kernel, count in [(kernels.chunk_state_pass_fwd_kernel, 5), (kernels.chunk_state_pass_bwd_kernel, 7)]:
+            launch = kernels.chunk_pass_launch_of(kernel, sizes[-1])
+            resources = compile_for_gpu(launch, (*[tensor] * count, *sizes), capability)
+            rows.append(dict(kernel=kernel.__name__, capability=capability, registers=resources.registers,
+                             spills_in_loops=resources.spills_in_loops, loops=resources.loops))  # fmt: skip
     for capability, state_size, has_input in cases:
         channels = 8192  # Jamba's channels; B, L and the chunks: sizes not 1 nor multiples of 16
         sizes = (3, 4099, channels, state_size, 257)
@@ -135,12 +200,13 @@ def _compiled_for_gpus() -> list[dict]:
     return rows
 
 
+@pytest.mark.gpu_long  # on a GPU the kernels run: the short GPU check leaves the compiles out
 def test_the_kernels_compile_for_gpus_without_spills_in_their_loop():
     """A spilling kernel is only slower, which no test on this machine would see: the
     compiles for an H100 and an A100 (no GPU needed), in a process of their own (the
     interpreter is on here)."""
     rows = compiled_without_interpreter(__file__)
-    assert len(rows) == 8 and all(row["loops"] >= 1 for row in rows), rows
+    assert len(rows) == 12 and all(row["loops"] >= 1 for row in rows), rows
     assert not [row for row in rows if row["spills_in_loops"]], rows
 
 

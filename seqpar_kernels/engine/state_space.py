@@ -24,9 +24,10 @@ for fp64 inputs):
     selective  u (B, L, D), delta (B, L, D) (discretised), A (D, N), B and C (B, L, N);
                the state (B, D, N)
                h_t = exp(delta_t A) * h_{t-1} + delta_t u_t B_t,  y_t = h_t C_t
-Everything is differentiable. The SSD scan is torch (chunked einsums, batched over the
-chunks). The selective scan is a torch recurrence on CPU and, on CUDA, the Triton kernels
-of kernels/state_space_kernels.py (forward and backward, in an autograd.Function).
+Everything is differentiable. The SSD scan is chunked torch einsums, batched over the
+chunks; on CUDA the pass of the state from chunk to chunk runs in Triton kernels. The
+selective scan is a torch recurrence on CPU and, on CUDA, Triton kernels. The kernels
+are kernels/state_space_kernels.py's, forward and backward, in autograd.Functions.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     return t.view(t.shape[0], t.shape[1] // chunk, chunk, *t.shape[2:])
 
 
-def ssd_from_zero(x, dt, A, B, C, chunk_size: int):
+def ssd_from_zero(x, dt, A, B, C, chunk_size: int, backend: str = "auto"):
     """One run of the SSD scan from a zero state, chunk_size tokens at a time (the
     chunked form of transformers' mamba2_chunk_scan: within a chunk as masked attention,
     across chunks by the chunks' states). Inputs in the compute dtype, dt discretised.
-    Returns y (B, L, H, P) and the final state (B, H, P, N)."""
+    Returns y (B, L, H, P) and the final state (B, H, P, N). backend: what passes the
+    state from chunk to chunk (states_entering_chunks)."""
     batch, length, heads, head_dim = x.shape
     groups, state_size = B.shape[2:]
     if length == 0:
@@ -106,16 +108,37 @@ def ssd_from_zero(x, dt, A, B, C, chunk_size: int):
     to_end = torch.exp(cum[..., -1:] - cum).view(batch, groups, per_group, count, chunk)
     chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", B_chunks, to_end, x_dt)
     chunk_states = chunk_states.reshape(batch, count, heads, head_dim, state_size)
-    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
-    between = torch.exp(_segment_sums(F.pad(cum[..., -1], (1, 0))))  # (B, H, c + 1, c + 1)
-    entering = torch.einsum("bhij,bjhpn->bihpn", between, chunk_states)
+    entering, final = states_entering_chunks(chunk_states, cum[..., -1], backend)
 
     # Across chunks: y_l += exp(cum_l) C_l . (state entering the chunk).
-    starts = entering[:, :count].view(batch, count, groups, per_group, head_dim, state_size)
+    starts = entering.view(batch, count, groups, per_group, head_dim, state_size)
     from_start = torch.exp(cum).view(batch, groups, per_group, count, chunk)
     y_off = torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", C_chunks, starts, from_start)
     y = (y_diag + y_off).reshape(batch, count * chunk, heads, head_dim)[:, :length]
-    return y, entering[:, count]
+    return y, final
+
+
+def states_entering_chunks(chunk_states: torch.Tensor, log_decays: torch.Tensor, backend: str = "auto"):
+    """From a zero state, chunk after chunk, h <- exp(log_decays[n]) h + chunk_states[n]:
+    the state entering each chunk (B, c, H, P, N) and the state after the last (B, H, P,
+    N). chunk_states (B, c, H, P, N), log_decays (B, H, c).
+
+    torch: as a matrix product per head, the (c + 1) x (c + 1) decays between chunks
+    times the chunks' states (batched, no loop); "triton" (the default on CUDA fp32):
+    the kernels' pass, chunk after chunk. The product's work grows with the square of the
+    chunk count, the pass's with the count (a read of the chunks' states and a write of
+    the entering ones, as the product's): at the default chunk of 256 tokens, 64 heads
+    of 64 x 128 states, the product is c / 1000 of the scan's other work (c = 32 at 8k
+    tokens a rank: 3%; c = 512 at 128k: half), which the pass saves for c dependent
+    steps (a load each: about a microsecond, estimated)."""
+    batch, count, heads = chunk_states.shape[:3]
+    if _backend(backend, chunk_states) == "triton":
+        initial = chunk_states.new_zeros(batch, *chunk_states.shape[2:])
+        return _ChunkStatePass.apply(chunk_states, torch.exp(log_decays), initial)
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    between = torch.exp(_segment_sums(F.pad(log_decays, (1, 0))))  # (B, H, c + 1, c + 1)
+    entering = torch.einsum("bhij,bjhpn->bihpn", between, chunk_states)
+    return entering[:, :count], entering[:, count]
 
 
 def ssd_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -221,7 +244,7 @@ def selective_runs_from_zero(u, delta, A, B, C, spans, backend: str = "auto"):
     Returns y (B, L, D), zeros in rows of no run, and the final states (R, B, D, N).
     backend: "triton" (the kernels), "torch" (selective_from_zero run by run) or "auto"
     (Triton on CUDA fp32 with up to TRITON_MAX_STATE_SIZE states)."""
-    if _backend(backend, delta, A) == "triton":
+    if _backend(backend, delta, A.shape[1]) == "triton":
         initial = delta.new_zeros(len(spans), delta.shape[0], *A.shape)
         return _SelectiveScanKernels.apply(u, delta, A, B, C, initial, tuple(spans))
     scans = [selective_from_zero(*(t.narrow(1, start, length) for t in (u, delta)), A,
@@ -234,7 +257,7 @@ def selective_state_shares(delta, A, C, spans, states: torch.Tensor, backend: st
     """What the states (R, B, D, N) entering the runs of spans add to their selective-scan
     outputs (selective_from_state of each; the Triton kernels scan without input from
     them): (B, L, D), zeros in rows of no run."""
-    if _backend(backend, delta, A) == "triton":
+    if _backend(backend, delta, A.shape[1]) == "triton":
         return _SelectiveScanKernels.apply(None, delta, A, None, C, states, tuple(spans))[0]
     shares = [selective_from_state((delta.narrow(1, start, length)[..., None] * A).cumsum(1),
                                    C.narrow(1, start, length), state)
@@ -256,8 +279,9 @@ def _placed(pieces, spans, shape) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _backend(backend: str, delta: torch.Tensor, A: torch.Tensor) -> str:
-    fits = delta.is_cuda and delta.dtype == torch.float32 and A.shape[1] <= TRITON_MAX_STATE_SIZE
+def _backend(backend: str, x: torch.Tensor, state_size: int = 0) -> str:
+    # state_size: the states of a channel the selective scan's kernels hold in registers.
+    fits = x.is_cuda and x.dtype == torch.float32 and state_size <= TRITON_MAX_STATE_SIZE
     return chosen_backend(backend, fits)
 
 
@@ -284,3 +308,23 @@ class _SelectiveScanKernels(torch.autograd.Function):
 
         grads = state_space_kernels.selective_scan_backward(*ctx.saved_tensors, dy, d_final, ctx.spans)
         return *grads, None
+
+
+class _ChunkStatePass(torch.autograd.Function):
+    """The Triton kernels' pass over the SSD chunks' states from an initial state:
+    (chunk_states (B, c, H, P, N), decays (B, H, c), initial (B, H, P, N)) -> (entering
+    (B, c, H, P, N), final (B, H, P, N))."""
+
+    @staticmethod
+    def forward(ctx, chunk_states, decays, initial):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        entering, final = state_space_kernels.chunk_state_pass_forward(chunk_states, decays, initial)
+        ctx.save_for_backward(decays, entering)
+        return entering, final
+
+    @staticmethod
+    def backward(ctx, d_entering, d_final):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        return state_space_kernels.chunk_state_pass_backward(*ctx.saved_tensors, d_entering, d_final)

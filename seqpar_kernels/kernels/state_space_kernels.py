@@ -1,5 +1,6 @@
 """Triton kernels of the state-space scans' GPU path (the kernels, then their launchers):
-Mamba's selective scan over runs of rows, each from its initial state, and its backward.
+Mamba's selective scan over runs of rows, each from its initial state, and its backward;
+the pass of Mamba2's SSD scan over its chunks' states, and its backward.
 
 Per batch entry, run r (rows [start, end)), channel d and state n, from h = initial[r]:
 
@@ -30,7 +31,21 @@ Layouts, contiguous fp32: u, delta, y (B, L, D); A (D, N); B, C (B, L, N); initi
 (R, 3): each run's first row, its end and its first chunk. A program holds one run of one
 batch entry and one block of channels (the channels' states evolve independently); its
 (CHUNK, BLOCK_D, BLOCK_N) tiles of a chunk's steps are what the launch sizes.
+
+The SSD scan's pass over its chunks, per batch entry and head, from h = initial:
+
+    entering[n] = h;   h <- decay[n] h + chunk_states[n]   (chunk after chunk);   final = h
+    backward, from g = d_final, the chunks in reverse:
+    d_chunk_states[n] = g;   d_decay[n] = sum(entering[n] g);   g <- d_entering[n] + decay[n] g
+    d_initial = g
+
+Layouts, contiguous fp32: chunk_states, entering (B, c, H, S), S = P N the state's
+elements; decay (B, H, c); initial, final (B, H, S). A program holds BLOCK elements of
+one batch entry's and head's state (they evolve independently); d_decay sums over the
+programs of a head: atomic adds into zeros.
 """
+
+import math
 
 import torch
 import triton
@@ -38,7 +53,7 @@ import triton.language as tl
 
 from .attention_step_tiles import KernelLaunch
 
-__all__ = ["selective_scan_forward", "selective_scan_backward"]
+__all__ = ["selective_scan_forward", "selective_scan_backward", "chunk_state_pass_forward", "chunk_state_pass_backward"]
 
 # Elements of a chunk's (CHUNK, BLOCK_D, BLOCK_N) tile: 16 fp32 registers a thread for
 # each live tile at 4 warps.
@@ -189,6 +204,45 @@ def selective_scan_bwd_kernel(
     tl.atomic_add(dA_ptr + tile, dA, mask=tile_mask)
 
 
+@triton.jit
+def _chunk_pass_program(heads, size, BLOCK: tl.constexpr):
+    # Grid: (blocks of S, B * H). This program's batch entry, head, and elements of the
+    # state with their mask.
+    batch_head = tl.cast(tl.program_id(1), tl.int64)
+    elements = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return batch_head, batch_head // heads, batch_head % heads, elements, elements < size
+
+
+@triton.jit
+def chunk_state_pass_fwd_kernel(chunk_states_ptr, decay_ptr, initial_ptr, entering_ptr, final_ptr, heads, chunks, size,
+                                BLOCK: tl.constexpr):  # fmt: skip
+    batch_head, batch, head, elements, mask = _chunk_pass_program(heads, size, BLOCK)
+    h = tl.load(initial_ptr + batch_head * size + elements, mask=mask, other=0.0)
+    for n in range(0, chunks):
+        at = ((batch * chunks + n) * heads + head) * size + elements
+        tl.store(entering_ptr + at, h, mask=mask)
+        chunk_state = tl.load(chunk_states_ptr + at, mask=mask, other=0.0)
+        h = tl.load(decay_ptr + batch_head * chunks + n) * h + chunk_state
+    tl.store(final_ptr + batch_head * size + elements, h, mask=mask)
+
+
+@triton.jit
+def chunk_state_pass_bwd_kernel(decay_ptr, entering_ptr, d_entering_ptr, d_final_ptr, d_chunk_states_ptr, d_decay_ptr,
+                                d_initial_ptr, heads, chunks, size, BLOCK: tl.constexpr):  # fmt: skip
+    batch_head, batch, head, elements, mask = _chunk_pass_program(heads, size, BLOCK)
+    # The gradient of the state after the chunk (after the last: d_final).
+    d_state = tl.load(d_final_ptr + batch_head * size + elements, mask=mask, other=0.0)
+    for step in range(0, chunks):  # the chunks last to first
+        n = chunks - 1 - step
+        at = ((batch * chunks + n) * heads + head) * size + elements
+        tl.store(d_chunk_states_ptr + at, d_state, mask=mask)
+        entering = tl.load(entering_ptr + at, mask=mask, other=0.0)
+        tl.atomic_add(d_decay_ptr + batch_head * chunks + n, tl.sum(entering * d_state, 0))
+        d_entering = tl.load(d_entering_ptr + at, mask=mask, other=0.0)
+        d_state = d_entering + tl.load(decay_ptr + batch_head * chunks + n) * d_state
+    tl.store(d_initial_ptr + batch_head * size + elements, d_state, mask=mask)
+
+
 def launch_of(kernel, channels: int, state_size: int, has_input: bool, save_states: bool = True,
               interpreted: bool = False) -> KernelLaunch:  # fmt: skip
     """How `kernel` (either pass) is launched: every state of a channel in one program
@@ -258,3 +312,42 @@ def selective_scan_backward(u, delta, A, B, C, chunk_states, dy, d_final, spans)
         launch(grid, u, delta, A, B, C, chunk_states, dy, d_final, d_delta if du is None else du, d_delta, dA,
                dC if dB is None else dB, dC, d_initial, table, batch, length, channels, state_size, chunks)  # fmt: skip
     return du, d_delta, dA, dB, dC, d_initial
+
+
+def chunk_pass_launch_of(kernel, size: int, interpreted: bool = False) -> KernelLaunch:
+    """How `kernel` (either pass over the SSD chunks' states) is launched: blocks of 1024
+    of a state's S elements (8 a thread at 4 warps; INTERPRETER_TILE's elements when
+    interpreted, several blocks on the tests' small states)."""
+    block = min(INTERPRETER_TILE[1] if interpreted else 1024, triton.next_power_of_2(size))
+    return KernelLaunch(kernel, dict(BLOCK=block), num_warps=4, num_stages=1)
+
+
+def chunk_state_pass_forward(chunk_states, decay, initial):
+    """The SSD chunks' forward pass (module docstring): chunk_states (B, c, H, P, N),
+    decay (B, H, c), initial (B, H, P, N). Returns (entering (B, c, H, P, N), final (B, H,
+    P, N)), fp32."""
+    chunk_states, decay, initial = (x.contiguous() for x in (chunk_states, decay, initial))
+    batch, chunks, heads = chunk_states.shape[:3]
+    size = math.prod(initial.shape[2:])
+    entering, final = torch.empty_like(chunk_states), torch.empty_like(initial)
+    launch = chunk_pass_launch_of(chunk_state_pass_fwd_kernel, size, not decay.is_cuda)
+    grid = (triton.cdiv(size, launch.constexprs["BLOCK"]), batch * heads)
+    if min(grid) > 0:
+        launch(grid, chunk_states, decay, initial, entering, final, heads, chunks, size)
+    return entering, final
+
+
+def chunk_state_pass_backward(decay, entering, d_entering, d_final):
+    """The SSD chunks' backward pass (module docstring) from forward's decay and entering
+    and the gradients of entering and final. Returns (d_chunk_states (B, c, H, P, N),
+    d_decay (B, H, c), d_initial (B, H, P, N)), fp32."""
+    decay, entering, d_entering, d_final = (x.contiguous() for x in (decay, entering, d_entering, d_final))
+    batch, chunks, heads = entering.shape[:3]
+    size = math.prod(d_final.shape[2:])
+    d_chunk_states, d_initial = torch.empty_like(entering), torch.empty_like(d_final)
+    d_decay = torch.zeros_like(decay)  # the sum of every block's add
+    launch = chunk_pass_launch_of(chunk_state_pass_bwd_kernel, size, not decay.is_cuda)
+    grid = (triton.cdiv(size, launch.constexprs["BLOCK"]), batch * heads)
+    if min(grid) > 0:
+        launch(grid, decay, entering, d_entering, d_final, d_chunk_states, d_decay, d_initial, heads, chunks, size)
+    return d_chunk_states, d_decay, d_initial

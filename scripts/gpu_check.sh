@@ -14,9 +14,9 @@
 #         info   nvidia-smi, python -m seqpar_kernels.info, versions (into build.log)
 #         test   the GPU tests (SHORT_TESTS: the CUDA kernels against the CPU kernels, the
 #                Triton step kernels, the aten backend's library kernels, NCCL with one
-#                rank, the gated delta rule's Triton kernels), on every core with
-#                pytest-xdist where installed, a time limit per test with pytest-timeout,
-#                each failure reported as it happens
+#                rank, the Triton kernels of the gated delta rule and of the state-space
+#                scans), on every core with pytest-xdist where installed, a time limit per
+#                test with pytest-timeout, each failure reported as it happens
 #         bench  python -m bench --short on this GPU: the step kernels of both backends
 #                against SDPA's flash and cuDNN, pack/unpack/merge against a plain copy,
 #                the ring's overlap probe; records the measured step backend
@@ -100,8 +100,9 @@ declare -A SHORT_GRACE=([build]=10 [info]=5 [test]=25 [bench]=15)
 # The short check's tests, in the order pytest-xdist hands them out: the build's report,
 # the CUDA kernels against the CPU kernels, the aten backend's library kernels and NCCL
 # with one rank, the Triton step kernels (the longest: a compile per kernel variant),
-# then the ring on one GPU. `-m "not gpu_long"` leaves out the step kernels' variants
-# this Triton does not ship.
+# then the ring on one GPU, the recurrences' kernels. `-m "not gpu_long"` leaves out the
+# step kernels' variants this Triton does not ship and the state-space kernels' compiles
+# for other GPUs (here they run).
 SHORT_TESTS=(
   tests/test_info.py
   tests/test_block_copy.py
@@ -115,6 +116,7 @@ SHORT_TESTS=(
   tests/test_ring_schedule.py::test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies
   tests/test_attention_layouts.py::test_cuda_paths_take_any_layout
   tests/test_gated_delta_kernels.py
+  tests/test_state_space_kernels.py
 )
 SHORT_TEST_TIMEOUT=120  # seconds per test (pytest-timeout), compiles included
 SHORT_BENCH=(--short --world-size 1 --only ring-step --only kernels --only ring-probe)

@@ -5,13 +5,10 @@ their compiles for GPUs that are not here (no register spill in the chunk loop).
 Without CUDA they run in the Triton interpreter on CPU tensors (conftest.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from triton_interpreter import runs_triton_on
+from triton_interpreter import compiled_without_interpreter, runs_triton_on
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from seqpar_kernels.engine import gated_delta  # noqa: E402
@@ -114,15 +111,10 @@ def _compiled_for_gpus() -> list[dict]:
 def test_the_kernels_compile_for_gpus_without_spills_in_their_loop():
     """A spilling kernel is only slower, which no test on this machine would see: the
     compile for an H100 (no GPU needed), in a process of its own (the interpreter is on here)."""
-    pytest.importorskip("triton.backends.nvidia")
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(result.stdout.splitlines()[-1])
+    rows = compiled_without_interpreter(__file__)
     assert len(rows) == 4 and all(row["loops"] >= 1 for row in rows), rows
     assert not [row for row in rows if row["spills_in_loops"]], rows
 
 
 if __name__ == "__main__":  # the compile of the test above, without the interpreter
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(json.dumps(_compiled_for_gpus()))

@@ -1,14 +1,22 @@
 """Where the Triton interpreter cannot run the step kernels, and the one skip for the
-tests that run Triton kernels on CPU tensors (the interpreter's).
+tests that run Triton kernels on CPU tensors (the interpreter's); and the compiles for
+GPUs that such tests check, which need the interpreter off.
 
     runs_triton_on(device)   mark for a test whose Triton kernels run on `device`
                              tensors ("cpu": interpreted; the rank pool's workers always
                              hold CPU tensors); skips it where the interpreter fails
+    compiled_without_interpreter(script)
+                             what a test file run as a program prints (its compiles for
+                             GPUs, as JSON), run without the interpreter
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +53,17 @@ def runs_triton_on(device: str):
         reason="the interpreter of Triton < 3.7 cannot run a loop with a runtime bound "
         "under NumPy >= 2.4 (int() of a 1-element array); NumPy < 2.4 or Triton >= 3.7 run it",
     )
+
+
+def compiled_without_interpreter(script: str) -> list:
+    """The JSON of the last line `script` (a test file whose __main__ compiles its kernels
+    for GPUs that are not here, tools/ahead_of_time.py) prints, run in a process of its
+    own without the interpreter (conftest turns it on where there is no GPU, and
+    interpreted kernels cannot be compiled), the checkout's root importable (tools/)."""
+    pytest.importorskip("triton.backends.nvidia")
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [repository, environment.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, script], env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])

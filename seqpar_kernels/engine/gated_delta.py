@@ -38,11 +38,10 @@ is known, o_t = o_t(zero start) + S_in^T e_t (`corrected`).
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
+from seqpar_kernels.engine.kernel_backend import chosen_backend
 from seqpar_kernels.layouts import Run
 
 CHUNK_SIZE = 64
@@ -153,12 +152,7 @@ def chunk_states(w, u, k_decayed, decay, initial, chunk_offsets, backend: str = 
 
 
 def _backend(backend: str, w: torch.Tensor) -> str:
-    if backend == "auto":
-        triton_fits = w.is_cuda and w.dtype == torch.float32 and w.shape[-1] <= TRITON_MAX_KEY_DIM
-        return "triton" if triton_fits and importlib.util.find_spec("triton") is not None else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return backend
+    return chosen_backend(backend, w.is_cuda and w.dtype == torch.float32 and w.shape[-1] <= TRITON_MAX_KEY_DIM)
 
 
 class _ChunkStates(torch.autograd.Function):

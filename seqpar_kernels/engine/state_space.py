@@ -11,7 +11,10 @@ log-decay from its first token through token t,
     y_t     = y_t(from zero) + readout_t(exp(log_decay_t) * state_in)
 
 so a run's summary is (exp(log_decay_last), final state from zero), and the state after
-it is next_state(state_in) = exp(log_decay_last) * state_in + final.
+it is next_state(state_in) = exp(log_decay_last) * state_in + final. The runs of a rank's
+rows are given as spans, (first row, length) each: `*_runs_from_zero` scans them,
+`*_state_shares` gives what the states entering them add (the scan without input from
+those states), `*_summaries` what the ranks after them need.
 
 Layouts (sequence on dim 1; a run's rows narrowed from it; the compute dtype: fp32, fp64
 for fp64 inputs):
@@ -21,7 +24,10 @@ for fp64 inputs):
     selective  u (B, L, D), delta (B, L, D) (discretised), A (D, N), B and C (B, L, N);
                the state (B, D, N)
                h_t = exp(delta_t A) * h_{t-1} + delta_t u_t B_t,  y_t = h_t C_t
-Everything is differentiable torch: autograd gives the gradients.
+Everything is differentiable. The SSD scan is chunked torch einsums, batched over the
+chunks; on CUDA the pass of the state from chunk to chunk runs in Triton kernels. The
+selective scan is a torch recurrence on CPU and, on CUDA, Triton kernels. The kernels
+are kernels/state_space_kernels.py's, forward and backward, in autograd.Functions.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from seqpar_kernels.engine.kernel_backend import chosen_backend
+
+# The Triton kernels hold a chunk's (tokens, channels, states) tile in registers.
+TRITON_MAX_STATE_SIZE = 256
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -68,14 +79,16 @@ def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     return t.view(t.shape[0], t.shape[1] // chunk, chunk, *t.shape[2:])
 
 
-def ssd_from_zero(x, dt, A, B, C, chunk_size: int):
+def ssd_from_zero(x, dt, A, B, C, chunk_size: int, backend: str = "auto"):
     """One run of the SSD scan from a zero state, chunk_size tokens at a time (the
     chunked form of transformers' mamba2_chunk_scan: within a chunk as masked attention,
     across chunks by the chunks' states). Inputs in the compute dtype, dt discretised.
-    Returns y (B, L, H, P), log_decay (B, L, H) (the cumulative sum of dt A over the run)
-    and the final state (B, H, P, N)."""
+    Returns y (B, L, H, P) and the final state (B, H, P, N). backend: what passes the
+    state from chunk to chunk (states_entering_chunks)."""
     batch, length, heads, head_dim = x.shape
     groups, state_size = B.shape[2:]
+    if length == 0:
+        return x.new_zeros(x.shape), x.new_zeros(batch, heads, head_dim, state_size)
     per_group = heads // groups
     chunk = min(chunk_size, length)
     count = -(-length // chunk)
@@ -95,16 +108,37 @@ def ssd_from_zero(x, dt, A, B, C, chunk_size: int):
     to_end = torch.exp(cum[..., -1:] - cum).view(batch, groups, per_group, count, chunk)
     chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", B_chunks, to_end, x_dt)
     chunk_states = chunk_states.reshape(batch, count, heads, head_dim, state_size)
-    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
-    between = torch.exp(_segment_sums(F.pad(cum[..., -1], (1, 0))))  # (B, H, c + 1, c + 1)
-    entering = torch.einsum("bhij,bjhpn->bihpn", between, chunk_states)
+    entering, final = states_entering_chunks(chunk_states, cum[..., -1], backend)
 
     # Across chunks: y_l += exp(cum_l) C_l . (state entering the chunk).
-    starts = entering[:, :count].view(batch, count, groups, per_group, head_dim, state_size)
+    starts = entering.view(batch, count, groups, per_group, head_dim, state_size)
     from_start = torch.exp(cum).view(batch, groups, per_group, count, chunk)
     y_off = torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", C_chunks, starts, from_start)
     y = (y_diag + y_off).reshape(batch, count * chunk, heads, head_dim)[:, :length]
-    return y, a.cumsum(1), entering[:, count]
+    return y, final
+
+
+def states_entering_chunks(chunk_states: torch.Tensor, log_decays: torch.Tensor, backend: str = "auto"):
+    """From a zero state, chunk after chunk, h <- exp(log_decays[n]) h + chunk_states[n]:
+    the state entering each chunk (B, c, H, P, N) and the state after the last (B, H, P,
+    N). chunk_states (B, c, H, P, N), log_decays (B, H, c).
+
+    torch: as a matrix product per head, the (c + 1) x (c + 1) decays between chunks
+    times the chunks' states (batched, no loop); "triton" (the default on CUDA fp32):
+    the kernels' pass, chunk after chunk. The product's work grows with the square of the
+    chunk count, the pass's with the count (a read of the chunks' states and a write of
+    the entering ones, as the product's): at the default chunk of 256 tokens, 64 heads
+    of 64 x 128 states, the product is c / 1000 of the scan's other work (c = 32 at 8k
+    tokens a rank: 3%; c = 512 at 128k: half), which the pass saves for c dependent
+    steps (a load each: about a microsecond, estimated)."""
+    batch, count, heads = chunk_states.shape[:3]
+    if _backend(backend, chunk_states) == "triton":
+        initial = chunk_states.new_zeros(batch, *chunk_states.shape[2:])
+        return _ChunkStatePass.apply(chunk_states, torch.exp(log_decays), initial)
+    chunk_states = torch.cat([torch.zeros_like(chunk_states[:, :1]), chunk_states], dim=1)
+    between = torch.exp(_segment_sums(F.pad(log_decays, (1, 0))))  # (B, H, c + 1, c + 1)
+    entering = torch.einsum("bhij,bjhpn->bihpn", between, chunk_states)
+    return entering[:, :count], entering[:, count]
 
 
 def ssd_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -118,11 +152,11 @@ def ssd_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor
     return readout * torch.exp(log_decay)[..., None]
 
 
-def ssd_summary(log_decay: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-    """(B, H, 1 + P N): the run's decay exp(log_decay_last) (B, H), then its final state
-    from zero (B, H, P, N) flattened."""
-    decay = torch.exp(log_decay[:, -1])
-    return torch.cat([decay[..., None], final.flatten(2)], dim=-1)
+def ssd_summaries(dt: torch.Tensor, A: torch.Tensor, spans, finals: torch.Tensor) -> torch.Tensor:
+    """(R, B, H, 1 + P N): each run's decay exp(sum of dt A over its rows) (B, H), then its
+    final state from zero (R, B, H, P, N) flattened."""
+    decays = torch.stack([torch.exp((dt.narrow(1, start, length) * A).sum(1)) for start, length in spans])
+    return torch.cat([decays[..., None], finals.flatten(3)], dim=-1)
 
 
 def ssd_next_state(state: torch.Tensor, summary: torch.Tensor, run=None) -> torch.Tensor:
@@ -136,9 +170,10 @@ def selective_from_zero(u, delta, A, B, C, chunk_size: int | None = None):
     of chunk_size tokens (default about sqrt(L)) run side by side, then the chunks' states
     carried from chunk to chunk (L / chunk + chunk steps of (B, D, N) multiply-adds, not L;
     no exponent of a long sum, so nothing overflows). Inputs in the compute dtype, delta
-    discretised. Returns y (B, L, D), log_decay (B, L, D, N) (the cumulative sum of
-    delta A over the run) and the final state (B, D, N)."""
+    discretised. Returns y (B, L, D) and the final state (B, D, N)."""
     batch, length, channels = u.shape
+    if length == 0:
+        return u.new_zeros(u.shape), u.new_zeros(batch, channels, A.shape[1])
     chunk = chunk_size or max(1, math.isqrt(length))
     chunk = min(chunk, length)
     count = -(-length // chunk)
@@ -162,7 +197,7 @@ def selective_from_zero(u, delta, A, B, C, chunk_size: int | None = None):
     final = chunk_decays[:, -1] * entering[:, -1] + local[:, -1, -1]
     states = states.reshape(batch, count * chunk, channels, -1)[:, :length]
     y = torch.einsum("bldn,bln->bld", states, C)
-    return y, a.cumsum(1), final
+    return y, final
 
 
 def selective_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -172,13 +207,124 @@ def selective_from_state(log_decay: torch.Tensor, C: torch.Tensor, state: torch.
     return torch.einsum("bldn,bdn,bln->bld", torch.exp(log_decay), state, C)
 
 
-def selective_summary(log_decay: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-    """(B, D, 2 N): the run's decay exp(log_decay_last) (B, D, N), then its final state
-    from zero (B, D, N)."""
-    return torch.cat([torch.exp(log_decay[:, -1]), final], dim=-1)
+def selective_summaries(delta: torch.Tensor, A: torch.Tensor, spans, finals: torch.Tensor) -> torch.Tensor:
+    """(R, B, D, 2 N): each run's decay exp(A sum of delta over its rows) (B, D, N), then
+    its final state from zero (R, B, D, N)."""
+    decays = torch.stack([torch.exp(delta.narrow(1, start, length).sum(1)[..., None] * A) for start, length in spans])
+    return torch.cat([decays, finals], dim=-1)
 
 
 def selective_next_state(state: torch.Tensor, summary: torch.Tensor, run=None) -> torch.Tensor:
     """The state after a run from the state before it (B, D, N) and the run's summary."""
     decay, final = summary.split(state.shape[-1], dim=-1)
     return decay * state + final
+
+
+def ssd_runs_from_zero(x, dt, A, B, C, spans, chunk_size: int):
+    """The SSD scan of each run of spans ((first row, length) each, in row order, one at
+    least) from a zero state (ssd_from_zero's inputs, over every row). Returns y (B, L, H,
+    P), zeros in rows of no run, and the final states (R, B, H, P, N)."""
+    scans = [ssd_from_zero(*(t.narrow(1, start, length) for t in (x, dt)), A,
+                           *(t.narrow(1, start, length) for t in (B, C)), chunk_size)
+             for start, length in spans]  # fmt: skip
+    return _placed([y for y, _ in scans], spans, x.shape), torch.stack([final for _, final in scans])
+
+
+def ssd_state_shares(dt, A, C, spans, states: torch.Tensor) -> torch.Tensor:
+    """What the states (R, B, H, P, N) entering the runs of spans add to their SSD
+    outputs (ssd_from_state of each): (B, L, H, P), zeros in rows of no run."""
+    shares = [ssd_from_state((dt.narrow(1, start, length) * A).cumsum(1), C.narrow(1, start, length), state)
+              for (start, length), state in zip(spans, states)]  # fmt: skip
+    return _placed(shares, spans, (*dt.shape, states.shape[3]))
+
+
+def selective_runs_from_zero(u, delta, A, B, C, spans, backend: str = "auto"):
+    """The selective scan of each run of spans ((first row, length) each, in row order,
+    one at least) from a zero state (selective_from_zero's inputs, over every row).
+    Returns y (B, L, D), zeros in rows of no run, and the final states (R, B, D, N).
+    backend: "triton" (the kernels), "torch" (selective_from_zero run by run) or "auto"
+    (Triton on CUDA fp32 with up to TRITON_MAX_STATE_SIZE states)."""
+    if _backend(backend, delta, A.shape[1]) == "triton":
+        initial = delta.new_zeros(len(spans), delta.shape[0], *A.shape)
+        return _SelectiveScanKernels.apply(u, delta, A, B, C, initial, tuple(spans))
+    scans = [selective_from_zero(*(t.narrow(1, start, length) for t in (u, delta)), A,
+                                 *(t.narrow(1, start, length) for t in (B, C)))
+             for start, length in spans]  # fmt: skip
+    return _placed([y for y, _ in scans], spans, u.shape), torch.stack([final for _, final in scans])
+
+
+def selective_state_shares(delta, A, C, spans, states: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """What the states (R, B, D, N) entering the runs of spans add to their selective-scan
+    outputs (selective_from_state of each; the Triton kernels scan without input from
+    them): (B, L, D), zeros in rows of no run."""
+    if _backend(backend, delta, A.shape[1]) == "triton":
+        return _SelectiveScanKernels.apply(None, delta, A, None, C, states, tuple(spans))[0]
+    shares = [selective_from_state((delta.narrow(1, start, length)[..., None] * A).cumsum(1),
+                                   C.narrow(1, start, length), state)
+              for (start, length), state in zip(spans, states)]  # fmt: skip
+    return _placed(shares, spans, delta.shape)
+
+
+def _placed(pieces, spans, shape) -> torch.Tensor:
+    """The runs' rows (each (B, length, ...), one run at least) at their spans of a tensor
+    of `shape` (B, L, ...), zeros between them."""
+    parts, row = [], 0
+    for piece, (start, length) in zip(pieces, spans):
+        if start > row:
+            parts.append(piece.new_zeros(piece.shape[0], start - row, *piece.shape[2:]))
+        parts.append(piece)
+        row = start + length
+    if row < shape[1]:
+        parts.append(pieces[0].new_zeros(shape[0], shape[1] - row, *shape[2:]))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _backend(backend: str, x: torch.Tensor, state_size: int = 0) -> str:
+    # state_size: the states of a channel the selective scan's kernels hold in registers.
+    fits = x.is_cuda and x.dtype == torch.float32 and state_size <= TRITON_MAX_STATE_SIZE
+    return chosen_backend(backend, fits)
+
+
+class _SelectiveScanKernels(torch.autograd.Function):
+    """The Triton kernels' scan of runs from their initial states: (u, delta, A, B, C,
+    initial (R, B, D, N), spans) -> (y (B, L, D), final (R, B, D, N)); u and B None:
+    without input. The backward reads the states entering every chunk, saved by the
+    forward (R x L / CHUNK x B x D x N fp32)."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, initial, spans):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        y, final, chunk_states = state_space_kernels.selective_scan_forward(
+            u, delta, A, B, C, initial, spans, save_states=any(ctx.needs_input_grad)
+        )
+        ctx.save_for_backward(u, delta, A, B, C, chunk_states)
+        ctx.spans = spans
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, d_final):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        grads = state_space_kernels.selective_scan_backward(*ctx.saved_tensors, dy, d_final, ctx.spans)
+        return *grads, None
+
+
+class _ChunkStatePass(torch.autograd.Function):
+    """The Triton kernels' pass over the SSD chunks' states from an initial state:
+    (chunk_states (B, c, H, P, N), decays (B, H, c), initial (B, H, P, N)) -> (entering
+    (B, c, H, P, N), final (B, H, P, N))."""
+
+    @staticmethod
+    def forward(ctx, chunk_states, decays, initial):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        entering, final = state_space_kernels.chunk_state_pass_forward(chunk_states, decays, initial)
+        ctx.save_for_backward(decays, entering)
+        return entering, final
+
+    @staticmethod
+    def backward(ctx, d_entering, d_final):
+        from seqpar_kernels.kernels import state_space_kernels
+
+        return state_space_kernels.chunk_state_pass_backward(*ctx.saved_tensors, d_entering, d_final)

@@ -10,12 +10,12 @@
 restarts at every document's start).
 
 How: each rank scans each of its runs (consecutive rows of one document) from a zero
-state (engine/state_space.py), keeping its output, its cumulative decay and its final
-state. The scan is affine in the state entering a run, so a run's summary is its
-transition (its total decay) and its final state; the ranks gather every run's summary in
-one all-to-all (fp32), compose the states entering their runs (S -> decay * S + final
-over the runs before, in the document), and add each entering state's low-rank share to
-the output (exp(cumulative decay) times the state read out by C). Autograd gives exact
+state (engine/state_space.py), keeping its output and its final state. The scan is
+affine in the state entering a run, so a run's summary is its transition (its total
+decay) and its final state; the ranks gather every run's summary in one all-to-all
+(fp32), compose the states entering their runs (S -> decay * S + final over the runs
+before, in the document), and add each entering state's share to the output (the scan
+without input from that state: exp(cumulative decay) times the state, read out by C). Autograd gives exact
 gradients; the backward sends each summary's gradient back to its run's rank.
 
 Bytes (seqpar_kernels.traffic.state_passing_bytes, summary_bytes per run; 4 bytes an
@@ -24,6 +24,7 @@ element, 8 for fp64 inputs): SSD batch x H x (1 + P x N) x 4; selective batch x 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,14 +33,14 @@ import torch.nn.functional as F
 from seqpar_kernels.engine.state_space import (
     compute_dtype,
     discretised_dt,
-    selective_from_state,
-    selective_from_zero,
     selective_next_state,
-    selective_summary,
-    ssd_from_state,
-    ssd_from_zero,
+    selective_runs_from_zero,
+    selective_state_shares,
+    selective_summaries,
     ssd_next_state,
-    ssd_summary,
+    ssd_runs_from_zero,
+    ssd_state_shares,
+    ssd_summaries,
 )
 from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES
 from seqpar_kernels.parallel.state_passing import SequenceRuns
@@ -124,13 +125,10 @@ def ssd_scan(
     x_f, B_f, C_f, A_f = x.to(dtype), B.to(dtype), C.to(dtype), A.to(dtype)
     dt_f = discretised_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
 
-    def from_zero(run):
-        rows = [t.narrow(1, run.local_start, run.length) for t in (x_f, dt_f, B_f, C_f)]
-        y, log_decay, final = ssd_from_zero(rows[0], rows[1], A_f, rows[2], rows[3], chunk_size)
-        return y, log_decay, final, rows[3]
-
     zero = x_f.new_zeros((batch, heads, head_dim, state_size))
-    y = _scan_runs(runs, from_zero, ssd_summary, ssd_next_state, ssd_from_state, zero,
+    y = _scan_runs(runs, functools.partial(ssd_runs_from_zero, x_f, dt_f, A_f, B_f, C_f, chunk_size=chunk_size),
+                   functools.partial(ssd_summaries, dt_f, A_f), ssd_next_state,
+                   functools.partial(ssd_state_shares, dt_f, A_f, C_f), zero,
                    summary_shape=(batch, heads, 1 + head_dim * state_size), empty=(batch, 0, heads, head_dim),
                    inputs=(x, dt, A, B, C, D, dt_bias))  # fmt: skip
     if D is not None:
@@ -205,13 +203,10 @@ def selective_scan(
     u_f, B_f, C_f, A_f = u.to(dtype), B.to(dtype), C.to(dtype), A.to(dtype)
     delta_f = discretised_dt(delta, delta_bias, delta_softplus, dtype=dtype)
 
-    def from_zero(run):
-        rows = [t.narrow(1, run.local_start, run.length) for t in (u_f, delta_f, B_f, C_f)]
-        y, log_decay, final = selective_from_zero(rows[0], rows[1], A_f, rows[2], rows[3])
-        return y, log_decay, final, rows[3]
-
     zero = u_f.new_zeros((batch, channels, A.shape[1]))
-    y = _scan_runs(runs, from_zero, selective_summary, selective_next_state, selective_from_state, zero,
+    y = _scan_runs(runs, functools.partial(selective_runs_from_zero, u_f, delta_f, A_f, B_f, C_f),
+                   functools.partial(selective_summaries, delta_f, A_f), selective_next_state,
+                   functools.partial(selective_state_shares, delta_f, A_f, C_f), zero,
                    summary_shape=(batch, channels, 2 * A.shape[1]), empty=(batch, 0, channels),
                    inputs=(u, delta, A, B, C, D, z, delta_bias))  # fmt: skip
     if D is not None:
@@ -221,28 +216,29 @@ def selective_scan(
     return y.to(u.dtype)
 
 
-def _scan_runs(runs: SequenceRuns, from_zero, summary, next_state, from_state, zero, *, summary_shape, empty,
+def _scan_runs(runs: SequenceRuns, from_zero, summaries, next_state, shares, zero, *, summary_shape, empty,
                inputs):  # fmt: skip
-    """The scan of this rank's rows, run by run: each run from a zero state
-    (from_zero(run) -> y, log_decay, final, C), the runs' summaries (summary(log_decay,
-    final): summary_shape) gathered from every rank, and the state entering each run
-    (next_state composes them from `zero`) added through from_state(log_decay, C, state).
+    """The scan of this rank's rows, run by run: every run from a zero state (from_zero(spans)
+    -> y, the final states; spans: the runs' (first local row, length)), the runs'
+    summaries (summaries(spans, finals): (R, *summary_shape)) gathered from every rank, and
+    what the state entering each run adds (next_state composes them from `zero`;
+    shares(spans, states) -> y's shape) for the runs that continue a document.
     Returns (batch, seqlen_local, ...) in the compute dtype; `empty` is its shape when
     this rank holds no rows, then still in the graph of `inputs`."""
-    scans = [from_zero(run) for run in runs.mine]
-    summaries = [summary(log_decay, final) for _, log_decay, final, _ in scans]
-    per_run = torch.stack(summaries) if summaries else zero.new_zeros((0, *summary_shape))
-    gathered = runs.gather(per_run)
-    entering = runs.incoming(gathered, next_state, zero)
-    outputs = [y if state is zero else y + from_state(log_decay, C, state)
-               for (y, log_decay, _, C), state in zip(scans, entering)]  # fmt: skip
-    if outputs:
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    spans = [(run.local_start, run.length) for run in runs.mine]
+    if spans:
+        out, finals = from_zero(spans)
+        per_run = summaries(spans, finals)
     else:  # no rows: an empty output, still in every input's graph (their gradients: empty or zeros)
-        out = zero.new_zeros(empty)
+        out, per_run = zero.new_zeros(empty), zero.new_zeros((0, *summary_shape))
         for tensor in inputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 out = out + tensor.reshape(-1)[:0].sum().to(out.dtype)  # 0 exactly, whatever the values
+    gathered = runs.gather(per_run)
+    entering = runs.incoming(gathered, next_state, zero)
+    continuing = [(span, state) for span, state in zip(spans, entering) if state is not zero]
+    if continuing:
+        out = out + shares([span for span, _ in continuing], torch.stack([state for _, state in continuing]))
     return runs.joined(out, gathered)
 
 

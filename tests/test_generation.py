@@ -69,7 +69,7 @@ def run_generate(cases):
     failures = []
     for case in cases:
         groups = integration._parallelism(case["mode"], case.get("ulysses", 2))
-        reference = integration._family_model(case.get("family", "mistral")).eval()
+        reference = integration._family_model(case.get("family", "mistral"), spec=case.get("family_spec")).eval()
         model = copy.deepcopy(reference)
         sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
         ids, mask = _prompt(case.get("batch", 2), case.get("length", 19), case.get("padded", True))
@@ -94,7 +94,8 @@ def run_generate(cases):
 
 
 def _case(mode, **extra):
-    return dict(id="-".join([mode, *(f"{key}={value}" for key, value in extra.items())]), mode=mode, **extra)
+    named = [f"{key}={value}" for key, value in extra.items() if key != "family_spec"]
+    return dict(id="-".join([mode, *named]), mode=mode, **extra)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -111,6 +112,21 @@ def test_greedy_and_sampled_match_one_process(world_size):
 
 def test_usp_grid():
     cases = [_case("usp", layout="balanced"), _case("usp", family="cohere2", sample=True, batch=1, length=23)]
+    failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_hybrid_models():
+    """Models with recurrent mixers: their states after the prompt come from the
+    sequence-parallel ops (every sequence's, on every rank), the decode steps run on
+    every rank alike."""
+    from test_transformers_hybrid import HYBRID_FAMILIES, _here
+
+    cases = [
+        _case("ring", layout="balanced", family=family, family_spec=HYBRID_FAMILIES[family], sample=index % 2 == 1)
+        for index, family in enumerate(_here())
+    ]  # fmt: skip
+    cases.append(_case("usp", family="qwen3_next", family_spec=HYBRID_FAMILIES["qwen3_next"]))
     failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 

@@ -35,7 +35,8 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
     scale: float | None = None, use_qk_l2norm: bool = False, group=None, mesh=None, ulysses_group=None,
     ring_group=None, layout: str = "contiguous", seq_lens: list[int] | None = None, varlen=None,
-) -> torch.Tensor:  # fmt: skip
+    return_final_states: bool = False,
+):  # fmt: skip
     """The gated delta rule over this rank's rows of a sharded sequence; per value head,
 
         S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
@@ -52,6 +53,9 @@ def gated_delta_rule(
     <where>: the module docstring's (group or grid, layout, seq_lens, varlen).
     Returns (batch, seqlen_local, Hv, dv) in q's dtype, computed in fp32 (fp64 for fp64
     inputs). Differentiable in q, k, v, g and beta.
+    return_final_states: also return every sequence's final state S (sequences, Hv, dk,
+    dv) in the compute dtype, on every rank (sequences: the batch, or the packed
+    documents): what a cache keeps for the tokens after it.
 
     Bytes: every run's summary (traffic.gated_delta_summary_bytes) to every other rank
     forward, the gradients back: traffic.state_passing_bytes."""
@@ -89,7 +93,8 @@ def gated_delta_rule(
                            local_checks=local_checks, inputs=(k, v, g, beta))  # fmt: skip
     continues = [run.start > runs.bounds[run.document] for run in runs.mine]
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    if not any(run.start > runs.bounds[run.document] for piece in runs.pieces for run in piece):
+    if not return_final_states and not any(run.start > runs.bounds[run.document] for piece in runs.pieces
+                                           for run in piece):  # fmt: skip
         # Every run starts its document: no state crosses a rank.
         out, _ = gated_delta_runs(q, k, v, g, beta, runs.mine, transitions=False, **options)
         return out.to(q.dtype)
@@ -98,7 +103,10 @@ def gated_delta_rule(
     zero = gathered.new_zeros(gathered.shape[1:-1] + (v.shape[3],))
     incoming = runs.incoming(gathered, next_state, zero)
     value_dim = v.shape[3]
-    return runs.joined(corrected(out, runs.mine, incoming, continues, value_dim), gathered).to(q.dtype)
+    out = runs.joined(corrected(out, runs.mine, incoming, continues, value_dim), gathered).to(q.dtype)
+    if return_final_states:
+        return out, runs.final_states(gathered, next_state, zero)
+    return out
 
 
 def _all_but_length(x):

@@ -50,7 +50,8 @@ def causal_conv1d(
     layout: str = "contiguous",
     seq_lens: list[int] | None = None,
     varlen=None,
-) -> torch.Tensor:
+    return_final_states: bool = False,
+):
     """The causal depthwise convolution of a sequence sharded across ranks (the short
     convolutions of Mamba, Gated DeltaNet and LFM2 mixers).
 
@@ -64,8 +65,13 @@ def causal_conv1d(
     sequence), then the activation. Differentiable in x, weight and bias (each rank's
     weight and bias gradients are its rows' share: all_reduce_gradients sums them).
 
+    return_final_states: also return every sequence's last kernel inputs (zeros before a
+        shorter one's first), (sequences, kernel, channels): the state a cache keeps for
+        the tokens after it (sequences: the batch, or the packed documents).
+
     Each rank needs the last kernel - 1 inputs before each of its runs: every rank's
-    runs' last kernel - 1 rows travel in one all-to-all (the same back in the backward)."""
+    runs' last kernel - 1 rows travel in one all-to-all (the same back in the backward;
+    with return_final_states, kernel rows a run)."""
     describe = "causal_conv1d"
 
     def local_checks():
@@ -89,9 +95,14 @@ def causal_conv1d(
                            layout=layout, seq_lens=seq_lens, varlen=varlen, agreed=agreed,
                            local_checks=local_checks, inputs=(weight, bias))  # fmt: skip
     kernel = weight.shape[1]
-    zero = x.new_zeros((x.shape[0], kernel - 1, x.shape[2]))
-    if kernel == 1:
+    # A cache keeps the last `kernel` inputs; the convolution reads kernel - 1 before each row.
+    kept = kernel if return_final_states else kernel - 1
+    zero = x.new_zeros((x.shape[0], kept, x.shape[2]))
+    if kept == 0:
         return conv_runs(x, weight, bias, activation, runs.mine, [zero] * len(runs.mine))
-    gathered = runs.gather(conv_tails(x, runs.mine, kernel))
-    halos = runs.incoming(gathered, next_halo, zero)
-    return runs.joined(conv_runs(x, weight, bias, activation, runs.mine, halos), gathered)
+    gathered = runs.gather(conv_tails(x, runs.mine, kept + 1))
+    halos = [halo[:, kept - (kernel - 1) :] for halo in runs.incoming(gathered, next_halo, zero)]
+    out = runs.joined(conv_runs(x, weight, bias, activation, runs.mine, halos), gathered)
+    if return_final_states:
+        return out, runs.final_states(gathered, next_halo, zero)
+    return out

@@ -19,6 +19,7 @@ convolution of kernel K passes the last K - 1 inputs of each run instead.
     runs.mine                                          this rank's runs, in local row order
     runs.gather(per_run)                               (mine, ...) -> (every run, ...), piece order
     runs.incoming(gathered, step, zero)                the state entering each of this rank's runs
+    runs.final_states(gathered, step, zero)            every document's state after its last run
 
 gather is differentiable: its backward sums, for each run, the gradients every rank's
 composition gave its summary (the reverse all-to-all), so the recurrences' gradients are
@@ -157,6 +158,23 @@ class SequenceRuns:
         if self.ranks.world_size == 1:
             return per_run
         return _gather_summed(per_run, group_from_name(self.ranks.name), counts)
+
+    def final_states(self, gathered: torch.Tensor, step: Callable, zero: torch.Tensor) -> torch.Tensor:
+        """Every document's state after its last run, on every rank: (documents x batch,
+        ...), zero's (batch, ...) per document in document order (a dense sequence: one
+        document of the call's batch; packed documents: batch 1), step and gathered as
+        incoming's. What a cache keeps for the tokens after the sequence (generation)."""
+        offsets = [0]
+        for runs in self.pieces:
+            offsets.append(offsets[-1] + len(runs))
+        order = sorted((run.start, piece, index) for piece, runs in enumerate(self.pieces)
+                       for index, run in enumerate(runs))  # fmt: skip
+        states: dict[int, torch.Tensor] = {}
+        for _, piece, index in order:
+            run = self.pieces[piece][index]
+            states[run.document] = step(states.get(run.document, zero), gathered[offsets[piece] + index], run)
+        documents = len(self.bounds) - 1
+        return torch.stack([states.get(document, zero) for document in range(documents)]).flatten(0, 1)
 
     @staticmethod
     def joined(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:

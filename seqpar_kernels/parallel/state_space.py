@@ -70,7 +70,8 @@ def ssd_scan(
     layout: str = "contiguous",
     seq_lens: list[int] | None = None,
     varlen=None,
-) -> torch.Tensor:
+    return_final_states: bool = False,
+):
     """Mamba2's SSD scan (the mixers of Bamba, Falcon-H1, GraniteMoeHybrid, Nemotron-H)
     of a sequence sharded across ranks.
 
@@ -85,6 +86,9 @@ def ssd_scan(
     chunk_size: the tokens of a run scanned at once (the result is the same up to
     rounding whatever it is; memory grows with it).
     <where>: the module docstring's (group or grid, layout, seq_lens, varlen).
+    return_final_states: also return every sequence's final state (sequences, heads,
+    head_dim, state_size) in the compute dtype, on every rank (sequences: the batch, or
+    the packed documents): what a cache keeps for the tokens after it.
     Returns y (batch, seqlen_local, heads, head_dim) in x's dtype, computed in fp32 (fp64
     for fp64 x): transformers' mamba2_chunk_scan on the whole sequence. Differentiable in
     every tensor input (each rank's A, D and dt_bias gradients are its rows' share:
@@ -130,10 +134,11 @@ def ssd_scan(
                    functools.partial(ssd_summaries, dt_f, A_f), ssd_next_state,
                    functools.partial(ssd_state_shares, dt_f, A_f, C_f), zero,
                    summary_shape=(batch, heads, 1 + head_dim * state_size), empty=(batch, 0, heads, head_dim),
-                   inputs=(x, dt, A, B, C, D, dt_bias))  # fmt: skip
+                   inputs=(x, dt, A, B, C, D, dt_bias), final_states=return_final_states)  # fmt: skip
+    y, finals = y if return_final_states else (y, None)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x_f
-    return y.to(x.dtype)
+    return (y.to(x.dtype), finals) if return_final_states else y.to(x.dtype)
 
 
 def selective_scan(
@@ -154,7 +159,8 @@ def selective_scan(
     layout: str = "contiguous",
     seq_lens: list[int] | None = None,
     varlen=None,
-) -> torch.Tensor:
+    return_final_states: bool = False,
+):
     """Mamba's selective scan (the mixers of Jamba, Mamba, FalconMamba) of a sequence
     sharded across ranks.
 
@@ -170,6 +176,8 @@ def selective_scan(
         then y_t * silu(z_t)
     from a zero state at the sequence's (or the document's) start.
     <where>: the module docstring's (group or grid, layout, seq_lens, varlen).
+    return_final_states: also return every sequence's final state (sequences, channels,
+    state_size) in the compute dtype, on every rank (ssd_scan's).
     Returns (batch, seqlen_local, channels) in u's dtype, computed in fp32 (fp64 for fp64
     u): transformers' mamba_selective_scan on the whole sequence. Differentiable in every
     tensor input (each rank's A, D and delta_bias gradients are its rows' share:
@@ -208,23 +216,25 @@ def selective_scan(
                    functools.partial(selective_summaries, delta_f, A_f), selective_next_state,
                    functools.partial(selective_state_shares, delta_f, A_f, C_f), zero,
                    summary_shape=(batch, channels, 2 * A.shape[1]), empty=(batch, 0, channels),
-                   inputs=(u, delta, A, B, C, D, z, delta_bias))  # fmt: skip
+                   inputs=(u, delta, A, B, C, D, z, delta_bias), final_states=return_final_states)  # fmt: skip
+    y, finals = y if return_final_states else (y, None)
     if D is not None:
         y = y + D.to(dtype) * u_f
     if z is not None:
         y = y * F.silu(z.to(dtype))
-    return y.to(u.dtype)
+    return (y.to(u.dtype), finals) if return_final_states else y.to(u.dtype)
 
 
 def _scan_runs(runs: SequenceRuns, from_zero, summaries, next_state, shares, zero, *, summary_shape, empty,
-               inputs):  # fmt: skip
+               inputs, final_states=False):  # fmt: skip
     """The scan of this rank's rows, run by run: every run from a zero state (from_zero(spans)
     -> y, the final states; spans: the runs' (first local row, length)), the runs'
     summaries (summaries(spans, finals): (R, *summary_shape)) gathered from every rank, and
     what the state entering each run adds (next_state composes them from `zero`;
     shares(spans, states) -> y's shape) for the runs that continue a document.
     Returns (batch, seqlen_local, ...) in the compute dtype; `empty` is its shape when
-    this rank holds no rows, then still in the graph of `inputs`."""
+    this rank holds no rows, then still in the graph of `inputs`. final_states: also
+    every sequence's state after its last run (SequenceRuns.final_states)."""
     spans = [(run.local_start, run.length) for run in runs.mine]
     if spans:
         out, finals = from_zero(spans)
@@ -239,7 +249,8 @@ def _scan_runs(runs: SequenceRuns, from_zero, summaries, next_state, shares, zer
     continuing = [(span, state) for span, state in zip(spans, entering) if state is not zero]
     if continuing:
         out = out + shares([span for span, _ in continuing], torch.stack([state for _, state in continuing]))
-    return runs.joined(out, gathered)
+    out = runs.joined(out, gathered)
+    return (out, runs.final_states(gathered, next_state, zero)) if final_states else out
 
 
 def _check_tensor(describe, name, value, dims, dtypes, shape=None, device=None):

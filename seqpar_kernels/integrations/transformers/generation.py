@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from seqpar_kernels.layouts import tensor_split_sizes
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
@@ -116,6 +122,47 @@ class ShardedLayer(CacheLayerMixin):
         raise ValueError("ShardedCache: beam search reorders the cache by sequence; it is not supported (num_beams=1)")
 
 
+class ShardedStateLayer(LinearAttentionLayer):
+    """A recurrent mixer's states (its convolution's last inputs, its recurrence's state),
+    the same on every rank: the prompt's final states come from the sequence-parallel
+    op's (return_final_states: every sequence's, on every rank), the decode steps update
+    them on every rank alike (transformers' own single-token functions)."""
+
+    # Never compiled as a static cache: generate then builds no mask tensor of the padded batch.
+    is_compileable = False
+
+    def __init__(self, cache: ShardedCache, **kwargs):
+        super().__init__(**kwargs)
+        self.cache = cache
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        # The prompt's inputs as they are (this rank's, packed): its convolution is the
+        # sequence-parallel one, which keeps each sequence's last inputs (keep_conv_state).
+        if self.cache.step is not None and self.cache.step.kind == "prefill":
+            return conv_states
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
+
+    def keep_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0) -> None:
+        """Every sequence's last kernel inputs (sequences, channels, kernel) after the prompt."""
+        self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        self.conv_states[state_idx].copy_(conv_states)
+        self.has_previous_state[state_idx] = True
+
+
+class ShardedAttentionAndStateLayer(ShardedStateLayer, ShardedLayer):
+    """A layer with attention and a recurrent mixer side by side (Falcon-H1)."""
+
+    def __init__(self, cache: ShardedCache, **kwargs):
+        ShardedLayer.__init__(self, cache)
+        ShardedStateLayer.__init__(self, cache, **kwargs)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # the attention's keys and values
+            ShardedLayer.lazy_initialization(self, *args)
+        else:
+            ShardedStateLayer.lazy_initialization(self, **kwargs)
+
+
 @dataclass
 class Step:
     """What the running call does with the cache.
@@ -160,7 +207,7 @@ class ShardedCache(Cache):
     seen         the padded length generate counts (the prompt's columns, then one a step)
     steps        decode steps run: the step's keys go to piece steps % pieces"""
 
-    def __init__(self, parallelism: SequenceParallelism, num_layers: int):
+    def __init__(self, parallelism: SequenceParallelism, config):
         self.parallelism = parallelism
         self.lengths: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -168,7 +215,18 @@ class ShardedCache(Cache):
         self.seen = 0
         self.steps = 0
         self.step: Step | None = None
-        super().__init__(layers=[ShardedLayer(self) for _ in range(num_layers)])
+        # The model's own layer kinds (transformers' DynamicCache of its config): attention,
+        # recurrent states, or both.
+        layers = []
+        for layer in DynamicCache(config=config).layers:
+            states = isinstance(layer, LinearAttentionCacheLayerMixin)
+            if states:
+                options = dict(number_of_states=layer.number_of_states)
+                kind = ShardedAttentionAndStateLayer if isinstance(layer, CacheLayerMixin) else ShardedStateLayer
+                layers.append(kind(self, **options))
+            else:
+                layers.append(ShardedLayer(self))
+        super().__init__(layers=layers)
 
     @property
     def capacity(self) -> int:
@@ -272,14 +330,14 @@ def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> None:
     model.seqpar_generation_hooks = ()
     if int(transformers.__version__.split(".")[0]) < 5:
         return
-    num_layers = model.config.get_text_config().num_hidden_layers
+    config = model.config
 
     def before(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, Cache) or module.training:
             _running.cache = None
             return None
-        return _prepare(module, kwargs, cache, parallelism, num_layers)
+        return _prepare(module, kwargs, cache, parallelism, config)
 
     def after(module, args, kwargs, output):
         cache = running_step()
@@ -294,7 +352,7 @@ def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> None:
     )
 
 
-def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism, num_layers: int):
+def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism, config):
     """The call's inputs rewritten for its step (prefill or decode)."""
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("generate over a sharded cache: pass input_ids, not inputs_embeds")
@@ -305,7 +363,7 @@ def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism
                 f"generate over a sharded cache: got a {type(cache).__name__} holding "
                 f"{cache.get_seq_length()} tokens; pass back the ShardedCache a sequence-parallel generate returned"
             )
-        cache = ShardedCache(parallelism, num_layers)
+        cache = ShardedCache(parallelism, config)
     elif cache.parallelism != parallelism:
         raise ValueError(f"generate: the cache was made for {cache.parallelism}, the model runs {parallelism}")
     kwargs = {key: value for key, value in kwargs.items() if key != "past_key_values"}

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.parallel.gated_delta import gated_delta_rule
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
@@ -38,7 +39,7 @@ __all__ = ["install", "mixers_of", "HANDLED_FUNCTIONS"]
 def _where(context) -> dict:
     """The ops' keyword arguments for the running mixer: its groups, and the batch's
     layout and lengths (a packed batch: its varlen plan)."""
-    parallelism, shard = context
+    parallelism, shard, _ = context
     where = parallelism.group_kwargs()
     if shard is None:
         return dict(where, layout=parallelism.dense_layout)
@@ -48,37 +49,57 @@ def _where(context) -> dict:
 
 
 def _conv(context, hidden_states, weight, bias=None, activation=None, **kwargs):
-    """transformers' causal_conv1d_fn: hidden_states (B, C, S) -> (B, C, S)."""
-    out = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation, **_where(context))
+    """transformers' causal_conv1d_fn: hidden_states (B, C, S) -> (B, C, S). In a
+    generate's prefill, every sequence's last inputs go to the cache's layer."""
+    cache = _prefilling()
+    out = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation,
+                        return_final_states=cache is not None, **_where(context))  # fmt: skip
+    if cache is not None:
+        out, finals = out  # (sequences, kernel, channels)
+        cache.layers[context[2].layer_idx].keep_conv_state(finals.transpose(1, 2).to(hidden_states.dtype))
     return out.transpose(1, 2)
+
+
+def _prefilling():
+    """The ShardedCache of a generate's prefill running now, or None."""
+    cache = running_step()
+    return cache if cache is not None and cache.step.kind == "prefill" else None
+
+
+def _decoding() -> bool:
+    cache = running_step()
+    return cache is not None and cache.step.kind == "decode"
 
 
 def _ssd(context, hidden_states, dt, A, B, C, chunk_size=256, D=None, dt_bias=None, initial_states=None,
          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
     """transformers' mamba2_chunk_scan: hidden_states (B, S, H, P) -> (B, S, H, P) fp32,
-    as transformers' scan returns it."""
+    as transformers' scan returns it [, every sequence's final state (generate's prefill)]."""
     return ssd_scan(hidden_states.float(), dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                    dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), **_where(context))  # fmt: skip
+                    dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states,
+                    **_where(context))  # fmt: skip
 
 
 def _selective(context, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                return_last_state=False, **kwargs):  # fmt: skip
     """transformers' mamba_selective_scan: hidden_states, dt, z (B, D, S), B and C
-    (B, N, S) -> (B, D, S)."""
+    (B, N, S) -> (B, D, S) [, every sequence's final state (generate's prefill)]."""
     out = selective_scan(
         hidden_states.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=D,
         z=None if z is None else z.transpose(1, 2), delta_bias=delta_bias, delta_softplus=delta_softplus,
-        **_where(context),
+        return_final_states=return_last_state, **_where(context),
     )  # fmt: skip
-    return out.transpose(1, 2)
+    return (out[0].transpose(1, 2), out[1]) if return_last_state else out.transpose(1, 2)
 
 
 def _gated_delta(context, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
     """transformers' torch_chunk_gated_delta_rule: query, key (B, S, Hk, dk), value
-    (B, S, Hv, dv), g and beta (B, S, Hv) -> ((B, S, Hv, dv), no final state)."""
-    out = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm_in_kernel, **_where(context))
-    return out, None
+    (B, S, Hv, dv), g and beta (B, S, Hv) -> ((B, S, Hv, dv), every sequence's final
+    state where asked (generate's prefill) or None)."""
+    out = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                           return_final_states=output_final_state, **_where(context))  # fmt: skip
+    return out if output_final_state else (out, None)
 
 
 # The functions a mixer calls by name, and what runs in their place under sequence parallelism.
@@ -101,7 +122,7 @@ MIXING_FUNCTIONS = (
 )  # fmt: skip
 _RUNS = (*HANDLED_FUNCTIONS, *FUSED_FUNCTIONS, *DECODE_FUNCTIONS)
 
-# The mixers running now on this thread: (parallelism, shard), innermost last.
+# The mixers running now on this thread: (parallelism, shard, module), innermost last.
 _running = threading.local()
 
 
@@ -121,11 +142,15 @@ def _dispatcher(name: str, original):
         if name in FUSED_FUNCTIONS:
             return None
         if name in DECODE_FUNCTIONS:
+            if _decoding():  # generate's decode step: the same token and states on every rank
+                return original(*args, **kwargs)
             raise ValueError(
-                f"sequence-parallel mixers: {name} decodes one token from a cache, which is not sequence-parallel; "
-                "pass use_cache=False"
+                f"sequence-parallel mixers: {name} decodes one token from a cache outside a sequence-parallel "
+                "generate; pass use_cache=False"
             )
-        return HANDLED_FUNCTIONS[name](stack[-1], *args, **_without_cache(name, kwargs))
+        if _prefilling() is None:
+            kwargs = _without_cache(name, kwargs)
+        return HANDLED_FUNCTIONS[name](stack[-1], *args, **kwargs)
 
     dispatch.seqpar_original = original
     dispatch.__name__ = dispatch.__qualname__ = name
@@ -222,11 +247,16 @@ def _entering(parallelism: SequenceParallelism, name: str, latest: _LatestShard)
     def enter(module, args, kwargs):
         shard = kwargs.get("sequence_shard", latest.shard)
         # Pushed first: the leaving hook runs even when this one raises.
-        _stack().append((parallelism, shard if isinstance(shard, SequenceShard) else None))
+        _stack().append((parallelism, shard if isinstance(shard, SequenceShard) else None, module))
         cached = [key for key in ("cache", "cache_params", "past_key_values") if kwargs.get(key) is not None]
-        if cached:
+        generating = running_step()
+        if cached and generating is None:
             raise ValueError(f"{name}: got a cache ({cached[0]}): sequence-parallel mixers run training and prefill "
-                             "over the sharded sequence without one; pass use_cache=False")  # fmt: skip
+                             "over the sharded sequence without one, or a sequence-parallel generate; pass "
+                             "use_cache=False")  # fmt: skip
+        if generating is not None and generating.step.kind == "chunk":
+            raise ValueError(f"{name}: a next turn over a sharded cache does not run recurrent mixers yet; generate "
+                             "from the whole conversation")  # fmt: skip
         if shard is not None and (not isinstance(shard, SequenceShard) or shard.parallelism != parallelism):
             made = shard.parallelism if isinstance(shard, SequenceShard) else type(shard).__name__
             raise ValueError(

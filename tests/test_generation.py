@@ -144,6 +144,8 @@ def test_one_process():
 
 @on_every_rank
 def run_refusals():
+    import torch.distributed as dist
+
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     groups = integration._parallelism("ring", 2)
@@ -157,6 +159,11 @@ def run_refusals():
         lambda: model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2, pad_token_id=0, use_cache=True),
         "beam",
     )
+    # Samplers seeded differently on the ranks: the first step that differs raises everywhere.
+    problems["different draws"] = raises(
+        lambda: _generate(model, ids, mask, seed=1 + dist.get_rank(), sample=True), "different tokens"
+    )
+    problems["different prompts"] = raises(lambda: _generate(model, ids + dist.get_rank(), mask, 1), "different tokens")
     return {name: problem for name, problem in problems.items() if problem}
 
 

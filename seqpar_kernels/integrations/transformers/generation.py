@@ -368,6 +368,7 @@ def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism
         raise ValueError(f"generate: the cache was made for {cache.parallelism}, the model runs {parallelism}")
     kwargs = {key: value for key, value in kwargs.items() if key != "past_key_values"}
     kwargs["cache"] = cache
+    _check_same_tokens(input_ids, parallelism)
     if cache.seen == 0:
         kwargs.update(_prefill(cache, input_ids, kwargs.get("attention_mask"), parallelism))
     elif input_ids.shape[1] > 1:
@@ -383,6 +384,23 @@ def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism
         kwargs.update(position_ids=step.query_positions, attention_mask=None)
     _running.cache = cache
     return (), kwargs
+
+
+def _check_same_tokens(input_ids: torch.Tensor, parallelism: SequenceParallelism) -> None:
+    """Raises ValueError on every rank unless every rank passed the same input_ids: one
+    all-reduce of 2 x batch values per call (ranks whose samplers draw differently would
+    otherwise go on with different sequences)."""
+    sums = input_ids.to(torch.float64) @ torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device,
+                                                       dtype=torch.float64)  # fmt: skip
+    extremes = torch.cat([sums, -sums])  # (2 batch,) max then -min over the ranks
+    for group in parallelism.groups():
+        if group is not None:
+            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+    if not torch.equal(extremes[: sums.shape[0]], -extremes[sums.shape[0] :]):
+        raise ValueError(
+            "generate over a sharded cache: the ranks were given different tokens (sampling: seed every rank "
+            "alike, torch.manual_seed(seed), before generate)"
+        )
 
 
 def _prefill(cache: ShardedCache, input_ids: torch.Tensor, attention_mask, parallelism: SequenceParallelism) -> dict:

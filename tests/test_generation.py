@@ -36,9 +36,24 @@ def _prompt(batch: int, length: int, padded: bool, seed: int = 3):
     return ids, mask
 
 
-def _generate(model, ids, mask, seed, cache=None, sample=False):
+class _Streamer:
+    """A streamer as generate feeds one (put each step's tokens, end): what it was given."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.append(value.reshape(-1, value.shape[-1] if value.dim() > 1 else 1))
+
+    def end(self):
+        pass
+
+
+def _generate(model, ids, mask, seed, cache=None, sample=False, streamer=None):
     torch.manual_seed(seed)
     options = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
+    if streamer is not None:
+        options["streamer"] = streamer
     # use_cache: the families' configs (built for training) say False.
     return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, cache=cache,
                           use_cache=True, return_dict_in_generate=True, output_scores=True, **options)  # fmt: skip
@@ -74,8 +89,15 @@ def run_generate(cases):
         sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
         ids, mask = _prompt(case.get("batch", 2), case.get("length", 19), case.get("padded", True))
         name = case["id"]
-        ours, theirs = (_generate(m, ids, mask, seed=11, sample=case.get("sample", False)) for m in (model, reference))
+        streamers = (_Streamer(), _Streamer()) if case.get("streamer") else (None, None)
+        ours, theirs = (_generate(m, ids, mask, seed=11, sample=case.get("sample", False), streamer=streamer)
+                        for m, streamer in zip((model, reference), streamers))  # fmt: skip
         failures += _compare(name, ours, theirs)
+        if case.get("streamer"):
+            streamed = [torch.cat([t.reshape(ids.shape[0], -1) for t in s.tokens], 1) for s in streamers]
+            if not torch.equal(streamed[0], ours.sequences) or not torch.equal(streamed[0], streamed[1]):
+                failures.append(f"{name}: the streamer got {streamed[0].tolist()}, generate returned "
+                                f"{ours.sequences.tolist()}")  # fmt: skip
         cache = ours.cache
         # Every rank's share: the prompt's real tokens over the pieces, and a decoded token a piece in turn.
         pieces = dist.get_world_size()
@@ -105,6 +127,9 @@ def test_greedy_and_sampled_match_one_process(world_size):
         _case("ulysses", sample=True, next_turn=True),
         _case("ring", family="gemma2", padded=False),
         _case("ring", layout="balanced", family="gpt_oss", batch=3),
+        # Chunked attention (chunks of 6 over a 23-token prompt) and a no-RoPE layer's
+        # temperature, one sequence; a streamer fed on every rank.
+        _case("ring", layout="balanced", family="llama4", batch=1, length=23, padded=False, streamer=True),
     ]
     failures = [failure for per_rank in pool_for(world_size).run(run_generate, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)

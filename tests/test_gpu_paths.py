@@ -10,6 +10,10 @@
 - Ring, Ulysses and USP attention over an NCCL process group of one rank (its
   collectives: the ranks' check, Ulysses' all-to-all), forward and backward, against
   fp64 attention by the same rule.
+- Inference over a KV cache on the GPU: decode_attention_partial over shards of a cache
+  merged by merge_attention_partials (the CUDA attention_merge_), decode_attention and
+  prefill_attention (pass-KV and pass-Q) over an NCCL group of one rank, in bf16 and fp16
+  at head dims 64 and 128, against fp64 attention over the whole cache by the same rule.
 """
 
 from __future__ import annotations
@@ -198,4 +202,89 @@ def test_ring_ulysses_and_usp_over_nccl_with_one_rank(nccl_world, causal):
         ours = reference.with_grads(function, [q, k, v], dout)
         failures += [f"{name} {failure}" for failure in _failures([ours[0], *ours[2:]], [exact[0], *exact[2:]],
                                                                   [plain[0], *plain[2:]], dtype)]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+def _inference_problem(generator, dtype, head_dim, cached=(700, 1, 333), chunk=48, heads=8, kv_heads=2):
+    """Each sequence's cached keys and values at positions 0..cached[b]-1 and a chunk of
+    `chunk` new tokens after them: (B, T, H or H_kv, D) tensors in dtype on the GPU, T the
+    longest cache plus the chunk (rows past a sequence's end are never seen)."""
+    batch, longest = len(cached), max(cached) + chunk
+    q = _randn(generator, batch, longest, heads, head_dim, dtype=dtype)
+    k, v = (_randn(generator, batch, longest, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v, torch.tensor(cached, device="cuda")
+
+
+def _exact_and_plain(q, k, v, q_positions, k_positions, k_valid, variant):
+    """fp64 attention of q over every valid key (the yardstick: the same in q's dtype)."""
+    keep = reference.visible_at(q_positions, k_positions, causal=True, window_size=variant.get("window", (-1, -1)))
+    keep = (keep & k_valid[:, None, :])[:, None]  # (B, 1, Tq, T)
+    options = dict(softcap=variant.get("softcap", 0.0), sinks=variant.get("sinks"))
+    exact = reference.masked_attention(q.double(), k.double(), v.double(), keep, **options)[0]
+    plain = reference.masked_attention(q, k, v, keep, **options)[0]
+    return exact, plain
+
+
+INFERENCE_VARIANTS = [
+    dict(),
+    dict(window=(100, 0), softcap=30.0),
+    dict(sinks=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_inference_over_a_sharded_cache_on_the_gpu(nccl_world, dtype, head_dim):
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    q_all, k, v, cached = _inference_problem(generator, dtype, head_dim)
+    batch, longest = k.shape[:2]
+    chunk = longest - int(cached.max())
+    positions = torch.arange(longest, device="cuda").expand(batch, longest)
+    failures = []
+    for index, drawn in enumerate(INFERENCE_VARIANTS):
+        variant = dict(drawn)
+        if variant.get("sinks"):
+            variant["sinks"] = torch.randn(q_all.shape[2], generator=generator, device="cuda", dtype=torch.float32)
+        else:
+            variant.pop("sinks", None)
+        options = dict(window_size=variant.get("window", (-1, -1)), softcap=variant.get("softcap", 0.0))
+        # Decode: each sequence's query at its last cached position, the cache dealt to 3
+        # shards by position (one of them empty for the 1-token sequence).
+        q = torch.stack([q_all[b, int(cached[b]) - 1] for b in range(batch)])[:, None]  # (B, 1, H, D)
+        q_positions = cached[:, None] - 1
+        valid = positions < cached[:, None]
+        exact, plain = _exact_and_plain(q, k, v, q_positions, positions, valid, variant)
+        owner = torch.randint(3, (batch, longest), generator=generator, device="cuda")
+        outs, lses = [], []
+        for shard in range(3):
+            mine = valid & (owner == shard)
+            lengths = mine.sum(1)
+            order = torch.argsort((~mine).to(torch.int8), dim=1, stable=True)  # this shard's rows first
+            take = lambda t: torch.gather(t, 1, order[..., None, None].expand(-1, -1, *t.shape[2:]))  # noqa: E731
+            with torch.no_grad():
+                out, lse = sp.decode_attention_partial(q, take(k), take(v), q_positions=q_positions,
+                                                       cache_positions=torch.gather(positions, 1, order),
+                                                       cache_lengths=lengths, **options)  # fmt: skip
+            outs.append(out)
+            lses.append(lse)
+        merged = sp.merge_attention_partials(outs, lses, sinks=variant.get("sinks"))[0].to(dtype)
+        with torch.no_grad():
+            whole = sp.decode_attention(q, k, v, q_positions=q_positions, cache_positions=positions,
+                                        cache_lengths=cached, group=nccl_world, sinks=variant.get("sinks"),
+                                        **options)  # fmt: skip
+        for name, got in (("decode partials merged", merged), ("decode_attention", whole)):
+            failures += [f"variant {index} {name} {f}" for f in _failures([got], [exact], [plain], dtype)]
+        # A chunk of new tokens after each sequence's cache (a next turn): pass-KV and pass-Q.
+        q_positions = cached[:, None] + torch.arange(chunk, device="cuda")
+        rows = q_positions[..., None, None]
+        new_q = torch.gather(q_all, 1, rows.expand(-1, -1, *q_all.shape[2:]))
+        new_k, new_v = (torch.gather(t, 1, rows.expand(-1, -1, *t.shape[2:])) for t in (k, v))
+        keys_seen = valid | ((positions >= cached[:, None]) & (positions < cached[:, None] + chunk))
+        exact, plain = _exact_and_plain(new_q, k, v, q_positions, positions, keys_seen, variant)
+        for method in ("pass-kv", "pass-q"):
+            with torch.no_grad():
+                got = sp.prefill_attention(new_q, new_k, new_v, k, v, q_positions=q_positions,
+                                           cache_positions=positions, cache_lengths=cached, method=method,
+                                           group=nccl_world, sinks=variant.get("sinks"), **options)  # fmt: skip
+            failures += [f"variant {index} prefill {method} {f}" for f in _failures([got], [exact], [plain], dtype)]
     assert not failures, "\n".join(failures)

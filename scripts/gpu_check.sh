@@ -14,8 +14,9 @@
 #         info   nvidia-smi, python -m seqpar_kernels.info, versions (into build.log)
 #         test   the GPU tests (SHORT_TESTS: the CUDA kernels against the CPU kernels, the
 #                Triton step kernels, the aten backend's library kernels, NCCL with one
-#                rank), on every core with pytest-xdist where installed, a time limit
-#                per test with pytest-timeout, each failure reported as it happens
+#                rank, the gated delta rule's Triton kernels), on every core with
+#                pytest-xdist where installed, a time limit per test with pytest-timeout,
+#                each failure reported as it happens
 #         bench  python -m bench --short on this GPU: the step kernels of both backends
 #                against SDPA's flash and cuDNN, pack/unpack/merge against a plain copy,
 #                the ring's overlap probe; records the measured step backend
@@ -113,6 +114,7 @@ SHORT_TESTS=(
   tests/test_ring_attention.py::test_one_gpu_matches_reference
   tests/test_ring_schedule.py::test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies
   tests/test_attention_layouts.py::test_cuda_paths_take_any_layout
+  tests/test_gated_delta_kernels.py
 )
 SHORT_TEST_TIMEOUT=120  # seconds per test (pytest-timeout), compiles included
 SHORT_BENCH=(--short --world-size 1 --only ring-step --only kernels --only ring-probe)

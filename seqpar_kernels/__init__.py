@@ -8,6 +8,8 @@ Public API:
     varlen_plan                                            (packed documents: varlen=plan)
     ssd_scan, selective_scan                               (state-space scans of hybrid models:
                                                             Mamba2's SSD and Mamba's selective scan)
+    gated_delta_rule                                       (Gated DeltaNet's mixer over the sharded
+                                                            sequence, its state passed across ranks)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
@@ -25,6 +27,7 @@ from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
 )
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
@@ -53,6 +56,7 @@ __all__ = [
     "VarlenPlan",
     "ssd_scan",
     "selective_scan",
+    "gated_delta_rule",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
     "shard_batch",

@@ -11,6 +11,7 @@ formulas of what each collective sends, the one place they are written.
     window_ring_steps          where a causal window stops the ring (equal pieces)
     usp_bytes                  usp_attention: the Ulysses group's and the ring group's
     state_passing_bytes        the recurrent mixers' state across ranks (CallBytes)
+    gated_delta_summary_bytes  one run's summary of the gated delta rule
 
 The formulas are pure arithmetic on lengths, heads and element sizes: the tests and
 the benchmarks compare comm_stats with them, and the README quotes them. Pieces follow
@@ -250,6 +251,13 @@ def state_passing_bytes(
     forward = (len(row) - 1) * row[ulysses_index] + (len(slots) - 1) * slots[ring_index]
     backward = (sum(row) - row[ulysses_index]) + (sum(slots) - slots[ring_index])
     return CallBytes(forward * summary_bytes, backward * summary_bytes)
+
+
+def gated_delta_summary_bytes(batch: int, value_heads: int, key_dim: int, value_dim: int, element_size: int = 4) -> int:
+    """One run's summary in gated_delta_rule (state_passing_bytes' summary_bytes): its
+    transition (dk, dk) and final state (dk, dv) per batch entry and value head, in the
+    compute dtype (fp32; fp64 for fp64 inputs)."""
+    return batch * value_heads * key_dim * (key_dim + value_dim) * element_size
 
 
 def _slot_pieces(seq_lens: Sequence[int], ring_index: int, ulysses_size: int) -> list[int]:

@@ -4,9 +4,8 @@ through apply + shard_batch + causal_lm_loss + all_reduce_gradients on gloo rank
 transformers' own single-process run (loss and every parameter's gradient), in every
 mode; a packed batch against each document run alone; what cannot run raises.
 
-The parity harness is tests/test_transformers_integration.py's (run_parity_cases): its
-FAMILIES gain the hybrid families here, in every process that imports this module (the
-rank pool's workers import it to run this module's rank functions)."""
+The parity harness is tests/test_transformers_integration.py's (run_parity_cases); each
+case carries its family's spec (config class, model class, settings)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import test_transformers_integration as integration  # noqa: E402
 from conftest import pool_for  # noqa: E402
-from on_ranks import on_every_rank, raises  # noqa: E402
+from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
 
 # (config class, model class, what the tiny config sets); layers of every kind, mixers
 # between attention layers.
@@ -25,7 +24,17 @@ from on_ranks import on_every_rank, raises  # noqa: E402
 # rank's piece), a convolution of kernel 3.
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, mamba_d_conv=3,
                mamba_expand=1)  # fmt: skip
+# Gated DeltaNet: 2 q/k heads serving 4 value heads of 16, a convolution of kernel 3.
+_GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=3)  # fmt: skip
 HYBRID_FAMILIES = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",  # Gated DeltaNet (2 q/k heads, 4 value heads), MoE
+                   # (top 2 of 4 experts: with top 1 the router's normalised weight is 1 and its gradient noise)
+                   dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",  # Gated DeltaNet and gated attention, text
+                dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA)),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",  # short convolutions of kernel 3 (windows of 2 rows back)
              dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3)),
     "bamba": ("BambaConfig", "BambaForCausalLM",  # Mamba2 layers around an attention layer
@@ -42,7 +51,6 @@ HYBRID_FAMILIES = {
               dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
                    mamba_d_state=8, mamba_d_conv=3, mamba_expand=1)),
 }  # fmt: skip
-integration.FAMILIES.update(HYBRID_FAMILIES)
 
 
 def _here() -> list[str]:
@@ -50,13 +58,17 @@ def _here() -> list[str]:
 
 
 def _cases(family: str) -> list[dict]:
-    case = integration._case
+    spec = HYBRID_FAMILIES[family]
+
+    def case(*args, **extra):
+        return integration._case(*args, family=family, family_spec=spec, **extra)
+
     return [
-        case("ulysses", "contiguous", "dense", family=family),
-        case("ring", "balanced", "packed", family=family, per_document=True),
-        case("ring", "contiguous", "padded", family=family),
-        case("usp", "balanced", "dense", family=family, ulysses=2),
-        case("usp", "contiguous", "packed", family=family, ulysses=2, per_document=True),
+        case("ulysses", "contiguous", "dense"),
+        case("ring", "balanced", "packed", per_document=True),
+        case("ring", "contiguous", "padded"),
+        case("usp", "balanced", "dense", ulysses=2),
+        case("usp", "contiguous", "packed", ulysses=2, per_document=True),
     ]
 
 
@@ -75,8 +87,23 @@ def test_family_matches_the_single_process_model(family):
 
 
 def test_three_ranks_uneven_pieces():
-    cases = [integration._case("ring", "contiguous", "dense", family=family, seqlen=29) for family in _here()]
+    cases = [
+        integration._case("ring", "contiguous", "dense", family=family, family_spec=HYBRID_FAMILIES[family], seqlen=29)
+        for family in _here()
+    ]
     failures = [failure for per_rank in pool_for(3).run(run_hybrid_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_three_adamw_steps_match():
+    """Gated DeltaNet and Mamba2 layers trained for three steps: the losses stay the
+    single-process model's (after the first step Adam's update is compared through them)."""
+    cases = [
+        integration._case("ring", "balanced", "packed", family=family, family_spec=HYBRID_FAMILIES[family], steps=3,
+                          per_document=True)
+        for family in ("qwen3_next", "bamba") if family in _here()
+    ]  # fmt: skip
+    failures = [failure for per_rank in pool_for(2).run(run_hybrid_cases, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 
@@ -101,8 +128,8 @@ def test_unknown_mixers_raise_naming_them():
 def run_cache_raises(family):
     import seqpar_kernels.integrations.transformers as sp_transformers
 
-    model = integration._family_model(family)
-    groups = {"group": integration.timeout_group()}
+    model = integration._family_model(family, spec=HYBRID_FAMILIES[family])
+    groups = {"group": timeout_group()}
     sp_transformers.apply(model, "ring", **groups)
     batch, _, _ = integration._batch("dense", 11)
     local = sp_transformers.shard_batch(batch, mode="ring", **groups)
@@ -122,10 +149,11 @@ def test_mixers_run_their_original_outside_an_applied_model():
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     for family in _here():
-        applied, plain = integration._family_model(family), integration._family_model(family)
+        spec = HYBRID_FAMILIES[family]
+        applied, plain = integration._family_model(family, spec=spec), integration._family_model(family, spec=spec)
         sp_transformers.apply(applied, "ring")
         ids = torch.randint(0, integration.VOCAB, (1, 9))
         with torch.no_grad():
             first = plain(input_ids=ids).logits
-            again = integration._family_model(family)(input_ids=ids).logits
+            again = integration._family_model(family, spec=spec)(input_ids=ids).logits
         torch.testing.assert_close(first, again, rtol=0, atol=0)

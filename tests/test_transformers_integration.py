@@ -80,10 +80,11 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def _family_model(family: str, dtype=torch.float32, seed=0):
-    """A tiny random model of the family on eager attention; sinks drawn at a scale that
-    matters (the models initialise them near 0)."""
-    config_class, model_class, settings = FAMILIES[family]
+def _family_model(family: str, dtype=torch.float32, seed=0, spec=None):
+    """A tiny random model of the family (FAMILIES', or spec: (config class, model class,
+    settings)) on eager attention; sinks drawn at a scale that matters (the models
+    initialise them near 0), state-space decays slow enough to matter."""
+    config_class, model_class, settings = spec or FAMILIES[family]
     config = getattr(transformers, config_class)(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, max_position_embeddings=256, use_cache=False, **settings,
@@ -95,6 +96,10 @@ def _family_model(family: str, dtype=torch.float32, seed=0):
         for name, parameter in model.named_parameters():
             if name.endswith("sinks"):
                 parameter.normal_(0.0, 1.0)
+            if name.endswith("A_log"):
+                # Hybrid mixers' decays: slow ones, whose gradients are not rounding noise (A up to 16 decays
+                # every state within a few tokens and leaves A_log a gradient of order 1e-5).
+                parameter.copy_(torch.empty_like(parameter).uniform_(0.05, 0.5).log())
     return model.to(dtype)
 
 
@@ -195,7 +200,7 @@ def run_parity_cases(cases):
         groups = _parallelism(mode, case.get("ulysses", 2))
         batch, labels, positions = _batch(case["batch"], case.get("seqlen", 37))
         if "family" in case:
-            reference = _family_model(case["family"])
+            reference = _family_model(case["family"], spec=case.get("family_spec"))
         else:
             reference = _model(_config(**case.get("config", {})), torch.float32)
         model = copy.deepcopy(reference).to(dtype)
@@ -251,7 +256,7 @@ def run_parity_cases(cases):
 
 
 def _case(mode, layout, batch, **extra):
-    extra_id = "-".join(f"{key}={value}" for key, value in extra.items() if key != "config")
+    extra_id = "-".join(f"{key}={value}" for key, value in extra.items() if key not in ("config", "family_spec"))
     config_id = "-".join(f"{key}{value}" for key, value in extra.get("config", {}).items())
     return dict(id="-".join(filter(None, [mode, layout, batch, config_id, extra_id])), mode=mode, layout=layout,
                 batch=batch, **extra)  # fmt: skip

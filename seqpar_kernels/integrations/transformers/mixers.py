@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
@@ -72,8 +73,19 @@ def _selective(context, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=N
     return out.transpose(1, 2)
 
 
+def _gated_delta(context, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """transformers' torch_chunk_gated_delta_rule: query, key (B, S, Hk, dk), value
+    (B, S, Hv, dv), g and beta (B, S, Hv) -> ((B, S, Hv, dv), no final state)."""
+    out = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm_in_kernel, **_where(context))
+    return out, None
+
+
 # The functions a mixer calls by name, and what runs in their place under sequence parallelism.
-HANDLED_FUNCTIONS = {"causal_conv1d_fn": _conv, "mamba2_chunk_scan": _ssd, "mamba_selective_scan": _selective}
+HANDLED_FUNCTIONS = {
+    "causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _gated_delta, "mamba2_chunk_scan": _ssd,
+    "mamba_selective_scan": _selective,
+}  # fmt: skip
 # Fused kernels' entry points: None makes the mixer take its unfused path.
 FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 # One token at a time from a cache (generation): not sequence-parallel.
@@ -170,22 +182,45 @@ def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> dict[st
     """Make the model's mixers sequence-parallel under `parallelism` (apply() calls it):
     the dispatchers in their modeling modules, and hooks on each mixer that give the
     dispatchers the parallelism and the batch's SequenceShard while it runs. Replaces
-    the hooks of an earlier install. Returns the mixers by path."""
+    the hooks of an earlier install. Returns the mixers by path.
+
+    The shard reaches a mixer in its keyword arguments where the model passes them down
+    (Qwen3-Next, Bamba, ...); where it does not (Jamba), from the model's own call: hooks
+    on the model and its base model record the shard of the latest call (a gradient
+    checkpoint's recomputation, in the backward, reads the call it belongs to: the latest)."""
     mixers = mixers_of(model)
+    latest = _LatestShard()
+    for module in {id(m): m for m in (model, getattr(model, "base_model", model))}.values():
+        recording = module.register_forward_pre_hook(latest.record, with_kwargs=True)
+        _replace_hooks(module, "seqpar_shard_hooks", (recording,))
     for module in mixers.values():
         _patch(module)
-        for handle in getattr(module, "seqpar_mixer_hooks", ()):
-            handle.remove()
-        module.seqpar_mixer_hooks = (
-            module.register_forward_pre_hook(_entering(parallelism, type(module).__name__), with_kwargs=True),
+        _replace_hooks(module, "seqpar_mixer_hooks", (
+            module.register_forward_pre_hook(_entering(parallelism, type(module).__name__, latest), with_kwargs=True),
             module.register_forward_hook(_leaving, always_call=True),
-        )
+        ))  # fmt: skip
     return mixers
 
 
-def _entering(parallelism: SequenceParallelism, name: str):
+def _replace_hooks(module: torch.nn.Module, attribute: str, handles: tuple) -> None:
+    for handle in getattr(module, attribute, ()):
+        handle.remove()
+    setattr(module, attribute, handles)
+
+
+class _LatestShard:
+    """The SequenceShard of the model's latest call (None: called without one)."""
+
+    def __init__(self):
+        self.shard = None
+
+    def record(self, module, args, kwargs):
+        self.shard = kwargs.get("sequence_shard")
+
+
+def _entering(parallelism: SequenceParallelism, name: str, latest: _LatestShard):
     def enter(module, args, kwargs):
-        shard = kwargs.get("sequence_shard")
+        shard = kwargs.get("sequence_shard", latest.shard)
         # Pushed first: the leaving hook runs even when this one raises.
         _stack().append((parallelism, shard if isinstance(shard, SequenceShard) else None))
         cached = [key for key in ("cache", "cache_params", "past_key_values") if kwargs.get(key) is not None]

@@ -1,0 +1,108 @@
+"""The gated delta rule (Gated DeltaNet, the linear-attention layers of Qwen3-Next and
+Qwen3.5) over a sequence sharded across ranks: exact against the recurrence over the
+whole sequence in one process (per document for packed ones), forward and backward.
+
+    gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, <where>)
+
+<where>: the keyword arguments every mixer takes (parallel/recurrent.py's docstring):
+group, or mesh / ulysses_group and ring_group; layout; seq_lens; varlen.
+
+How the state travels (parallel/state_passing.py): the recurrence is affine in the state
+entering a run of consecutive positions, S_after = M_r S_before + B_r, so each rank runs
+its runs from a zero state and summarises each by (M_r (dk, dk), B_r (dk, dv)) per batch
+entry and value head, in one chunked pass on the value [v | 0] from the state [0 | I]
+(engine/gated_delta.py); the ranks gather every run's summary, each composes those
+before its runs in their document into the state S_in entering each, and adds S_in^T
+(M_{<=t}^T q_t) to each token's output. Summary: batch x Hv x dk x (dk + dv) x 4 bytes
+(fp32; 8 for fp64 inputs: traffic.gated_delta_summary_bytes); bytes
+traffic.state_passing_bytes with it (none when every piece's runs start their documents).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from seqpar_kernels.engine.gated_delta import corrected, gated_delta_runs, next_state
+from seqpar_kernels.parallel.recurrent import DTYPES
+from seqpar_kernels.parallel.state_passing import SequenceRuns
+
+__all__ = ["gated_delta_rule"]
+
+
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: float | None = None, use_qk_l2norm: bool = False, group=None, mesh=None, ulysses_group=None,
+    ring_group=None, layout: str = "contiguous", seq_lens: list[int] | None = None, varlen=None,
+) -> torch.Tensor:  # fmt: skip
+    """The gated delta rule over this rank's rows of a sharded sequence; per value head,
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
+
+    from S = 0 at the sequence's (each document's) start, as transformers'
+    torch_chunk_gated_delta_rule computes it on the whole sequence.
+
+    q, k: (batch, seqlen_local, Hk, dk); v: (batch, seqlen_local, Hv, dv), Hv a multiple
+    of Hk (q/k head i serves value heads i * Hv // Hk to (i + 1) * Hv // Hk - 1);
+    g (the log decay, <= 0), beta: (batch, seqlen_local, Hv). q, k, v of one dtype (fp32,
+    fp16, bf16 or fp64), g and beta of any of those; one device; any strides.
+    scale: q's scale (None: dk**-0.5); use_qk_l2norm: q and k L2-normalised first
+    (x / sqrt(|x|^2 + 1e-6), as use_qk_l2norm_in_kernel).
+    <where>: the module docstring's (group or grid, layout, seq_lens, varlen).
+    Returns (batch, seqlen_local, Hv, dv) in q's dtype, computed in fp32 (fp64 for fp64
+    inputs). Differentiable in q, k, v, g and beta.
+
+    Bytes: every run's summary (traffic.gated_delta_summary_bytes) to every other rank
+    forward, the gradients back: traffic.state_passing_bytes."""
+    describe = "gated_delta_rule"
+
+    def local_checks():
+        tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+        for name, x in tensors.items():
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype not in DTYPES:
+                kind = f"{x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{describe}: {name} must be a tensor of {DTYPES}, got {kind}")
+            if x.device != q.device:
+                raise ValueError(f"{describe}: every input must be on q's device {q.device}, {name} is on {x.device}")
+        if q.dim() != 4 or k.shape != q.shape or q.shape[2] < 1 or q.shape[3] < 1:
+            raise ValueError(f"{describe}: q and k must be (batch, seqlen_local, Hk, dk) alike, "
+                             f"got {tuple(q.shape)} and {tuple(k.shape)}")  # fmt: skip
+        if v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[3] < 1 or v.shape[2] % max(q.shape[2], 1):
+            raise ValueError(f"{describe}: v must be (batch, seqlen_local, Hv, dv) with Hv a multiple of "
+                             f"q's {q.shape[2]} heads, got {tuple(v.shape)} for q {tuple(q.shape)}")  # fmt: skip
+        for name, x in (("g", g), ("beta", beta)):
+            if x.shape != v.shape[:3]:
+                raise ValueError(f"{describe}: {name} must be (batch, seqlen_local, Hv) = {tuple(v.shape[:3])}, "
+                                 f"got {tuple(x.shape)}")  # fmt: skip
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"{describe}: q, k and v must be of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not 0 < scale < math.inf):  # fmt: skip
+            raise ValueError(f"{describe}: scale must be None or a positive finite number, got {scale!r}")
+        if not isinstance(use_qk_l2norm, bool):
+            raise ValueError(f"{describe}: use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+
+    agreed = (describe, *(_all_but_length(x) for x in (q, k, v, g, beta)), scale, use_qk_l2norm)
+    runs = SequenceRuns.of(describe, q, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                           layout=layout, seq_lens=seq_lens, varlen=varlen, agreed=agreed,
+                           local_checks=local_checks, inputs=(k, v, g, beta))  # fmt: skip
+    continues = [run.start > runs.bounds[run.document] for run in runs.mine]
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+    if not any(run.start > runs.bounds[run.document] for piece in runs.pieces for run in piece):
+        # Every run starts its document: no state crosses a rank.
+        out, _ = gated_delta_runs(q, k, v, g, beta, runs.mine, transitions=False, **options)
+        return out.to(q.dtype)
+    out, summaries = gated_delta_runs(q, k, v, g, beta, runs.mine, transitions=any(continues), **options)
+    gathered = runs.gather(summaries)
+    zero = gathered.new_zeros(gathered.shape[1:-1] + (v.shape[3],))
+    incoming = runs.incoming(gathered, next_state, zero)
+    value_dim = v.shape[3]
+    return runs.joined(corrected(out, runs.mine, incoming, continues, value_dim), gathered).to(q.dtype)
+
+
+def _all_but_length(x):
+    """What every rank's x must agree on: its shape but the local length, and its dtype."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return type(x).__name__
+    return (x.shape[0], *x.shape[2:], x.dtype)

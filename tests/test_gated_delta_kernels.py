@@ -1,0 +1,128 @@
+"""The gated delta rule's Triton kernels (seqpar_kernels/kernels/gated_delta_kernels.py):
+the chunks' sequential pass and its backward against the torch loops they replace, the
+chunked rule with them against the rule without them (outputs and every gradient), and
+their compiles for GPUs that are not here (no register spill in the chunk loop).
+Without CUDA they run in the Triton interpreter on CPU tensors (conftest.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton_interpreter import runs_triton_on
+
+pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
+from seqpar_kernels.engine import gated_delta  # noqa: E402
+from seqpar_kernels.kernels import gated_delta_kernels as kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter computes the products in fp32; a GPU in TF32 (the kernels' module
+# docstring): operands rounded to 2^-11 relative, in sums of up to dk = 128 O(1) terms.
+TOLERANCE = dict(atol=1e-5, rtol=1e-5) if DEVICE == "cpu" else dict(atol=1e-2, rtol=1e-2)
+
+
+def _randn(*shape, generator, scale=1.0):
+    return (scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).float().to(DEVICE)
+
+
+def _pass_inputs(batch, heads, chunk_offsets, chunk, key_dim, value_dim, generator):
+    """w, u, k_decayed, decay, initial of a pass over runs of chunk_offsets."""
+    chunks = chunk_offsets[-1]
+    w, k_decayed = (_randn(batch, heads, chunks, chunk, key_dim, generator=generator, scale=0.3) for _ in range(2))
+    u = _randn(batch, heads, chunks, chunk, value_dim, generator=generator)
+    decay = torch.rand(batch, heads, chunks, generator=generator).to(DEVICE)
+    initial = _randn(len(chunk_offsets) - 1, batch, heads, key_dim, value_dim, generator=generator)
+    return w, u, k_decayed, decay, initial
+
+
+# dk below tl.dot's 16 and not a power of two; dv over several column blocks; a run of no chunk.
+SHAPES = [
+    (2, 3, [0, 2, 2, 5], 16, 5, 7),
+    (1, 2, [0, 3], 16, 48, 70),
+    (1, 1, [0, 1, 4], 32, 128, 20),
+]
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("batch, heads, chunk_offsets, chunk, key_dim, value_dim", SHAPES)
+def test_pass_and_its_backward_are_the_torch_loops(batch, heads, chunk_offsets, chunk, key_dim, value_dim):
+    generator = torch.Generator().manual_seed(0)
+    w, u, k_decayed, decay, initial = _pass_inputs(batch, heads, chunk_offsets, chunk, key_dim, value_dim, generator)
+    got = kernels.chunk_states_forward(w, u, k_decayed, decay, initial, chunk_offsets)
+    expected = gated_delta._states_forward_loop(w, u, k_decayed, decay, initial, chunk_offsets)
+    for name, mine, theirs in zip(["states", "new values", "final"], got, expected):
+        torch.testing.assert_close(mine, theirs, **TOLERANCE, msg=name)
+    grads = [_randn(*x.shape, generator=generator) for x in expected]
+    got = kernels.chunk_states_backward(w, k_decayed, decay, *grads, chunk_offsets)
+    expected = gated_delta._states_backward_loop(w, k_decayed, decay, *grads, chunk_offsets)
+    for name, mine, theirs in zip(["d after", "d values", "d initial"], got, expected):
+        torch.testing.assert_close(mine, theirs, **TOLERANCE, msg=name)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("use_qk_l2norm", [True, False], ids=["l2norm", "no l2norm"])
+def test_chunked_rule_with_the_kernels_is_the_rule_without(use_qk_l2norm):
+    """Outputs, final state and every gradient (the initial state's too), two chunks of 16
+    and a partial third, grouped heads."""
+    generator = torch.Generator().manual_seed(1)
+    batch, length, key_heads, value_heads, key_dim, value_dim = 2, 40, 1, 2, 8, 12
+    inputs = [
+        _randn(batch, length, key_heads, key_dim, generator=generator),
+        _randn(batch, length, key_heads, key_dim, generator=generator),
+        _randn(batch, length, value_heads, value_dim, generator=generator),
+        -torch.rand(batch, length, value_heads, generator=generator).to(DEVICE),
+        torch.rand(batch, length, value_heads, generator=generator).to(DEVICE),
+        _randn(batch, value_heads, key_dim, value_dim, generator=generator),
+    ]
+    if not use_qk_l2norm:  # unit keys keep the steps contractions
+        inputs[1] = torch.nn.functional.normalize(inputs[1], dim=-1)
+    dout = _randn(batch, length, value_heads, value_dim, generator=generator)
+    dfinal = _randn(batch, value_heads, key_dim, value_dim, generator=generator)
+
+    def outputs_and_gradients(backend):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out, final = gated_delta.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], chunk_size=16,
+                                                        use_qk_l2norm=use_qk_l2norm, backend=backend)  # fmt: skip
+        torch.autograd.backward([out, final], [dout, dfinal])
+        return [out.detach(), final.detach(), *(leaf.grad for leaf in leaves)]
+
+    names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
+    for name, mine, theirs in zip(names, outputs_and_gradients("triton"), outputs_and_gradients("torch")):
+        torch.testing.assert_close(mine, theirs, **TOLERANCE, msg=name)
+
+
+def _compiled_for_gpus() -> list[dict]:
+    """Both kernels compiled for sm_90 (H100/H200) as a launch at dk 128 (Qwen3-Next's)
+    and 256 would compile them: what the compiled kernels take."""
+    from tools.ahead_of_time import compile_for_gpu
+
+    # The compile reads the pointers' dtypes (meta tensors stand for them) and the sizes.
+    tensor, offsets = torch.empty(0, device="meta"), torch.empty(0, dtype=torch.int32, device="meta")
+    rows = []
+    for key_dim, value_dim in [(128, 256), (256, 256)]:  # dv + dk: the value's and the transition's columns
+        sizes = (32, 8, key_dim, value_dim)  # B * H, chunks
+        for kernel, pointers in [(kernels.chunk_states_fwd_kernel, 8), (kernels.chunk_states_bwd_kernel, 9)]:
+            launch = kernels.launch_of(kernel, key_dim, value_dim, gated_delta.CHUNK_SIZE)
+            resources = compile_for_gpu(launch, (*[tensor] * pointers, offsets, *sizes), 90)
+            rows.append(dict(kernel=kernel.__name__, key_dim=key_dim, registers=resources.registers,
+                             spills_in_loops=resources.spills_in_loops, loops=resources.loops))  # fmt: skip
+    return rows
+
+
+def test_the_kernels_compile_for_gpus_without_spills_in_their_loop():
+    """A spilling kernel is only slower, which no test on this machine would see: the
+    compile for an H100 (no GPU needed), in a process of its own (the interpreter is on here)."""
+    pytest.importorskip("triton.backends.nvidia")
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(result.stdout.splitlines()[-1])
+    assert len(rows) == 4 and all(row["loops"] >= 1 for row in rows), rows
+    assert not [row for row in rows if row["spills_in_loops"]], rows
+
+
+if __name__ == "__main__":  # the compile of the test above, without the interpreter
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(json.dumps(_compiled_for_gpus()))

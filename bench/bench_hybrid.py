@@ -3,9 +3,10 @@ function on the whole sequence in one process; and the bytes a layer sends again
 gathering the sequence and against Ulysses.
 
 Rows (bench column "hybrid"), one per mixer, length and layout, forward + backward, fp32:
-  ours       the mixer (seqpar_kernels.causal_conv1d, ssd_scan, selective_scan) on every
-             rank, each holding S / P rows of a sequence of S tokens in the layout
-             (contiguous, or zigzag: chunks r and 2P-1-r of 2P), called with seq_lens;
+  ours       the mixer (seqpar_kernels.causal_conv1d, ssd_scan, selective_scan,
+             gated_delta_rule) on every rank, each holding S / P rows of a sequence of
+             S tokens in the layout (contiguous, or zigzag: chunks r and 2P-1-r of 2P),
+             called with seq_lens;
              the gradients of every input (each rank's weight gradients are its rows'
              share, which a training step's all_reduce_gradients sums once for the
              whole model: not timed)
@@ -40,8 +41,9 @@ in sequence order, the weights' summed over the ranks) against the one process's
 The mixers (MIXERS, one entry each: its inputs, what Ulysses splits, its summary's bytes,
 the call) at CPU sizes in the ratios of the models': Mamba2's SSD of 8 heads of 32 with
 state 64 and one group of B, C (Bamba, Nemotron-H: heads of 64, state 128), Mamba's
-selective scan of 256 channels with state 16 (Jamba, Mamba: state 16), the short
-convolution of kernel 4 on 512 channels.
+selective scan of 256 channels with state 16 (Jamba, Mamba: state 16), Gated DeltaNet's
+rule of 4 q/k heads serving 8 value heads, all of 32 (Qwen3-Next: 16 serving 32, of 128),
+the short convolution of kernel 4 on 512 channels.
 """
 
 from __future__ import annotations
@@ -60,15 +62,21 @@ from bench.plan import Size, Sizes
 from bench.rows import HYBRID_BENCH, Row
 from bench.timing import time_side_by_side
 from bench.verify import volume_against_theory
-from seqpar_kernels import causal_conv1d, comm_stats, gather_sequence, selective_scan, ssd_scan
+from seqpar_kernels import causal_conv1d, comm_stats, gated_delta_rule, gather_sequence, selective_scan, ssd_scan
 from seqpar_kernels.layouts import tensor_split_sizes
-from seqpar_kernels.traffic import CallBytes, gather_bytes, kv_heads_read, state_passing_bytes
+from seqpar_kernels.traffic import (
+    CallBytes,
+    gated_delta_summary_bytes,
+    gather_bytes,
+    kv_heads_read,
+    state_passing_bytes,
+)
 from tools.reference import ring_piece
 
 BASELINE_NOTE = (
-    "hybrid: each mixer (causal_conv1d, ssd_scan, selective_scan) forward + backward, fp32; ours = the "
-    "function on every rank's piece (contiguous, zigzag), its state passed across ranks; baseline = the "
-    "same function on the whole sequence in one process (rank 0 alone; on CPU with every core); x = one "
+    "hybrid: each mixer (causal_conv1d, ssd_scan, selective_scan, gated_delta_rule) forward + backward, fp32; "
+    "ours = the function on every rank's piece (contiguous, zigzag), its state passed across ranks; baseline = "
+    "the same function on the whole sequence in one process (rank 0 alone; on CPU with every core); x = one "
     "process / ours (on CPU ranks sharing cores: total work, not a parallel speedup); bytes per layer: "
     "state passing (measured) against gathering the inputs and against Ulysses (formulas)"
 )
@@ -93,6 +101,11 @@ def normal(values: torch.Tensor) -> torch.Tensor:
 def negative(values: torch.Tensor) -> torch.Tensor:
     """A decay rate: -exp of normal values (A of the scans)."""
     return -torch.exp(values)
+
+
+def log_decay(values: torch.Tensor) -> torch.Tensor:
+    """A log decay in (-1, 0): the gated delta rule's g (slow decays, as the tests draw)."""
+    return -torch.sigmoid(values)
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,7 @@ class Mixer:
 CONV_CHANNELS, CONV_KERNEL = 512, 4
 SSD_HEADS, SSD_HEAD_DIM, SSD_GROUPS, SSD_STATE = 8, 32, 1, 64
 SELECTIVE_CHANNELS, SELECTIVE_STATE = 256, 16
+DELTA_KEY_HEADS, DELTA_VALUE_HEADS, DELTA_KEY_DIM, DELTA_VALUE_DIM = 4, 8, 32, 32
 
 MIXERS = {
     "causal_conv1d": Mixer(
@@ -178,6 +192,24 @@ MIXERS = {
         call=lambda t, **where: selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"],
                                                delta_bias=t["delta_bias"], delta_softplus=True, **where),
     ),
+    "gated_delta_rule": Mixer(
+        model=f"Gated DeltaNet: {DELTA_KEY_HEADS} q/k heads x {DELTA_KEY_DIM} serving {DELTA_VALUE_HEADS} value "
+              f"heads x {DELTA_VALUE_DIM}, q/k L2 norm",
+        heads=DELTA_VALUE_HEADS,
+        sequence={
+            "q": Input((DELTA_KEY_HEADS, DELTA_KEY_DIM), DELTA_KEY_HEADS),
+            "k": Input((DELTA_KEY_HEADS, DELTA_KEY_DIM), DELTA_KEY_HEADS),
+            "v": Input((DELTA_VALUE_HEADS, DELTA_VALUE_DIM), DELTA_VALUE_HEADS),
+            "g": Input((DELTA_VALUE_HEADS,), DELTA_VALUE_HEADS, values=log_decay),
+            "beta": Input((DELTA_VALUE_HEADS,), DELTA_VALUE_HEADS, values=torch.sigmoid),
+        },
+        weights={},
+        output=(DELTA_VALUE_HEADS, DELTA_VALUE_DIM),
+        summary_bytes=lambda batch: gated_delta_summary_bytes(batch, DELTA_VALUE_HEADS, DELTA_KEY_DIM,
+                                                              DELTA_VALUE_DIM),
+        call=lambda t, **where: gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm=True,
+                                                 **where),
+    ),
 }  # fmt: skip
 
 
@@ -205,9 +237,9 @@ class HybridCase:
 # Total tokens per size; the selective scan's backward costs seconds at 4K tokens on CPU
 # (its (S, channels, state) intermediates), so the default runs it at 1K.
 QUICK_TOKENS = 64
-DEFAULT_TOKENS = {"causal_conv1d": (1024, 4096), "ssd_scan": (1024, 4096), "selective_scan": (1024,)}
-FULL_TOKENS = {"causal_conv1d": (1024, 4096, 8192), "ssd_scan": (1024, 4096, 8192),
-               "selective_scan": (1024, 4096, 8192)}  # fmt: skip
+DEFAULT_TOKENS = {"causal_conv1d": (1024, 4096), "ssd_scan": (1024, 4096), "selective_scan": (1024,),
+                  "gated_delta_rule": (1024, 4096)}  # fmt: skip
+FULL_TOKENS = {mixer: (1024, 4096, 8192) for mixer in MIXERS}
 GPU_TOKENS = (8192, 32768)
 
 
@@ -221,14 +253,14 @@ def cases(ctx: Context) -> list[HybridCase]:
 
 
 SIZES = Sizes(
-    quick=Size(f"3 mixers at {QUICK_TOKENS} tokens, contiguous and zigzag", 5),
+    quick=Size(f"4 mixers at {QUICK_TOKENS} tokens, contiguous and zigzag", 6),
     default=Size(
-        "conv and SSD at 1K and 4K tokens, the selective scan at 1K; contiguous and zigzag, forward + backward, "
-        "against one process",
-        35,
-        gpu_runs="3 mixers at 8K and 32K tokens, contiguous and zigzag",
+        "conv, SSD and gated delta rule at 1K and 4K tokens, the selective scan at 1K; contiguous and zigzag, "
+        "forward + backward, against one process",
+        45,
+        gpu_runs="4 mixers at 8K and 32K tokens, contiguous and zigzag",
     ),
-    full=Size("3 mixers at 1K, 4K and 8K tokens, contiguous and zigzag", 390, gpu_runs="the default's cases"),
+    full=Size("4 mixers at 1K, 4K and 8K tokens, contiguous and zigzag", 420, gpu_runs="the default's cases"),
 )
 
 

@@ -60,8 +60,9 @@ from seqpar_kernels.extension import build_info
 # table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone; "video" a
 # diffusers video transformer (Latte, Wan) under each mode of the diffusers integration
 # against diffusers' own context parallelism where it runs;
-# "hybrid" hybrid models' mixers (short convolution, Mamba2's and Mamba's scans) with their
-# state passed across ranks, against one process, and their bytes against gathering and Ulysses.
+# "hybrid" hybrid models' mixers (short convolution, Mamba2's and Mamba's scans, the gated
+# delta rule) with their state passed across ranks, against one process, and their bytes
+# against gathering and Ulysses.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),

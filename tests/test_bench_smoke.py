@@ -115,8 +115,8 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     # inputs and Ulysses would send.
     hybrid = [row for row in rows if row["bench"] == "hybrid"]
     cases = [(row["case"].split()[0], row["layout"]) for row in hybrid]
-    assert cases == [(mixer, layout) for mixer in ("causal_conv1d", "ssd_scan", "selective_scan")
-                     for layout in ("contiguous", "zigzag")], cases  # fmt: skip
+    mixers = ("causal_conv1d", "ssd_scan", "selective_scan", "gated_delta_rule")
+    assert cases == [(mixer, layout) for mixer in mixers for layout in ("contiguous", "zigzag")], cases
     for row in hybrid:
         assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
         assert int(row["bytes_if_gathered"]) > 0 and int(row["bytes_if_ulysses"]) > 0, row

@@ -330,9 +330,10 @@ def forward_backward(mixer: Mixer, tensors: dict, dout: torch.Tensor, **where) -
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest |got - want| over the largest |want|."""
-    scale = max(want.abs().max().item(), 1e-30) if want.numel() else 1.0
-    return (got.double() - want.double()).abs().max().item() / scale if want.numel() else 0.0
+    """The largest |got - want| over the largest |want| (0 for empty tensors)."""
+    if not want.numel():
+        return 0.0
+    return (got.double() - want.double()).abs().max().item() / max(want.abs().max().item(), 1e-30)
 
 
 def check(ctx: Context, mixer: Mixer, layout: str, ours: list, expected: list | None) -> tuple[str, str]:
@@ -372,7 +373,6 @@ def measure(case: HybridCase, ctx: Context, alone) -> list[Row]:
     mixer = MIXERS[case.mixer]
     world_size, rank = ctx.world_size, ctx.rank
     tensors = full_inputs(ctx, mixer, case.tokens)
-    seq_lens = tensor_split_sizes(case.tokens, world_size)
     along_sequence = set(mixer.sequence)
 
     dout = ctx.random((BATCH, case.tokens, *mixer.output), DTYPE, 99)
@@ -384,12 +384,13 @@ def measure(case: HybridCase, ctx: Context, alone) -> list[Row]:
                 return single_call()
         return None
 
-    ours = {}
+    ours, seq_lens = {}, {}
     for layout in case.layouts:
         local = {name: ring_piece(t, layout, rank, world_size) if name in along_sequence else t
                  for name, t in tensors.items()}  # fmt: skip
         local_dout = ring_piece(dout, layout, rank, world_size)
-        ours[layout] = forward_backward(mixer, local, local_dout, layout=layout, seq_lens=seq_lens)
+        seq_lens[layout] = [ring_piece(dout, layout, piece, world_size).shape[1] for piece in range(world_size)]
+        ours[layout] = forward_backward(mixer, local, local_dout, layout=layout, seq_lens=seq_lens[layout])
 
     expected = single() if ctx.is_root else None
     verdicts, volumes = {}, {}
@@ -400,15 +401,15 @@ def measure(case: HybridCase, ctx: Context, alone) -> list[Row]:
         volumes[layout] = volume_against_theory(ctx, sent.bytes_sent, theory.sent(True))
         verdicts[layout] = check(ctx, mixer, layout, results, expected)
 
-    # What the other two ways would send per layer (the lengths even: the same in every layout).
+    # What the other two ways would send per layer from this rank's piece.
     row_bytes = BATCH * sum(spec.row_elements for spec in mixer.sequence.values()) * DTYPE.itemsize
-    gathered = gathering_bytes(seq_lens, rank, row_bytes).sent(True)
-    ulysses = ulysses_mixer_bytes(
-        seq_lens, rank, heads=mixer.heads,
-        inputs=[(spec.groups, BATCH * spec.row_elements // spec.groups * DTYPE.itemsize)
-                for spec in mixer.sequence.values()],
-        output_bytes_per_head=BATCH * math.prod(mixer.output) // mixer.heads * DTYPE.itemsize,
-    ).sent(True)  # fmt: skip
+    inputs = [(spec.groups, BATCH * spec.row_elements // spec.groups * DTYPE.itemsize)
+              for spec in mixer.sequence.values()]  # fmt: skip
+    output_bytes_per_head = BATCH * math.prod(mixer.output) // mixer.heads * DTYPE.itemsize
+    gathered = {layout: gathering_bytes(lengths, rank, row_bytes).sent(True) for layout, lengths in seq_lens.items()}
+    ulysses = {layout: ulysses_mixer_bytes(lengths, rank, heads=mixer.heads, inputs=inputs,
+                                           output_bytes_per_head=output_bytes_per_head).sent(True)
+               for layout, lengths in seq_lens.items()}  # fmt: skip
 
     timing_ctx = ctx if ctx.quick else dataclasses.replace(ctx, **REPETITIONS)
     timings = time_side_by_side({SINGLE: single, **ours}, timing_ctx)
@@ -418,21 +419,23 @@ def measure(case: HybridCase, ctx: Context, alone) -> list[Row]:
     for layout in case.layouts:
         volume = volumes[layout]
         verdict, accuracy = verdicts[layout]
-        # Gathering sends row_bytes per token of a piece: state passing's bytes buy that many.
-        break_even = volume.theory / (gathered / seq_lens[rank]) if gathered else math.inf
+        # Even pieces of S_l rows: gathering sends 2 (P-1) S_l rows, state passing the same
+        # bytes at every S_l, so it sends less above this S_l.
+        break_even = volume.theory / (2 * (world_size - 1) * row_bytes) if world_size > 1 else math.inf
         sent = max(volume.measured, 1)
+        gather_sent, ulysses_sent = gathered[layout], ulysses[layout]
         detail = "; ".join([
             f"fp32 forward + backward; one process: rank 0 alone ({threads}), the whole sequence",
             f"bytes per layer (rank 0): state passing {_bytes(volume.measured)}, gathering the inputs "
-            f"{_bytes(gathered)} ({gathered / sent:.1f}x), Ulysses {_bytes(ulysses)} ({ulysses / sent:.1f}x); "
-            f"gathering sends less below {break_even:.0f} tokens per rank",
+            f"{_bytes(gather_sent)} ({gather_sent / sent:.1f}x), Ulysses {_bytes(ulysses_sent)} "
+            f"({ulysses_sent / sent:.1f}x); gathering sends less below {break_even:.0f} tokens per rank",
             accuracy,
         ])  # fmt: skip
         rows.append(timed_row(
             ctx, {"ours": timings[layout], "baseline": timings[SINGLE]},
             bench=HYBRID_BENCH, case=f"{case.mixer} {layout} S={case.tokens}", shape=case.shape, dtype="fp32",
             check=verdict, layout=layout, bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory,
-            volume_at_theory=volume.at_theory, bytes_if_gathered=gathered, bytes_if_ulysses=ulysses,
+            volume_at_theory=volume.at_theory, bytes_if_gathered=gather_sent, bytes_if_ulysses=ulysses_sent,
             detail=detail,
         ))  # fmt: skip
     return rows

@@ -4,7 +4,9 @@ kernel's TFLOP/s against SDPA's; for USP, each grid's time and bytes per group; 
 LM loss, the peak memory and time of ours and of materialised logits per token count; for
 the transformers training step, each mode's time and per-rank peak against one process's;
 for the video transformers, each mode's time against its baseline and its bytes; for memory,
-each configuration's peak per rank against the sequence's length."""
+each configuration's peak per rank against the sequence's length; for the hybrid mixers, each
+layout's time against one process's and the bytes per layer of state passing, gathering the
+inputs and Ulysses."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from bench.rows import (  # noqa: E402
+    HYBRID_BENCH,
     KERNEL_BENCHES,
     LOSS_BENCH,
     MEMORY_BENCH,
@@ -418,12 +421,57 @@ def _plot_memory(left, right, rows: list[Row]) -> None:
     right.set_title("memory: configurations side by side")
 
 
+HYBRID_BYTES = (  # (label, bytes of a row, color): per layer, rank 0, forward + backward
+    ("state passing (measured)", lambda row: row.bytes_sent_ours, "tab:green"),
+    ("gathering the inputs", lambda row: row.bytes_if_gathered, "lightgray"),
+    ("Ulysses (all-to-all of the inputs, the output back)", lambda row: row.bytes_if_ulysses, "tab:orange"),
+)
+
+
+def _plot_hybrid(left, right, rows: list[Row]) -> None:
+    """Each layout's time beside one process's, per case; and the bytes per layer of
+    state passing against gathering the inputs and Ulysses (log scale)."""
+    positions = list(range(len(rows)))
+    labels = [row.case for row in rows]
+    left.barh([p - 0.2 for p in positions], [row.ours_s * 1e3 for row in rows], 0.4, color="tab:green",
+              label="ours: the mixer on every rank")  # fmt: skip
+    left.barh([p + 0.2 for p in positions], [row.baseline_s * 1e3 for row in rows], 0.4, color="lightgray",
+              label="one process, the whole sequence")  # fmt: skip
+    for position, row in zip(positions, rows):
+        left.text(row.ours_s * 1e3, position - 0.2, f" {row.ours_s * 1e3:.1f} ms x{row.speedup:.2f}", va="center",
+                  fontsize=6)  # fmt: skip
+    times = [seconds * 1e3 for row in rows for seconds in (row.ours_s, row.baseline_s)]
+    left.set_xscale("log")  # the mixers' times differ by 100x
+    left.set_xlim(min(times) / 2, max(times) * 4)
+    left.set_yticks(positions, labels, fontsize=7)
+    left.invert_yaxis()
+    left.set_xlabel("ms per forward + backward (median; log scale); x = one process / ours")
+    _legend_on_top(left)
+    left.set_title("hybrid mixers: state passed across ranks vs one process", pad=PAD_FOR_LEGEND)
+    height = 0.8 / len(HYBRID_BYTES)
+    for index, (label, value, color) in enumerate(HYBRID_BYTES):
+        offset = (index - (len(HYBRID_BYTES) - 1) / 2) * height
+        right.barh([p + offset for p in positions], [max(value(row) or 0, 1) / 2**10 for row in rows], height,
+                   color=color, label=label)  # fmt: skip
+    for position, row in zip(positions, rows):
+        verdict = "" if row.volume_at_theory else " != theory"
+        right.text(max(row.bytes_sent_ours or 0, 1) / 2**10, position - (len(HYBRID_BYTES) - 1) / 2 * height,
+                   f" {(row.bytes_sent_ours or 0) / 2**10:.3g}{verdict}", va="center", fontsize=6)  # fmt: skip
+    right.set_xscale("log")
+    right.set_yticks(positions, labels, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("KiB sent by rank 0 per layer, forward + backward (log scale)")
+    _legend_on_top(right)
+    right.set_title("hybrid mixers: bytes per layer", pad=PAD_FOR_LEGEND)
+
+
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     on_gpu = metadata["device_type"] == "cuda"
     general = [
         row
         for row in rows
-        if row.bench not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
+        if row.bench
+        not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
     ]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
@@ -433,17 +481,19 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
     video = [row for row in rows if row.bench == VIDEO_BENCH]
     memory = [row for row in rows if row.bench == MEMORY_BENCH]
+    hybrid = [row for row in rows if row.bench == HYBRID_BENCH]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
     # the step kernels; USP; the LM loss; the transformers training step; video
-    # transformers; memory.
-    panel_rows = [len(panel) for panel in (general, ring, steps, usp, loss, hf, video, memory) if panel] or [0]
+    # transformers; memory; the hybrid mixers.
+    panels = (general, ring, steps, usp, loss, hf, video, memory, hybrid)
+    panel_rows = [len(panel) for panel in panels if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
         len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
         gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
     )  # fmt: skip
     line = iter(axes)
-    if general or not (ring or steps or usp or loss or hf or video or memory):
+    if general or not any(panels[1:]):
         left, right = next(line)
         _plot_speedups(left, general, on_gpu)
         _plot_kernel_bandwidth(right, general, on_gpu)
@@ -471,6 +521,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if memory:
         left, right = next(line)
         _plot_memory(left, right, memory)
+    if hybrid:
+        left, right = next(line)
+        _plot_hybrid(left, right, hybrid)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.rows import (
     CSV_COLUMNS,
     FAILED,
+    HYBRID_BENCH,
     LOSS_BENCH,
     MEMORY_BENCH,
     PROBE_BENCH,
@@ -149,6 +150,16 @@ def memory_line(row: Row) -> str:
             f"(/{row.baseline_peak_bytes / max(row.ours_peak_bytes, 1):.2f})")  # fmt: skip
 
 
+def hybrid_line(row: Row) -> str:
+    """The part of a hybrid row's line that says how it went (progress and summary): ours
+    against one process, the state passing's bytes against gathering the inputs and Ulysses."""
+    sent = max(row.bytes_sent_ours or 0, 1)
+    return (f"{_ms(row.ours_s)} vs one process {_ms(row.baseline_s)}: x{row.speedup:.2f} (won "
+            f"{row.ours_faster_share:.0%} of {row.reps} rounds, noise {row.noise:.0%}); {_sent(row)}, gathering "
+            f"{_bytes(row.bytes_if_gathered)} ({row.bytes_if_gathered / sent:.1f}x), Ulysses "
+            f"{_bytes(row.bytes_if_ulysses)} ({row.bytes_if_ulysses / sent:.1f}x)")  # fmt: skip
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
@@ -163,6 +174,8 @@ def progress_line(row: Row) -> str:
         return f"{row.bench:<16} {row.case:<40} {video_line(row)} | {row.check}"
     if row.bench == MEMORY_BENCH:
         return f"{row.bench:<16} {row.case:<32} {memory_line(row)} | {row.check}"
+    if row.bench == HYBRID_BENCH:
+        return f"{row.bench:<16} {row.case:<32} {hybrid_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -215,6 +228,9 @@ SUMMARY_SECTIONS = (
     ((MEMORY_BENCH,), "Memory per rank of a training step (peak = the allocator's most bytes held; /n = one rank's "
      "peak / this configuration's; fit: bytes per token and the longest sequence within the budget)", memory_line,
      32),
+    ((HYBRID_BENCH,), "Hybrid mixers, forward + backward (x = one-process time / the mixer's on every rank; on CPU "
+     "ranks sharing cores: total work; bytes per layer on rank 0: state passing, then what gathering the inputs "
+     "and Ulysses would send, as multiples of it)", hybrid_line, 32),
 )  # fmt: skip
 
 
@@ -227,7 +243,7 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
         if (
             row.bench in RING_ALL
             or row.bench in USP_BENCHES
-            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH)
+            or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
         ):
             continue
         won = f"{row.ours_faster_share:4.0%}"

@@ -26,6 +26,9 @@ VIDEO_BENCH = "video"
 # against P ranks, tiled MLPs and activation offload; "<configuration> fit" rows hold a
 # configuration's bytes per token
 MEMORY_BENCH = "memory"
+# bench_hybrid.py: hybrid models' mixers on P ranks, their state passed across ranks,
+# against the same function on the whole sequence in one process
+HYBRID_BENCH = "hybrid"
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -104,6 +107,11 @@ class Row:
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None
+    # A hybrid row (bench_hybrid.py): what rank 0 would send per layer (forward + backward)
+    # if the mixer gathered its inputs, or ran under Ulysses' all-to-alls (the formulas);
+    # bytes_sent_ours is the state passing's. Empty elsewhere.
+    bytes_if_gathered: int | None = None
+    bytes_if_ulysses: int | None = None
     detail: str = ""  # per-case notes: errors against the exact result, backends ...
 
 

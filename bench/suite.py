@@ -21,6 +21,7 @@ import torch
 
 import seqpar_kernels
 from bench import (
+    bench_hybrid,
     bench_kernels,
     bench_loss,
     bench_memory,
@@ -56,9 +57,12 @@ from seqpar_kernels.extension import build_info
 # "memory" the peak memory per rank of a training step at growing lengths (one rank
 # against P ranks, tiled MLPs, activation offload) and the bytes per token;
 # "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
-# table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone.
-# table of step_backend="auto"; "video" a diffusers video transformer (Latte, Wan) under each
-# mode of the diffusers integration against diffusers' own context parallelism where it runs.
+# table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone; "video" a
+# diffusers video transformer (Latte, Wan) under each mode of the diffusers integration
+# against diffusers' own context parallelism where it runs;
+# "hybrid" hybrid models' mixers (short convolution, Mamba2's and Mamba's scans, the gated
+# delta rule) with their state passed across ranks, against one process, and their bytes
+# against gathering and Ulysses.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
@@ -69,6 +73,7 @@ BENCHES = {
     "usp": (bench_usp,),
     "varlen": (bench_varlen,),
     "variants": (bench_variants,),
+    "hybrid": (bench_hybrid,),
     "loss": (bench_loss,),
     "transformers": (bench_transformers,),
     "video": (bench_video,),
@@ -128,6 +133,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         metadata["usp_baseline"] = bench_usp.BASELINE_NOTE
     if "variants" in only:
         metadata["variants_baseline"] = bench_variants.BASELINE_NOTE
+    if "hybrid" in only:
+        metadata["hybrid_baseline"] = bench_hybrid.BASELINE_NOTE
     if "varlen" in only:
         metadata["varlen_baseline"] = bench_varlen.BASELINE_NOTE
         metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()

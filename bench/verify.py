@@ -62,9 +62,14 @@ def measure_volume(ctx: Context, fn: Callable[[], object], theory: int) -> Volum
     """Runs fn once under comm_stats and compares the bytes sent with `theory`."""
     with comm_stats() as stats:
         fn()
-    equal = torch.tensor([int(stats.bytes_sent == theory)])
+    return volume_against_theory(ctx, stats.bytes_sent, theory)
+
+
+def volume_against_theory(ctx: Context, measured: int, theory: int) -> Volume:
+    """This rank's measured bytes against `theory`, judged on every rank (collective)."""
+    equal = torch.tensor([int(measured == theory)])
     all_equal = bool(ctx.reduce_over_ranks(equal, op=dist.ReduceOp.MIN).item())
-    return Volume(stats.bytes_sent, theory, all_equal)
+    return Volume(measured, theory, all_equal)
 
 
 def chunked_attention(q, k, v, dout, causal: bool, scale: float, dtype: torch.dtype):

@@ -110,6 +110,16 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
             assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
             reason = "has no _cp_plan" if row["case"].startswith("Latte") else "enable_parallelism needs an accelerator"
             assert "diffusers' context parallelism not run: " in row["detail"] and reason in row["detail"], row
+    # Hybrid mixers: every mixer in both layouts against one process (its output and
+    # gradients), the state passing's bytes at the formula, beside what gathering the
+    # inputs and Ulysses would send.
+    hybrid = [row for row in rows if row["bench"] == "hybrid"]
+    cases = [(row["case"].split()[0], row["layout"]) for row in hybrid]
+    mixers = ("causal_conv1d", "ssd_scan", "selective_scan", "gated_delta_rule")
+    assert cases == [(mixer, layout) for mixer in mixers for layout in ("contiguous", "zigzag")], cases
+    for row in hybrid:
+        assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
+        assert int(row["bytes_if_gathered"]) > 0 and int(row["bytes_if_ulysses"]) > 0, row
     # Memory: every configuration at both lengths (its loss one rank's), then its fitted line.
     memory = [row for row in rows if row["bench"] == "memory"]
     if importlib.util.find_spec("transformers") is not None:
@@ -129,6 +139,23 @@ def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
     quick, default, full = (RunPlan(BENCHES, size, on_gpu=False).total_estimate for size in SIZE_NAMES)
     assert default <= DEFAULT_BUDGET_S and REFERENCE_CORES == 2, default
     assert quick < default < full, (quick, default, full)
+
+
+def test_hybrid_ulysses_bytes_are_the_attention_formula_for_attention():
+    # The hybrid bench's Ulysses formula for any mixer's inputs: for attention's q (H
+    # groups), k and v (H_kv groups) and out it is traffic.ulysses_bytes.
+    from bench.bench_hybrid import ulysses_mixer_bytes
+    from seqpar_kernels.traffic import ulysses_bytes
+
+    head_dim, element_size = 16, 2
+    row = head_dim * element_size
+    for seq_lens, heads, kv_heads in [([8, 8, 8, 8], 8, 2), ([5, 3, 4], 6, 6), ([4, 4, 4, 4], 4, 1), ([7, 9], 3, 1)]:
+        for rank in range(len(seq_lens)):
+            mixer = ulysses_mixer_bytes(seq_lens, rank, heads=heads, inputs=[(heads, row), (kv_heads, row),
+                                        (kv_heads, row)], output_bytes_per_head=row)  # fmt: skip
+            attention = ulysses_bytes(seq_lens, rank, batch=1, num_heads=heads, num_kv_heads=kv_heads,
+                                      head_dim=head_dim, element_size=element_size)  # fmt: skip
+            assert mixer == attention, (seq_lens, heads, kv_heads, rank)
 
 
 def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):

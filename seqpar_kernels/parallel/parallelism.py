@@ -8,6 +8,7 @@
     parallelism.attention(q, k, v, ...)    the mode's attention function on its groups
     parallelism.gather_ints(values, dev)   every rank's small ints, in piece order
     parallelism.agree(describe, value, d)  raises on every rank unless every rank's value is one
+    parallelism.checked(describe, checks, d)  checks() on every rank: an error raises on every rank
 
 Modes and layouts (the attention functions' names):
     "ulysses"  ulysses_attention over one group; layout "contiguous" only (Ulysses attends
@@ -219,11 +220,19 @@ class SequenceParallelism:
 
     def agree(self, describe: str, value, device: torch.device | None = None) -> None:
         """Raises ValueError on every rank unless every rank passed the same `value` (its
-        repr is compared): one small all-gather per group, nested over USP's grid so
-        that a disagreement in any Ulysses group reaches every rank."""
+        repr is compared)."""
+        self.checked(describe, lambda: (value, None), device)
+
+    def checked(self, describe: str, local_checks, device: torch.device | None = None):
+        """Runs local_checks() on this rank, which raises ValueError or returns (agreed,
+        result), such that a rank's error raises on every rank, and so do ranks whose
+        `agreed` values differ (their reprs are compared): one small all-gather per
+        group, nested over USP's grid so that a disagreement in any Ulysses group
+        reaches every rank. Returns this rank's result."""
         ranks = self.ranks
         if isinstance(ranks, Grid):
-            checked_on_grid(describe, ranks, device, True, lambda: (0, value, None))
-            return
+            return checked_on_grid(describe, ranks, device, True, lambda: (0, *local_checks()))[0]
         with CheckedOnEveryRank(describe, ranks, device, exchange=True) as checks:
-            checks.share(0, value)
+            agreed, result = local_checks()
+            checks.share(0, agreed)
+        return result

@@ -4,6 +4,7 @@ ranks' gradient shares.
 
     shard_batch(batch, *, mode, ...)         this rank's input_ids, position_ids, shift_labels
     SequenceShard                            how a batch was sharded (what the attention reads)
+    document_starts(position_ids)            where a packed row's documents start
     all_reduce_gradients(parameters, ...)    each parameter's gradient summed over the ranks
 
 Modes and layouts: SequenceParallelism's (parallel/parallelism.py), the value a batch's
@@ -44,15 +45,26 @@ class SequenceShard:
                  them, which spares each call the metadata all-gather)
     varlen       the VarlenPlan of a packed batch, or None
     padded       whether right padding was folded into shift_labels (exact for causal
-                 attention only: the attention raises on a non-causal layer)"""
+                 attention only: the attention raises on a non-causal layer)
+    vision       what this rank's image and video tokens take from a vision-language
+                 model's vision tower (the transformers integration's VisionShard), or
+                 None
+
+    take(x, dim) gives this rank's tokens of a full-sequence tensor in the same layout."""
 
     parallelism: SequenceParallelism
     seq_lens: tuple[int, ...]
     varlen: VarlenPlan | None
     padded: bool
+    vision: object | None = None
+
+    def take(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's tokens of x (the full sequence along dim, the same on every rank),
+        in the shard's layout (the varlen plan's for a packed batch). Local."""
+        return self.varlen.split(x, dim) if self.varlen is not None else self.parallelism.take(x, dim)
 
 
-def _document_starts(position_ids: torch.Tensor) -> list[int]:
+def document_starts(position_ids: torch.Tensor) -> list[int]:
     """Where a new document starts in a (1, S) row of position ids: wherever a position
     is not its predecessor's plus one (what transformers reads as packed sequences)."""
     restarts = torch.nonzero(torch.diff(position_ids[0]) != 1).flatten() + 1
@@ -161,7 +173,7 @@ def shard_batch(
             )
         if padded:
             raise ValueError(f"{describe}: a packed batch (position ids restarting) must not be padded")
-        starts = _document_starts(position_ids)
+        starts = document_starts(position_ids)
         # The last token of each document would predict the next document's first one.
         shift_labels[0, torch.tensor(starts, dtype=torch.long, device=shift_labels.device) - 1] = ignore_index
         plan = varlen_plan(

@@ -26,6 +26,9 @@ Modules:
     loss        the loss computed inside the model's forward (where DDP and FSDP need it)
     memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
                 the backward needs, held in host memory)
+    vision      shard_batch (the core's, and a vision-language batch's images, videos
+                and multimodal positions: model=model), and what apply() installs on a
+                vision-language model so that each rank's tokens get their features
 
 Supported releases: transformers 4.56 and newer (the models that dispatch attention
 through AttentionInterface and build masks through masking_utils).
@@ -38,12 +41,13 @@ from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, 
 from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss
 from seqpar_kernels.integrations.transformers.masks import LayerMask
 from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
+from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
 )
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
-from seqpar_kernels.parallel.training import SequenceShard, all_reduce_gradients, shard_batch
+from seqpar_kernels.parallel.training import SequenceShard, all_reduce_gradients
 
 __all__ = [
     "register",

@@ -55,6 +55,8 @@ from seqpar_kernels.integrations.transformers.generation import install as insta
 from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
+from seqpar_kernels.integrations.transformers.vision import install as install_vision
+from seqpar_kernels.integrations.transformers.vision import vision_language_base
 from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
@@ -168,13 +170,12 @@ def _check_call(describe, module, query, key, dropout, kwargs) -> None:
         )
 
 
-def _global_rows(shard: SequenceShard | None, position_ids, settings: SequenceParallelism, device) -> torch.Tensor:
+def _global_rows(shard: SequenceShard | None, position_ids, device) -> torch.Tensor:
     """(S_local,) int64: the row of each of this rank's tokens in the full sequence (the
     packed row under varlen). Without a shard, the position ids (checked to be those)."""
     if shard is None:
         return position_ids[0]
-    rows = torch.arange(sum(shard.seq_lens), device=device)
-    return shard.varlen.split(rows, dim=0) if shard.varlen is not None else settings.take(rows, dim=0)
+    return shard.take(torch.arange(sum(shard.seq_lens), device=device), dim=0)
 
 
 def _rescale_temperature(module, query: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
@@ -242,7 +243,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
             raise ValueError(
                 f"{describe}: the layer scales its queries by row; pass position_ids or shard_batch's batch"
             )
-        query = _rescale_temperature(module, query, _global_rows(shard, position_ids, settings, query.device))
+        query = _rescale_temperature(module, query, _global_rows(shard, position_ids, query.device))
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -332,7 +333,10 @@ def apply(
     model: a PreTrainedModel whose attention goes through AttentionInterface and whose
         masks through masking_utils (Llama, Mistral, Qwen2/3, Gemma 2/3, gpt-oss,
         Llama 4's text model, Cohere 2, Phi3, ... in transformers >= 4.56): full,
-        sliding-window and chunked attention layers; text only.
+        sliding-window and chunked attention layers; or a vision-language model of
+        vision.VISION_LANGUAGE_TYPES (Qwen2.5-VL, Qwen3-VL, ...), whose language model
+        switches (its vision tower keeps its attention) and whose base model takes the
+        images and videos of shard_batch(..., model=model) (vision.install).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups).
@@ -343,7 +347,7 @@ def apply(
     Returns the SequenceParallelism it recorded on the model's modules (and as
     model.seqpar_parallelism). Calls register() first. Raises ValueError for a model
     that cannot switch (its attention does not dispatch through AttentionInterface),
-    that has sub-models (a vision tower's tokens are not sharded), or whose
+    that has sub-models other than a vision-language model's, or whose
     config.layer_types name layers other than ATTENTION_LAYER_TYPES (linear attention,
     convolutions, compressed attention: they would mix this rank's tokens only)."""
     settings = SequenceParallelism.resolve(
@@ -358,24 +362,24 @@ def apply(
     )
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"apply: model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    if getattr(model.config, "sub_configs", None):
-        raise ValueError(
-            f"apply: {type(model).__name__} has sub-models ({sorted(model.config.sub_configs)}); apply sequence "
-            "parallelism to its language model alone"
-        )
+    vision_language = vision_language_base(model, "apply")
+    # A vision-language model's vision tower keeps its own attention: each rank encodes whole frames.
+    language = model if vision_language is None else vision_language.language_model
     mixers = _check_layers(model)
     register()
     name = IMPLEMENTATIONS[mode]
-    model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    language.set_attn_implementation(name)
+    if language.config._attn_implementation != name:
         raise ValueError(
-            f"apply: {type(model).__name__} did not switch to {name!r} (it stays on "
-            f"{model.config._attn_implementation!r}): its attention does not dispatch through AttentionInterface"
+            f"apply: {type(language).__name__} did not switch to {name!r} (it stays on "
+            f"{language.config._attn_implementation!r}): its attention does not dispatch through AttentionInterface"
         )
     for module in model.modules():
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     if mixers:
         install(model, settings)
+    if vision_language is not None:
+        install_vision(vision_language)
     install_generation(model, settings)
     return settings
 

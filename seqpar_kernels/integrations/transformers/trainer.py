@@ -82,8 +82,8 @@ from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, h
 from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 from seqpar_kernels.integrations.transformers.memory import offload_activations as offloading
 from seqpar_kernels.integrations.transformers.memory import tile_mlp
+from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_options
-from seqpar_kernels.parallel.training import shard_batch
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelTrainerMixin"]
 
@@ -381,7 +381,7 @@ class SequenceParallelTrainerMixin:
             )
         parallelism = self.sequence_parallel
         return shard_batch(batch, mode=parallelism.mode, layout=parallelism.layout, ignore_index=IGNORE_INDEX,
-                           **parallelism.group_kwargs())  # fmt: skip
+                           model=self.accelerator.unwrap_model(self.model), **parallelism.group_kwargs())  # fmt: skip
 
     @staticmethod
     def _gather_rows(row: torch.Tensor) -> list[list[int]]:

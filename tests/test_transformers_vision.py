@@ -1,0 +1,257 @@
+"""Vision-language models under sequence parallelism
+(seqpar_kernels/integrations/transformers/vision.py): small random Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL (deepstack) and Qwen3-VL-MoE models (a vision tower of 2 blocks; images of 4 to
+12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
+all_reduce_gradients on gloo ranks must give transformers' own single-process run's loss
+and every parameter's gradient, the vision tower's included: images straddling rank
+boundaries, two images of different sizes and a video in one batch, padded and packed
+batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a
+collator of the test's own; and what cannot be honoured raises.
+
+The single-process reference: the model on the full batch, its multimodal positions
+computed by itself (packed batches: each document alone, the loss the mean over all
+their targets).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import tempfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import test_transformers_integration as integration  # noqa: E402
+from conftest import pool_for  # noqa: E402
+from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
+
+VOCAB = 96
+IMAGE, VIDEO, VISION_START, VISION_END = 90, 91, 92, 93
+TEXT = 80  # text tokens are drawn below this
+PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+
+
+def _rope(**extra) -> dict:
+    """The text config's multimodal rotary settings, as this release names them."""
+    if TRANSFORMERS_4:
+        return {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], **extra}}
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], **extra}}
+
+
+_QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, window_size=8,
+                      fullatt_block_indexes=[1], tokens_per_second=2)  # windows of 2 x 2 features, then full
+_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                     num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # deepstack into both layers
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+# (config class, model class, vision settings, text settings, whether video frames are separated by timestamps)
+FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=1, num_heads=2), {}, False),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", _QWEN25_VISION, {}, False),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16), True),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", _QWEN3_VISION,
+                     dict(head_dim=16, **_MOE), True),
+}  # fmt: skip
+
+
+def _here(family: str) -> bool:
+    return hasattr(transformers, FAMILIES[family][1])
+
+
+def _skip_unless_here(family: str) -> None:
+    if not _here(family):
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][1]}")
+
+
+def _model(family: str, seed: int = 0):
+    """A tiny random model of the family on eager attention (fp32)."""
+    config_class, model_class, vision, text, _ = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                         **_rope(), **text),
+        vision_config=dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, **vision),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    model.set_attn_implementation("eager")
+    return model
+
+
+# ----------------------------------------------------------------------------------
+# Batches: segments of text, images and videos
+# ----------------------------------------------------------------------------------
+
+# What each kind of batch holds, row by row (packed: document by document, in one row).
+# Images of 6 and 12 features, a video of 2 frames of 4 features: 9 to 40 tokens per row.
+CONTENTS = {
+    "dense": [[("text", 3), ("image", (1, 4, 6)), ("text", 4), ("video", (2, 4, 4)), ("text", 5)],
+              [("text", 2), ("image", (1, 6, 8)), ("text", 18)]],
+    "padded": [[("text", 3), ("image", (1, 4, 6)), ("text", 4), ("video", (2, 4, 4)), ("text", 5)],
+               [("text", 2), ("image", (1, 6, 8)), ("text", 5)]],
+    "packed": [[("text", 2), ("image", (1, 4, 6)), ("text", 3)], [("text", 5)],
+               [("text", 1), ("video", (2, 4, 4)), ("image", (1, 6, 8)), ("text", 2)]],
+    "images": [[("text", 3), ("image", (1, 4, 6)), ("text", 2), ("image", (1, 6, 8)), ("text", 4)]],
+}  # fmt: skip
+
+
+def _segment_tokens(kind: str, grid, timestamps: bool, generator) -> list[int]:
+    """A segment's tokens: text, or an item's placeholders between vision start and end
+    (a video separated into frames by two timestamp tokens each, for Qwen3-VL)."""
+    if kind == "text":
+        return torch.randint(0, TEXT, (grid,), generator=generator).tolist()
+    t, h, w = grid
+    token = IMAGE if kind == "image" else VIDEO
+    if kind == "video" and timestamps:
+        frame = [VISION_START] + [token] * (h * w // 4) + [VISION_END]
+        return [value for _ in range(t) for value in torch.randint(0, TEXT, (2,), generator=generator).tolist() + frame]
+    return [VISION_START] + [token] * (t * h * w // 4) + [VISION_END]
+
+
+def _batch(family: str, kind: str, seed: int = 1) -> tuple[dict, list[tuple[dict, int]]]:
+    """The full batch for shard_batch (the same on every rank), and the reference's
+    inputs: [(the model's keyword arguments, weight)], one call for the whole batch or
+    one per packed document."""
+    timestamps = FAMILIES[family][4]
+    generator = torch.Generator().manual_seed(seed)
+    rows, items = [], {"image": [], "video": []}
+    for segments in CONTENTS[kind]:
+        tokens, row_items = [], {"image": [], "video": []}
+        for segment, grid in segments:
+            tokens += _segment_tokens(segment, grid, timestamps, generator)
+            if segment != "text":
+                pixels = torch.randn(grid[0] * grid[1] * grid[2], PATCH_FEATURES, generator=generator)
+                row_items[segment].append((grid, pixels))
+        rows.append((tokens, row_items))
+        for modality in items:
+            items[modality] += row_items[modality]
+
+    def encoded(tokens_rows, item_lists, mask=None) -> dict:
+        length = max(len(tokens) for tokens in tokens_rows)
+        ids = torch.zeros(len(tokens_rows), length, dtype=torch.long)
+        for row, tokens in enumerate(tokens_rows):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
+        inputs = {"input_ids": ids, "labels": labels if mask is None else labels.masked_fill(mask == 0, -100),
+                  "mm_token_type_ids": (ids == IMAGE).long() + 2 * (ids == VIDEO).long()}  # fmt: skip
+        if mask is not None:
+            inputs["attention_mask"] = mask
+        for modality, (pixels_key, grid_key) in (("image", ("pixel_values", "image_grid_thw")),
+                                                 ("video", ("pixel_values_videos", "video_grid_thw"))):  # fmt: skip
+            if item_lists[modality]:
+                inputs[pixels_key] = torch.cat([pixels for _, pixels in item_lists[modality]])
+                inputs[grid_key] = torch.tensor([grid for grid, _ in item_lists[modality]])
+        if item_lists["video"] and family == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = torch.tensor([0.5] * len(item_lists["video"]))
+        return inputs
+
+    if kind == "packed":
+        whole = encoded([[token for tokens, _ in rows for token in tokens]], items)
+        whole["position_ids"] = torch.cat([torch.arange(len(tokens)) for tokens, _ in rows])[None]
+        documents = [encoded([tokens], row_items) for tokens, row_items in rows]
+        targets = [int((document["labels"][0, 1:] != -100).sum()) for document in documents]
+        return whole, [(document, count) for document, count in zip(documents, targets)]
+    mask = None
+    if kind == "padded":
+        mask = torch.zeros(len(rows), max(len(tokens) for tokens, _ in rows), dtype=torch.long)
+        for row, (tokens, _) in enumerate(rows):
+            mask[row, : len(tokens)] = 1
+    whole = encoded([tokens for tokens, _ in rows], items, mask)
+    return whole, [(whole, 1)]
+
+
+def _reference_loss(model, inputs: list[tuple[dict, int]]) -> torch.Tensor:
+    """The single-process loss: the model's own (its positions computed by itself), the
+    mean over every call's targets."""
+    accepted = inspect.signature(model.forward).parameters
+    total = sum(weight for _, weight in inputs)
+    loss = 0.0
+    for arguments, weight in inputs:
+        loss = loss + model(**{key: value for key, value in arguments.items() if key in accepted}).loss * weight
+    return loss / total
+
+
+def _sp_loss(model, batch: dict, mode: str, layout: str, groups: dict) -> torch.Tensor:
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    local = sp_transformers.shard_batch(batch, mode=mode, layout=layout, model=model, **groups)
+    shift_labels = local.pop("shift_labels")
+    hidden = model.model(**local).last_hidden_state  # (B, S_local, hidden)
+    return sp_transformers.causal_lm_loss(model, hidden, shift_labels, **groups)
+
+
+# ----------------------------------------------------------------------------------
+# Parity with one process
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_vision_cases(cases: list[dict]) -> list[str]:
+    """Per case: the loss and every parameter's gradient (summed over the ranks) against
+    the single-process model's; with steps, the losses of that many AdamW steps."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    failures = []
+    for case in cases:
+        groups = integration._parallelism(case["mode"], case.get("ulysses", 2))
+        batch, reference_inputs = _batch(case["family"], case["kind"])
+        reference = _model(case["family"])
+        model = copy.deepcopy(reference)
+        sp_transformers.apply(model, case["mode"], layout=case["layout"], **groups)
+        steps = case.get("steps", 1)
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)] if steps > 1 else []
+        for step in range(steps):
+            expected = _reference_loss(reference, reference_inputs)
+            expected.backward()
+            loss = _sp_loss(model, batch, case["mode"], case["layout"], groups)
+            loss.backward()
+            sp_transformers.all_reduce_gradients(model, **groups)
+            name = f"{case['id']} step {step}"
+            error = integration._relative_error(loss.detach(), expected.detach())
+            if not error <= integration.FP32_LOSS_RTOL:
+                failures.append(f"{name}: loss {loss.item():.7f} vs {expected.item():.7f} (rel {error:.2e})")
+            # After an AdamW step only the losses are compared (Adam's normalised update
+            # turns rounding-level gradient differences into parameter differences).
+            for (parameter_name, ours), theirs in zip(model.named_parameters() if step == 0 else [],
+                                                      reference.parameters()):  # fmt: skip
+                error = integration._relative_error(ours.grad, theirs.grad)
+                if not error <= integration.FP32_GRAD_RTOL:
+                    failures.append(f"{name}: grad of {parameter_name} relative error {error:.2e}")
+            for optimizer in optimizers:
+                optimizer.step()
+            model.zero_grad()
+            reference.zero_grad()
+    return failures
+
+
+def _case(family, mode, layout, kind, **extra) -> dict:
+    extra_id = "-".join(f"{key}={value}" for key, value in extra.items())
+    return dict(id="-".join(filter(None, [family, mode, layout, kind, extra_id])), family=family, mode=mode,
+                layout=layout, kind=kind, **extra)  # fmt: skip
+
+
+# World size -> cases: each family, mode and layout somewhere; the 12-feature image
+# straddles a boundary at every world size above 1.
+CASES = {
+    1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
+    2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
+        _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded")],
+    3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed")],
+    4: [_case("qwen3_vl", "ring", "balanced", "dense"), _case("qwen2_5_vl", "usp", "balanced", "dense", ulysses=2),
+        _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_vision_language_models_match_one_process(world_size):
+    cases = [case for case in CASES[world_size] if _here(case["family"])]
+    if not cases:
+        pytest.skip(f"transformers {transformers.__version__} has none of these families")
+    failures = [failure for per_rank in pool_for(world_size).run(run_vision_cases, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)

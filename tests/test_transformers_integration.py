@@ -633,13 +633,16 @@ def test_core_package_never_imports_transformers():
 
 @pytest.mark.skipif(os.environ.get(oldest_marker("transformers")) == "1", reason="already the oldest release")
 def test_oldest_supported_transformers():
-    """This file's parity and error tests, and some of the Trainer's, under the oldest
-    supported release, installed by scripts/setup.sh into build/ (skipped where the
-    set-up could not reach PyPI); the families it lacks are skipped there with the
-    reason. The Trainer's run in the same session: they share its rank pools."""
+    """This file's parity and error tests, and some of the Trainer's and the
+    vision-language models', under the oldest supported release, installed by
+    scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI); the
+    families it lacks are skipped there with the reason. The other files' run in the same
+    session: they share its rank pools."""
     selection = (
         "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head "
-        "or refuses or test_transformers_trainer and (P2-ring or replicas and packed or mixin)"
+        "or refuses or test_transformers_trainer and (P2-ring or replicas and packed or mixin) "
+        "or test_transformers_vision and (match_one_process and 2 or trainer)"
     )
-    trainer_tests = str(Path(__file__).with_name("test_transformers_trainer.py"))
-    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, trainer_tests], selection)
+    others = [str(Path(__file__).with_name(name)) for name in ("test_transformers_trainer.py",
+                                                               "test_transformers_vision.py")]  # fmt: skip
+    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, *others], selection)

@@ -4,11 +4,13 @@ Qwen3-VL (deepstack) and Qwen3-VL-MoE models (a vision tower of 2 blocks; images
 12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
 all_reduce_gradients on gloo ranks must give transformers' own single-process run's loss
 and every parameter's gradient, the vision tower's included: images straddling rank
-boundaries, two images of different sizes and a video in one batch, padded and packed
-batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a
-collator of the test's own; and what cannot be honoured raises.
+boundaries (checked to happen at every world size above 1), two images of different
+sizes and a video in one batch, padded and packed batches, world sizes 1 to 4 and a USP
+grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
+be honoured raises.
 
-The single-process reference: the model on the full batch, its multimodal positions
+The single-process reference: the model on the full batch (under transformers 4 with
+an attention mask of ones, as its processor gives), its multimodal positions
 computed by itself (packed batches: each document alone, the loss the mean over all
 their targets).
 """
@@ -42,10 +44,12 @@ def _rope(**extra) -> dict:
     return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], **extra}}
 
 
+# Qwen2.5-VL's tower: windows of 2 x 2 features, then full attention; Qwen3-VL's: deepstack
+# features of both blocks, added after both decoder layers.
 _QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, window_size=8,
-                      fullatt_block_indexes=[1], tokens_per_second=2)  # windows of 2 x 2 features, then full
+                      fullatt_block_indexes=[1], tokens_per_second=2)  # fmt: skip
 _QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
-                     num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # deepstack into both layers
+                     num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 # (config class, model class, vision settings, text settings, whether video frames are separated by timestamps)
 FAMILIES = {
@@ -114,14 +118,14 @@ def _segment_tokens(kind: str, grid, timestamps: bool, generator) -> list[int]:
     return [VISION_START] + [token] * (t * h * w // 4) + [VISION_END]
 
 
-def _batch(family: str, kind: str, seed: int = 1) -> tuple[dict, list[tuple[dict, int]]]:
+def _batch(family: str, kind: str, seed: int = 1, contents=None) -> tuple[dict, list[tuple[dict, int]]]:
     """The full batch for shard_batch (the same on every rank), and the reference's
     inputs: [(the model's keyword arguments, weight)], one call for the whole batch or
-    one per packed document."""
+    one per packed document. contents: the rows' segments (default: CONTENTS[kind])."""
     timestamps = FAMILIES[family][4]
     generator = torch.Generator().manual_seed(seed)
     rows, items = [], {"image": [], "video": []}
-    for segments in CONTENTS[kind]:
+    for segments in contents or CONTENTS[kind]:
         tokens, row_items = [], {"image": [], "video": []}
         for segment, grid in segments:
             tokens += _segment_tokens(segment, grid, timestamps, generator)
@@ -173,17 +177,38 @@ def _reference_loss(model, inputs: list[tuple[dict, int]]) -> torch.Tensor:
     total = sum(weight for _, weight in inputs)
     loss = 0.0
     for arguments, weight in inputs:
+        if TRANSFORMERS_4 and "attention_mask" not in arguments:
+            # Without a mask transformers 4 reads the positions' time row as packed documents.
+            arguments = dict(arguments, attention_mask=torch.ones_like(arguments["input_ids"]))
         loss = loss + model(**{key: value for key, value in arguments.items() if key in accepted}).loss * weight
     return loss / total
 
 
-def _sp_loss(model, batch: dict, mode: str, layout: str, groups: dict) -> torch.Tensor:
+def _sp_loss(model, batch: dict, mode: str, layout: str, groups: dict) -> tuple[torch.Tensor, list[str]]:
+    """The sequence-parallel loss, and the items whose tokens this rank holds only some of."""
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     local = sp_transformers.shard_batch(batch, mode=mode, layout=layout, model=model, **groups)
     shift_labels = local.pop("shift_labels")
     hidden = model.model(**local).last_hidden_state  # (B, S_local, hidden)
-    return sp_transformers.causal_lm_loss(model, hidden, shift_labels, **groups)
+    return sp_transformers.causal_lm_loss(model, hidden, shift_labels, **groups), _split_items(batch, local)
+
+
+def _split_items(batch: dict, local: dict) -> list[str]:
+    """The images and videos (e.g. "image 1") some but not all of whose placeholder
+    tokens are among this rank's."""
+    split = []
+    for modality, token, grid_key in (("image", IMAGE, "image_grid_thw"), ("video", VIDEO, "video_grid_thw")):
+        if grid_key not in batch:
+            continue
+        placeholders = (batch["input_ids"] == token).flatten()
+        feature_of_token = (torch.cumsum(placeholders.long(), 0) - 1).masked_fill(~placeholders, -1)
+        here = local["sequence_shard"].take(feature_of_token.view_as(batch["input_ids"]), dim=1).flatten()
+        ends = torch.cumsum(batch[grid_key].prod(dim=1) // 4, 0)  # each item's features end
+        counts = torch.bincount(torch.searchsorted(ends, here[here >= 0], right=True), minlength=len(ends))
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+        split += [f"{modality} {item}" for item in range(len(ends)) if 0 < counts[item] < sizes[item]]
+    return split
 
 
 # ----------------------------------------------------------------------------------
@@ -192,12 +217,13 @@ def _sp_loss(model, batch: dict, mode: str, layout: str, groups: dict) -> torch.
 
 
 @on_every_rank
-def run_vision_cases(cases: list[dict]) -> list[str]:
+def run_vision_cases(cases: list[dict]) -> tuple[list[str], set[str]]:
     """Per case: the loss and every parameter's gradient (summed over the ranks) against
-    the single-process model's; with steps, the losses of that many AdamW steps."""
+    the single-process model's; with steps, the losses of that many AdamW steps. Returns
+    the failures and the items whose tokens straddle this rank's boundary."""
     import seqpar_kernels.integrations.transformers as sp_transformers
 
-    failures = []
+    failures, split_items = [], set()
     for case in cases:
         groups = integration._parallelism(case["mode"], case.get("ulysses", 2))
         batch, reference_inputs = _batch(case["family"], case["kind"])
@@ -209,7 +235,8 @@ def run_vision_cases(cases: list[dict]) -> list[str]:
         for step in range(steps):
             expected = _reference_loss(reference, reference_inputs)
             expected.backward()
-            loss = _sp_loss(model, batch, case["mode"], case["layout"], groups)
+            loss, split = _sp_loss(model, batch, case["mode"], case["layout"], groups)
+            split_items.update(f"{case['id']}: {item}" for item in split)
             loss.backward()
             sp_transformers.all_reduce_gradients(model, **groups)
             name = f"{case['id']} step {step}"
@@ -227,7 +254,7 @@ def run_vision_cases(cases: list[dict]) -> list[str]:
                 optimizer.step()
             model.zero_grad()
             reference.zero_grad()
-    return failures
+    return failures, split_items
 
 
 def _case(family, mode, layout, kind, **extra) -> dict:
@@ -236,8 +263,8 @@ def _case(family, mode, layout, kind, **extra) -> dict:
                 layout=layout, kind=kind, **extra)  # fmt: skip
 
 
-# World size -> cases: each family, mode and layout somewhere; the 12-feature image
-# straddles a boundary at every world size above 1.
+# World size -> cases: each family, mode and layout somewhere; images straddle a rank
+# boundary at every world size above 1, video frames at some.
 CASES = {
     1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
     2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
@@ -253,5 +280,147 @@ def test_vision_language_models_match_one_process(world_size):
     cases = [case for case in CASES[world_size] if _here(case["family"])]
     if not cases:
         pytest.skip(f"transformers {transformers.__version__} has none of these families")
-    failures = [failure for per_rank in pool_for(world_size).run(run_vision_cases, cases) for failure in per_rank]
+    per_rank = pool_for(world_size).run(run_vision_cases, cases)
+    failures = [failure for failures, _ in per_rank for failure in failures]
     assert not failures, "\n".join(failures)
+    split_items = sorted(set().union(*(split for _, split in per_rank)))
+    assert world_size == 1 or any(": image" in item for item in split_items), "no image straddles a rank boundary"
+
+
+# ----------------------------------------------------------------------------------
+# The Trainer, with a collator of the test's own
+# ----------------------------------------------------------------------------------
+
+
+def _samples(count: int, seed: int) -> list[dict]:
+    """Samples of 10 to 30 tokens around an image of 4 to 12 features, every third with
+    a video of 2 frames after it."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(count):
+        grid = [(1, 4, 4), (1, 4, 6), (1, 6, 8)][index % 3]
+        segments = [("text", int(torch.randint(1, 8, (1,), generator=generator))), ("image", grid),
+                    ("text", int(torch.randint(2, 10, (1,), generator=generator)))]  # fmt: skip
+        if index % 3 == 2:
+            segments += [("video", (2, 4, 4)), ("text", 3)]
+        batch, _ = _batch("qwen2_5_vl", "dense", seed=seed * 100 + index, contents=[segments])
+        samples.append({key: value[0] if key in ("input_ids", "labels", "mm_token_type_ids") else value
+                        for key, value in batch.items()})  # fmt: skip
+    return samples
+
+
+def collate(features: list[dict]) -> dict:
+    """Right padding of the token keys (labels -100 there), the items' pixels and grids
+    concatenated in the batch's order. (The Trainer drops the keys its model's forward
+    does not take: mm_token_type_ids under transformers 4.)"""
+    longest = max(len(feature["input_ids"]) for feature in features)
+    batch = {"attention_mask": torch.zeros(len(features), longest, dtype=torch.long)}
+    token_keys = [key for key in ("input_ids", "labels", "mm_token_type_ids") if key in features[0]]
+    for key in token_keys:
+        batch[key] = torch.full((len(features), longest), -100 if key == "labels" else 0, dtype=torch.long)
+    for row, feature in enumerate(features):
+        length = len(feature["input_ids"])
+        batch["attention_mask"][row, :length] = 1
+        for key in token_keys:
+            batch[key][row, :length] = feature[key]
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        values = [feature[key] for feature in features if key in feature]
+        if values:
+            batch[key] = torch.cat(values)
+    return batch
+
+
+def run_vision_training(case: dict) -> dict:
+    """Three SGD steps and an evaluation of a Qwen2.5-VL model: the plain Trainer (no
+    mode) or SequenceParallelTrainer."""
+    import test_transformers_trainer as trainer_tests
+    from transformers import Trainer
+
+    from seqpar_kernels.integrations.transformers import SequenceParallelTrainer
+
+    trainer_tests._as_torchrun_started()
+    with tempfile.TemporaryDirectory() as output_dir:
+        common = dict(model=_model("qwen2_5_vl"), args=trainer_tests._arguments(output_dir, 2, max_steps=3),
+                      train_dataset=_samples(6, seed=5), eval_dataset=_samples(2, seed=6),
+                      data_collator=collate)  # fmt: skip
+        if "mode" in case:
+            trainer = SequenceParallelTrainer(mode=case["mode"], layout=case["layout"], **common)
+        else:
+            trainer = Trainer(**common)
+        trainer.train()
+        return trainer_tests._result(trainer, trainer.evaluate())
+
+
+def test_trainer_with_a_vision_language_model():
+    import test_transformers_trainer as trainer_tests
+
+    [reference] = pool_for(1).run(run_vision_training, {})
+    ours = pool_for(2).run(run_vision_training, {"mode": "ring", "layout": "balanced"})
+    problems = trainer_tests._differences(ours[0], reference)
+    assert not problems, "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------------
+# What cannot be honoured raises
+# ----------------------------------------------------------------------------------
+
+
+@on_every_rank
+def run_unsupported_vision_cases() -> dict:
+    import torch.distributed as dist
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    group = {"group": timeout_group()}
+    model = _model("qwen2_5_vl")
+    sp_transformers.apply(model, "ring", **group)
+    batch, _ = _batch("qwen2_5_vl", "dense")
+
+    def shard(changed: dict, drop=(), **options):
+        given = {key: value for key, value in {**batch, **changed}.items() if key not in drop}
+        return sp_transformers.shard_batch(given, mode="ring", **group, **{"model": model, **options})
+
+    problems = {
+        "no model": raises(lambda: shard({}, model=None), "model="),
+        "pixels without a grid": raises(lambda: shard({}, drop=("image_grid_thw",)), "come together"),
+        "pixels of other images": raises(lambda: shard({"pixel_values": batch["pixel_values"][:-4]}), "patches"),
+        "placeholders and grids disagree": raises(
+            lambda: shard({"input_ids": batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE, 0)}),
+            "placeholder tokens",
+        ),
+    }
+    if not TRANSFORMERS_4:
+        problems["no mm_token_type_ids"] = raises(lambda: shard({}, drop=("mm_token_type_ids",)), "mm_token_type_ids")
+    packed, _ = _batch("qwen2_5_vl", "packed")
+    inside_image = packed["position_ids"].clone()
+    inside_image[0, 6:] = torch.arange(inside_image.shape[1] - 6)  # a document starts inside the first image
+    problems["image across documents"] = raises(
+        lambda: sp_transformers.shard_batch(dict(packed, position_ids=inside_image), mode="ring", model=model,
+                                            **group), "cross the end")  # fmt: skip
+    if dist.get_world_size() > 1:
+        other = batch["pixel_values"] + dist.get_rank()
+        problems["ranks hold other images"] = raises(lambda: shard({"pixel_values": other}), "disagree")
+    local = shard({})
+    local.pop("shift_labels")
+    problems["pixels without the plan"] = raises(
+        lambda: model.model(**{key: value for key, value in local.items() if key != "sequence_shard"}),
+        "without shard_batch's plan",
+    )
+    problems["plan without its pixels"] = raises(
+        lambda: model.model(**{key: value for key, value in local.items() if key != "pixel_values_videos"}), "missing"
+    )
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    llava = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=8, patch_size=4),
+        text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2), image_token_index=IMAGE))  # fmt: skip
+    problems["another kind of sub-model"] = raises(lambda: sp_transformers.apply(llava, "ring", **group),
+                                                   "vision-language models")  # fmt: skip
+    return {name: problem for name, problem in problems.items() if problem is not None}
+
+
+def test_what_cannot_be_honoured_raises():
+    for per_rank in pool_for(2).run(run_unsupported_vision_cases):
+        assert not per_rank, per_rank

@@ -51,9 +51,14 @@ torch in the same dtype, or SDPA's, plus a unit of roundoff), "matches" or "MISM
 rule picks. The generate rows: the greedy tokens equal to the one process's and every
 step's scores within SCORE_ATOL (the generation tests' tolerance).
 
-Sizes: bf16 ops, H = 8 query / 2 kv heads of 64 (the ring family's GQA); the decode and
-a decode step on a batch of DECODE_BATCH sequences, a prompt and a turn one; the model the transformers family's Llama
-(hidden 256, 4 layers, 8 / 2 heads of 32, fp32).
+Sizes: bf16 ops, H = 8 query / 2 kv heads of 64 (the ring family's GQA); a decode step
+on a batch of DECODE_BATCH sequences, a prompt and a turn on one; the model the
+transformers family's Llama (hidden 256, 4 layers, 8 / 2 heads of 32, fp32), one
+sequence, greedy. --quick: a prompt of 64, a cache of 256, turns of 16 over 256 and 256
+over 16, a tiny Llama's 32-token prompt; the default: prompts of 256 and 1K, caches of 2K
+and 16K, turns of 64 over 4K and 1K over 256, generate of a 512-token prompt (4 steps);
+--full: prompts of 1K and 4K, caches of 4K, 32K and 128K, turns of 128 over 8K, 256 over
+64K and 2K over 512, generate of 256, 1K and 2000-token prompts (16 steps).
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ QUICK = Shapes(prompts=(64,), caches=(256,), turns=(Turn(256, 16), Turn(16, 256)
 DEFAULT = Shapes(prompts=(256, 1024), caches=(2048, 16384), turns=(Turn(4096, 64), Turn(256, 1024)),
                  model=FULL_MODEL, model_prompts=(512,), new_tokens=4)  # fmt: skip
 FULL = Shapes(prompts=(1024, 4096), caches=(4096, 32768, 131072),
-              turns=(Turn(8192, 128), Turn(65536, 256), Turn(512, 2048), Turn(1024, 4096)), model=FULL_MODEL,
+              turns=(Turn(8192, 128), Turn(65536, 256), Turn(512, 2048)), model=FULL_MODEL,
               model_prompts=(256, 1024, 2000), new_tokens=16)  # fmt: skip
 
 
@@ -166,17 +171,17 @@ def _lengths(values) -> str:
 
 
 SIZES = Sizes(
-    quick=Size("prompt 64, cache 256, two turns; a tiny Llama's generate of a 32-token prompt", 5),
+    quick=Size("prompt 64, cache 256, two turns; a tiny Llama's generate of a 32-token prompt", 6),
     default=Size(
         f"prefill of {_lengths(DEFAULT.prompts)} tokens, decode over {_lengths(DEFAULT.caches)}, turns "
         f"{', '.join(f'{_lengths([t.chunk])} over {_lengths([t.cached])}' for t in DEFAULT.turns)}; the Llama's "
         f"generate of {_lengths(DEFAULT.model_prompts)}-token prompts (first token, {DEFAULT.new_tokens} steps)",
-        40,
+        30,
     ),
     full=Size(
-        f"prefill of {_lengths(FULL.prompts)}, decode over {_lengths(FULL.caches)}, 4 turns; generate of "
-        f"{_lengths(FULL.model_prompts)}-token prompts ({FULL.new_tokens} steps)",
-        150,
+        f"prefill of {_lengths(FULL.prompts)}, decode over {_lengths(FULL.caches)}, {len(FULL.turns)} turns; "
+        f"generate of {_lengths(FULL.model_prompts)}-token prompts ({FULL.new_tokens} steps)",
+        240,
     ),
 )
 

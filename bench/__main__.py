@@ -11,10 +11,18 @@
                                          attention, then its GPU step kernel and overlap probe),
                                          usp (every grid U x R of the ranks), varlen (packed
                                          documents), loss (the fused LM loss against
-                                         materialised logits: peak memory and time, one process)
-                                         or transformers (a small Llama's training step: one
+                                         materialised logits: peak memory and time, one process),
+                                         transformers (a small Llama's training step: one
                                          process against each mode of the transformers
-                                         integration; skipped without transformers)
+                                         integration; skipped without transformers), video
+                                         (diffusers video transformers), memory (peak memory
+                                         per rank of a training step), variants (the
+                                         sliding-window ring against the dense one), hybrid
+                                         (hybrid models' mixers, their state passed across
+                                         ranks) or inference (a KV cache sharded across the
+                                         ranks: a prompt's prefill, a decode step, a next
+                                         turn, generate's first token and decode step,
+                                         against one process)
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
 Prints the plan first (each family's sizes and about how long it takes: bench/plan.py), a

@@ -6,7 +6,8 @@ the transformers training step, each mode's time and per-rank peak against one p
 for the video transformers, each mode's time against its baseline and its bytes; for memory,
 each configuration's peak per rank against the sequence's length; for the hybrid mixers, each
 layout's time against one process's and the bytes per layer of state passing, gathering the
-inputs and Ulysses."""
+inputs and Ulysses; for inference over a sharded KV cache, each case's time against one
+process's, the bytes a call sends and the KV cache a rank holds against the whole."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import matplotlib.ticker  # noqa: E402
 
 from bench.rows import (  # noqa: E402
     HYBRID_BENCH,
+    INFERENCE_BENCHES,
     KERNEL_BENCHES,
     LOSS_BENCH,
     MEMORY_BENCH,
@@ -426,43 +428,76 @@ HYBRID_BYTES = (  # (label, bytes of a row, color): per layer, rank 0, forward +
     ("gathering the inputs", lambda row: row.bytes_if_gathered, "lightgray"),
     ("Ulysses (all-to-all of the inputs, the output back)", lambda row: row.bytes_if_ulysses, "tab:orange"),
 )
+INFERENCE_BYTES = (  # (label, bytes of a row, color)
+    ("sent by rank 0 in a call (measured)", lambda row: row.bytes_sent_ours, "tab:green"),
+    ("KV cache of the fullest rank", lambda row: row.kv_bytes_per_rank, "tab:blue"),
+    ("KV cache of one process", lambda row: row.kv_bytes_whole, "lightgray"),
+)
+
+
+def _times_against_one_process(axis, rows: list[Row], labels: list[str], ours: str, whole: str, xlabel: str,
+                               title: str) -> None:  # fmt: skip
+    """Each row's time (ours) beside one process's (the baseline), log scale."""
+    positions = list(range(len(rows)))
+    axis.barh([p - 0.2 for p in positions], [row.ours_s * 1e3 for row in rows], 0.4, color="tab:green", label=ours)
+    axis.barh([p + 0.2 for p in positions], [row.baseline_s * 1e3 for row in rows], 0.4, color="lightgray",
+              label=whole)  # fmt: skip
+    for position, row in zip(positions, rows):
+        axis.text(row.ours_s * 1e3, position - 0.2, f" {row.ours_s * 1e3:.3g} ms x{row.speedup:.2f}", va="center",
+                  fontsize=6)  # fmt: skip
+    times = [seconds * 1e3 for row in rows for seconds in (row.ours_s, row.baseline_s)]
+    axis.set_xscale("log")  # the cases' times differ by 100x
+    axis.set_xlim(min(times) / 2, max(times) * 4)
+    axis.set_yticks(positions, labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(xlabel)
+    _legend_on_top(axis)
+    axis.set_title(title, pad=PAD_FOR_LEGEND)
+
+
+def _bytes_side_by_side(axis, rows: list[Row], labels: list[str], series, xlabel: str, title: str) -> None:
+    """Each row's bytes of every series (label, bytes of a row, color), log scale; the
+    first series' (the measured bytes) written beside its bar."""
+    positions = list(range(len(rows)))
+    height = 0.8 / len(series)
+    for index, (label, value, color) in enumerate(series):
+        offset = (index - (len(series) - 1) / 2) * height
+        axis.barh([p + offset for p in positions], [max(value(row) or 0, 1) / 2**10 for row in rows], height,
+                  color=color, label=label)  # fmt: skip
+    for position, row in zip(positions, rows):
+        verdict = "" if row.volume_at_theory else " != theory"
+        axis.text(max(row.bytes_sent_ours or 0, 1) / 2**10, position - (len(series) - 1) / 2 * height,
+                  f" {(row.bytes_sent_ours or 0) / 2**10:.3g}{verdict}", va="center", fontsize=6)  # fmt: skip
+    axis.set_xscale("log")
+    axis.set_yticks(positions, labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(xlabel)
+    _legend_on_top(axis)
+    axis.set_title(title, pad=PAD_FOR_LEGEND)
 
 
 def _plot_hybrid(left, right, rows: list[Row]) -> None:
     """Each layout's time beside one process's, per case; and the bytes per layer of
     state passing against gathering the inputs and Ulysses (log scale)."""
-    positions = list(range(len(rows)))
     labels = [row.case for row in rows]
-    left.barh([p - 0.2 for p in positions], [row.ours_s * 1e3 for row in rows], 0.4, color="tab:green",
-              label="ours: the mixer on every rank")  # fmt: skip
-    left.barh([p + 0.2 for p in positions], [row.baseline_s * 1e3 for row in rows], 0.4, color="lightgray",
-              label="one process, the whole sequence")  # fmt: skip
-    for position, row in zip(positions, rows):
-        left.text(row.ours_s * 1e3, position - 0.2, f" {row.ours_s * 1e3:.1f} ms x{row.speedup:.2f}", va="center",
-                  fontsize=6)  # fmt: skip
-    times = [seconds * 1e3 for row in rows for seconds in (row.ours_s, row.baseline_s)]
-    left.set_xscale("log")  # the mixers' times differ by 100x
-    left.set_xlim(min(times) / 2, max(times) * 4)
-    left.set_yticks(positions, labels, fontsize=7)
-    left.invert_yaxis()
-    left.set_xlabel("ms per forward + backward (median; log scale); x = one process / ours")
-    _legend_on_top(left)
-    left.set_title("hybrid mixers: state passed across ranks vs one process", pad=PAD_FOR_LEGEND)
-    height = 0.8 / len(HYBRID_BYTES)
-    for index, (label, value, color) in enumerate(HYBRID_BYTES):
-        offset = (index - (len(HYBRID_BYTES) - 1) / 2) * height
-        right.barh([p + offset for p in positions], [max(value(row) or 0, 1) / 2**10 for row in rows], height,
-                   color=color, label=label)  # fmt: skip
-    for position, row in zip(positions, rows):
-        verdict = "" if row.volume_at_theory else " != theory"
-        right.text(max(row.bytes_sent_ours or 0, 1) / 2**10, position - (len(HYBRID_BYTES) - 1) / 2 * height,
-                   f" {(row.bytes_sent_ours or 0) / 2**10:.3g}{verdict}", va="center", fontsize=6)  # fmt: skip
-    right.set_xscale("log")
-    right.set_yticks(positions, labels, fontsize=7)
-    right.invert_yaxis()
-    right.set_xlabel("KiB sent by rank 0 per layer, forward + backward (log scale)")
-    _legend_on_top(right)
-    right.set_title("hybrid mixers: bytes per layer", pad=PAD_FOR_LEGEND)
+    _times_against_one_process(left, rows, labels, "ours: the mixer on every rank", "one process, the whole sequence",
+                               "ms per forward + backward (median; log scale); x = one process / ours",
+                               "hybrid mixers: state passed across ranks vs one process")  # fmt: skip
+    _bytes_side_by_side(right, rows, labels, HYBRID_BYTES,
+                        "KiB sent by rank 0 per layer, forward + backward (log scale)",
+                        "hybrid mixers: bytes per layer")  # fmt: skip
+
+
+def _plot_inference(left, right, rows: list[Row]) -> None:
+    """Each inference case's time beside one process's; and the bytes rank 0 sends in a
+    call against the KV cache the fullest rank holds and one process's (log scale)."""
+    labels = [f"{row.bench} {row.case}" for row in rows]
+    _times_against_one_process(left, rows, labels, "ours: the KV cache sharded across the ranks",
+                               "one process, the whole cache",
+                               "ms per call (generate-decode: per step; median; log scale); x = one process / ours",
+                               "inference: sharded KV cache vs one process")  # fmt: skip
+    _bytes_side_by_side(right, rows, labels, INFERENCE_BYTES, "KiB (log scale)",
+                        "inference: bytes sent per call, KV cache held")  # fmt: skip
 
 
 def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
@@ -471,7 +506,10 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
         row
         for row in rows
         if row.bench
-        not in RING_ALL + USP_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
+        not in RING_ALL
+        + USP_BENCHES
+        + INFERENCE_BENCHES
+        + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
     ]
     ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
     steps = [row for row in rows if row.bench in STEP_BENCHES]
@@ -482,10 +520,11 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     video = [row for row in rows if row.bench == VIDEO_BENCH]
     memory = [row for row in rows if row.bench == MEMORY_BENCH]
     hybrid = [row for row in rows if row.bench == HYBRID_BENCH]
+    inference = [row for row in rows if row.bench in INFERENCE_BENCHES]
     # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
     # the step kernels; USP; the LM loss; the transformers training step; video
-    # transformers; memory; the hybrid mixers.
-    panels = (general, ring, steps, usp, loss, hf, video, memory, hybrid)
+    # transformers; memory; the hybrid mixers; inference.
+    panels = (general, ring, steps, usp, loss, hf, video, memory, hybrid, inference)
     panel_rows = [len(panel) for panel in panels if panel] or [0]
     heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
     figure, axes = plt.subplots(
@@ -524,6 +563,9 @@ def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
     if hybrid:
         left, right = next(line)
         _plot_hybrid(left, right, hybrid)
+    if inference:
+        left, right = next(line)
+        _plot_inference(left, right, inference)
     ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
     figure.suptitle(
         f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "

@@ -13,6 +13,8 @@ from bench.rows import (
     CSV_COLUMNS,
     FAILED,
     HYBRID_BENCH,
+    INFERENCE_BENCHES,
+    INFERENCE_TURN_BENCH,
     LOSS_BENCH,
     MEMORY_BENCH,
     PROBE_BENCH,
@@ -160,6 +162,18 @@ def hybrid_line(row: Row) -> str:
             f"{_bytes(row.bytes_if_ulysses)} ({row.bytes_if_ulysses / sent:.1f}x)")  # fmt: skip
 
 
+def inference_line(row: Row) -> str:
+    """The part of an inference row's line that says how it went (progress and summary):
+    ours against one process, the bytes a call sends, the KV cache a rank holds against
+    the whole; a turn row adds what method="auto" chose (bench_inference.py's detail)."""
+    parts = [f"{_ms(row.ours_s)} vs one process {_ms(row.baseline_s)}: x{row.speedup:.2f} (won "
+             f"{row.ours_faster_share:.0%} of {row.reps} rounds, noise {row.noise:.0%})", _sent(row),
+             f"KV per rank {_bytes(row.kv_bytes_per_rank)} of {_bytes(row.kv_bytes_whole)}"]  # fmt: skip
+    if row.bench == INFERENCE_TURN_BENCH:
+        parts += [part.split(" (")[0] for part in row.detail.split("; ") if part.startswith("auto chose")]
+    return "; ".join(parts)
+
+
 def progress_line(row: Row) -> str:
     """One line per case, printed as soon as it is measured."""
     if is_failed(row):
@@ -176,6 +190,8 @@ def progress_line(row: Row) -> str:
         return f"{row.bench:<16} {row.case:<32} {memory_line(row)} | {row.check}"
     if row.bench == HYBRID_BENCH:
         return f"{row.bench:<16} {row.case:<32} {hybrid_line(row)} | {row.check}"
+    if row.bench in INFERENCE_BENCHES:
+        return f"{row.bench:<17} {row.case:<32} {inference_line(row)} | {row.check}"
     if row.bench in USP_BENCHES:
         first = (f"{row.bench:<16} {row.case:<48} {_ms(row.ours_s):>11}  baseline {_ms(row.baseline_s):>11}"
                  f" (noise {row.noise:.0%}, {row.reps} rounds)")  # fmt: skip
@@ -231,6 +247,9 @@ SUMMARY_SECTIONS = (
     ((HYBRID_BENCH,), "Hybrid mixers, forward + backward (x = one-process time / the mixer's on every rank; on CPU "
      "ranks sharing cores: total work; bytes per layer on rank 0: state passing, then what gathering the inputs "
      "and Ulysses would send, as multiples of it)", hybrid_line, 32),
+    (INFERENCE_BENCHES, "Inference over a KV cache sharded across the ranks (x = one-process time / ours on every "
+     "rank; on CPU ranks sharing cores: total work; bytes sent by rank 0 in one call (generate-decode: a step); "
+     "KV per rank = the keys and values the fullest rank holds, of one process's whole cache)", inference_line, 32),
 )  # fmt: skip
 
 
@@ -244,6 +263,7 @@ def summary_table(rows: list[Row], checks: list[Check]) -> str:
             row.bench in RING_ALL
             or row.bench in USP_BENCHES
             or row.bench in (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
+            or row.bench in INFERENCE_BENCHES
         ):
             continue
         won = f"{row.ours_faster_share:4.0%}"

@@ -29,6 +29,16 @@ MEMORY_BENCH = "memory"
 # bench_hybrid.py: hybrid models' mixers on P ranks, their state passed across ranks,
 # against the same function on the whole sequence in one process
 HYBRID_BENCH = "hybrid"
+# bench_inference.py: a KV cache sharded across ranks against one process holding it whole:
+# the ops (a first prompt's attention, a decode step's, a next turn's) and generate's
+# first token and decode step
+INFERENCE_PREFILL_BENCH = "inference-prefill"
+INFERENCE_DECODE_BENCH = "inference-decode"
+INFERENCE_TURN_BENCH = "inference-turn"
+GENERATE_TTFT_BENCH = "generate-ttft"
+GENERATE_DECODE_BENCH = "generate-decode"
+INFERENCE_BENCHES = (INFERENCE_PREFILL_BENCH, INFERENCE_DECODE_BENCH, INFERENCE_TURN_BENCH, GENERATE_TTFT_BENCH,
+                     GENERATE_DECODE_BENCH)  # fmt: skip
 # The check column of a case that raised instead of finishing (bench/cases.py: failed_row);
 # the error is in the detail column.
 FAILED = "FAILED"
@@ -112,6 +122,10 @@ class Row:
     # bytes_sent_ours is the state passing's. Empty elsewhere.
     bytes_if_gathered: int | None = None
     bytes_if_ulysses: int | None = None
+    # An inference row (bench_inference.py): the keys and values the largest rank holds
+    # (its cache shard; generate: its ShardedCache) and one process's whole cache.
+    kv_bytes_per_rank: int | None = None
+    kv_bytes_whole: int | None = None
     detail: str = ""  # per-case notes: errors against the exact result, backends ...
 
 

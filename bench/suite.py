@@ -22,6 +22,7 @@ import torch
 import seqpar_kernels
 from bench import (
     bench_hybrid,
+    bench_inference,
     bench_kernels,
     bench_loss,
     bench_memory,
@@ -62,7 +63,9 @@ from seqpar_kernels.extension import build_info
 # against diffusers' own context parallelism where it runs;
 # "hybrid" hybrid models' mixers (short convolution, Mamba2's and Mamba's scans, the gated
 # delta rule) with their state passed across ranks, against one process, and their bytes
-# against gathering and Ulysses.
+# against gathering and Ulysses; "inference" a KV cache sharded across the ranks against one
+# process holding it whole (a prompt's prefill, a decode step, a next turn; generate's first
+# token and decode step, skipped without transformers 5), its bytes per rank and per call.
 BENCHES = {
     "reshard": (bench_reshard,),
     "ulysses": (bench_ulysses,),
@@ -78,6 +81,7 @@ BENCHES = {
     "transformers": (bench_transformers,),
     "video": (bench_video,),
     "memory": (bench_memory,),
+    "inference": (bench_inference,),
 }
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -147,6 +151,11 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         skipped = bench_transformers.transformers_unavailable()
         if skipped is not None:
             metadata["transformers_skipped"] = skipped
+    if "inference" in only:
+        metadata["inference_baseline"] = bench_inference.BASELINE_NOTE
+        skipped = bench_inference.generate_unavailable()
+        if skipped is not None:
+            metadata["inference_generate_skipped"] = skipped
     if "video" in only:
         metadata["video_baseline"] = bench_video.BASELINE_NOTE
         skipped = bench_video.diffusers_unavailable()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from bench.rows import (
     HYBRID_BENCH,
+    INFERENCE_BENCHES,
     KERNEL_BENCHES,
     LOSS_BENCH,
     MEMORY_BENCH,
@@ -105,10 +106,11 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     # is memory (their baseline does not run at every size); the transformers rows
     # compare a whole training step with one process's, not fused with unfused (and the
     # video rows a transformer's call with another library's or one process's, and the
-    # hybrid rows a mixer on P ranks with one process's); the memory rows' times are one
-    # step each, not timings.
-    excluded = RING_ALL + USP_BENCHES + VARLEN_BENCHES + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH,
-                                                          HYBRID_BENCH)  # fmt: skip
+    # hybrid rows a mixer on P ranks with one process's, the inference rows a sharded KV
+    # cache with one process's whole one); the memory rows' times are one step each, not
+    # timings.
+    excluded = (RING_ALL + USP_BENCHES + VARLEN_BENCHES + INFERENCE_BENCHES
+                + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH))  # fmt: skip
     rows = [row for row in rows if row.bench not in excluded]
     if not rows:
         return Check(target, "n/a (not run)", "")

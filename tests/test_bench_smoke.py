@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 from bench import hardware
+from bench.bench_inference import generate_unavailable
 from bench.cases import failed_row
 from bench.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan, module_size
 from bench.results import progress_line, summary_table
-from bench.rows import Row, is_failed
+from bench.rows import INFERENCE_BENCHES, Row, is_failed
 from bench.suite import BENCHES
 from bench.targets import target_checks
 
@@ -120,6 +121,22 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     for row in hybrid:
         assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
         assert int(row["bytes_if_gathered"]) > 0 and int(row["bytes_if_ulysses"]) > 0, row
+    # Inference over a KV cache sharded across the ranks: a prompt's two ways, a decode
+    # step, a turn each way (the short follow-up over the long cache pass-Q's by auto, the
+    # long chunk pass-KV's), generate's first token and step (transformers 5), each against
+    # the exact result or one process's tokens, its bytes at the formula, the fullest rank
+    # holding a quarter of the whole cache (generate's: its rows and their spare capacity).
+    inference = [row for row in rows if row["bench"] in INFERENCE_BENCHES]
+    expected = ["inference-prefill"] * 2 + ["inference-decode"] + ["inference-turn"] * 4
+    expected += [] if generate_unavailable() else ["generate-ttft", "generate-decode"]
+    assert [row["bench"] for row in inference] == expected, inference
+    for row in inference:
+        assert row["check"] == "matches" and row["volume_at_theory"] == "True", row
+        per_rank, whole = int(row["kv_bytes_per_rank"]), int(row["kv_bytes_whole"])
+        assert 4 * per_rank == whole if row["bench"].startswith("inference") else 0 < per_rank < whole / 2, row
+    turns = [row["detail"] for row in inference if row["bench"] == "inference-turn"]
+    assert all("auto chose pass-q" in detail for detail in turns[:2]), turns
+    assert all("auto chose pass-kv" in detail for detail in turns[2:]), turns
     # Memory: every configuration at both lengths (its loss one rank's), then its fitted line.
     memory = [row for row in rows if row["bench"] == "memory"]
     if importlib.util.find_spec("transformers") is not None:

@@ -269,8 +269,12 @@ CASES = {
     1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
     2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded")],
-    3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed")],
+    3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed"),
+        _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed")],
     4: [_case("qwen3_vl", "ring", "balanced", "dense"), _case("qwen2_5_vl", "usp", "balanced", "dense", ulysses=2),
+        _case("qwen3_vl", "usp", "balanced", "images", ulysses=2),
+        _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),
+        _case("qwen3_vl_moe", "usp", "balanced", "dense", ulysses=2),
         _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3)],
 }  # fmt: skip
 

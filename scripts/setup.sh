@@ -90,18 +90,27 @@ optional_dependency() {
     pip_install "$name (optional: the integration's tests)" -q "$name>=$oldest" || say "no $name: its tests will skip"
   fi
   local oldest_dir="build/$name-$oldest"
-  if [ ! -d "$oldest_dir/$name" ]; then
-    if [ $dry_run = 0 ]; then mkdir -p build; fi
+  # The directory records its pins: a change of them installs it again.
+  if [ ! -d "$oldest_dir/$name" ] || [ "$(cat "$oldest_dir/.pins" 2>/dev/null)" != "$*" ]; then
+    if [ $dry_run = 0 ]; then mkdir -p build; rm -rf "$oldest_dir.partial"; fi
     if pip_install "$name==$oldest into $oldest_dir (the oldest supported release)" -q \
       --no-deps --target "$oldest_dir.partial" "$name==$oldest" "$@"; then
-      if [ $dry_run = 0 ]; then mv "$oldest_dir.partial" "$oldest_dir"; fi
+      if [ $dry_run = 0 ]; then
+        echo "$*" > "$oldest_dir.partial/.pins"
+        rm -rf "$oldest_dir"
+        mv "$oldest_dir.partial" "$oldest_dir"
+      fi
     else
       if [ $dry_run = 0 ]; then rm -rf "$oldest_dir.partial"; fi
       say "no $name $oldest: its test will skip"
     fi
   fi
 }
-optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1"
+# transformers' Trainer imports datasets where it is installed: the releases of its day
+# (datasets 5 needs a newer huggingface_hub than transformers 4.56 takes).
+optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1" \
+  "datasets==4.4.1" "dill==0.4.0" "multiprocess==0.70.18" "fsspec==2025.10.0" \
+  "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" "sniffio==1.3.1"
 optional_dependency diffusers 0.35.2
 # The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
 if [ -n "$(missing_packages accelerate:accelerate)" ]; then

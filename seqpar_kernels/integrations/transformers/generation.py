@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers.cache_utils import (
-    Cache,
-    CacheLayerMixin,
-    DynamicCache,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
+from transformers import cache_utils
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from seqpar_kernels.layouts import tensor_split_sizes
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
@@ -46,6 +41,16 @@ from seqpar_kernels.parallel.training import SequenceShard
 from seqpar_kernels.parallel.varlen import varlen_plan
 
 __all__ = ["ShardedCache", "install", "running_step"]
+
+
+class _NoRecurrentCacheLayers:
+    """Stands for transformers' recurrent cache layers where a release has none (older
+    than 5: install() leaves their generate alone); no layer is one."""
+
+
+# Releases without recurrent cache layers still import this module.
+LinearAttentionCacheLayerMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", _NoRecurrentCacheLayers)
+LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", CacheLayerMixin)
 
 
 # ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ what SequenceParallelTrainerMixin installs when its Trainer subclass computes it
 from TRL's fused LM head (`model(..., labels=labels, fused_lm_head=True)`, whose output
 carries each token's log_probs, entropy, ... instead of the logits).
 
-    install_fused_head(model, parallelism, temperature, statistics)
+    install_fused_head(model, parallelism, temperature, statistics, autocast)
         the model's forward with fused_lm_head=True, sequence-parallel: the full batch
         (the same on every rank of the group) sharded by shard_batch, this rank's hidden
         states, causal_lm_logprobs of its tokens, every rank's values gathered back into
@@ -94,7 +94,7 @@ def _unflush(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 def install_fused_head(model, parallelism: SequenceParallelism, temperature: float = 1.0,
-                       statistics: tuple[str, ...] = ()) -> None:  # fmt: skip
+                       statistics: tuple[str, ...] = (), autocast=contextlib.nullcontext) -> None:  # fmt: skip
     """Replace model.forward (TRL's fused-head forward, add_fused_lm_head's) with one whose
     fused_lm_head=True path is sequence-parallel; without it, the forward it replaces.
 
@@ -104,8 +104,10 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
     It returns TRL's FusedCausalLMOutput: log_probs and entropy (B, S - 1), fp32,
     differentiable, 0 where the next label is -100; the statistics asked for; label_mask;
     loss (the mean negative log-likelihood over the real labels, or over
-    num_items_in_batch). Raises ValueError (on every rank) for shift_labels, inputs other
-    than _MODEL_INPUTS, and ranks of a group holding different batches."""
+    num_items_in_batch). The model and its head run inside autocast() (the accelerator's:
+    under mixed precision accelerate wraps the forward this one replaces in it). Raises
+    ValueError (on every rank) for shift_labels, inputs other than _MODEL_INPUTS, and
+    ranks of a group holding different batches."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     original = model.forward
@@ -144,11 +146,12 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
                             **parallelism.group_kwargs())  # fmt: skip
         local_labels = local.pop("shift_labels")
         shard = local["sequence_shard"]
-        hidden = model.base_model(**local, use_cache=False).last_hidden_state
-        log_probs, entropy, *extra = causal_lm_logprobs(
-            model, hidden, local_labels, temperature=temperature, return_entropy=True, statistics=statistics,
-            **parallelism.group_kwargs(),
-        )  # fmt: skip
+        with autocast():
+            hidden = model.base_model(**local, use_cache=False).last_hidden_state
+            log_probs, entropy, *extra = causal_lm_logprobs(
+                model, hidden, local_labels, temperature=temperature, return_entropy=True, statistics=statistics,
+                **parallelism.group_kwargs(),
+            )  # fmt: skip
 
         def full(values: torch.Tensor) -> torch.Tensor:
             """(B, S - 1): every rank's values in sequence order, at the rows' columns."""
@@ -222,7 +225,9 @@ class ReplicaAccelerator:
         return per_rank[::group_size].reshape(self._replicas * rows, *gathered.shape[1:])
 
     def gather_for_metrics(self, data, use_gather_object=False):
-        return self.gather_object(data) if use_gather_object or not isinstance(data, torch.Tensor) else self.gather(data)
+        return (
+            self.gather_object(data) if use_gather_object or not isinstance(data, torch.Tensor) else self.gather(data)
+        )
 
     def gather_object(self, objects: list) -> list:
         """The replicas' lists, concatenated (one rank of each group)."""

@@ -270,14 +270,15 @@ class SequenceParallelTrainerMixin:
         temperature = float(getattr(self, "temperature", 1.0))
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)
                                                   else ())  # fmt: skip
-        install_fused_head(self.accelerator.unwrap_model(self.model), parallelism, temperature, statistics)
+        install_fused_head(self.accelerator.unwrap_model(self.model), parallelism, temperature, statistics,
+                           self.accelerator.autocast)  # fmt: skip
         reference = getattr(self, "ref_model", None)
         if reference is not None:
             reference = self.accelerator.unwrap_model(reference)
             head_of(reference)
             apply(reference, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
                   **parallelism.group_kwargs())  # fmt: skip
-            install_fused_head(reference, parallelism, temperature)
+            install_fused_head(reference, parallelism, temperature, autocast=self.accelerator.autocast)
         if hasattr(self.args, "generation_batch_size") and hasattr(self, "num_generations"):
             from accelerate.utils import set_seed
 

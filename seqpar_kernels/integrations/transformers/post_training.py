@@ -265,7 +265,9 @@ def as_replicas(trainer, replicas: int, replica: int):
 
 
 def unsupported_options(trainer) -> list[str]:
-    """The TRL options of `trainer` that sequence parallelism cannot honour, by name."""
+    """The TRL options of `trainer` that sequence parallelism cannot honour, by name.
+    (padding_free is not one: TRL's DPOTrainer falls back to padding itself, and the
+    fused head takes packed documents' position ids where a trainer passes them.)"""
     args = trainer.args
     options = {
         "precompute_ref_log_probs (computed before sequence parallelism is set up)":
@@ -275,6 +277,5 @@ def unsupported_options(trainer) -> list[str]:
         "a MoE router auxiliary loss (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False),
         "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False),
         "a PEFT model": hasattr(trainer.model, "peft_config"),
-        "padding_free": getattr(args, "padding_free", False),
     }  # fmt: skip
     return [name for name, present in options.items() if present]

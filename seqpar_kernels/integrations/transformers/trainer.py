@@ -57,6 +57,13 @@ sequence_parallel_size does not divide; when train() or evaluate() makes a datal
 batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
 IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
 rank: keys shard_batch does not know, ranks of a group holding different batches.
+
+TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over a
+sequence-parallel fused LM head of the model and the reference model (each rank's
+tokens' log-probs, gathered back into the whole sequence's), GRPO's completions from the
+sharded-cache generate, the same on every rank of a group; what TRL logs counted per
+replica. Raises at construction for the TRL options post_training.unsupported_options
+names.
 """
 
 from __future__ import annotations

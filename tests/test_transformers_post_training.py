@@ -5,18 +5,20 @@ The sequence-parallel runs: gloo ranks of the rank pool, started as torchrun wou
 them. The reference: TRL's trainer in one process on the same data, seed and sampling.
 Compared: every logged value both log (loss, grad_norm, rewards, logps, entropy, KL, ...;
 relative 1e-5, grad_norm 1e-4, rewards 1e-6 absolute: they are beta x differences of
-summed log-probs, whose rounding does not shrink with them) and the final weights (1e-4 of each tensor's largest
-value), with SGD so that rounding does not grow into the update.
+summed log-probs, whose rounding does not shrink with them) and the final weights (1e-4
+of each tensor's largest value), with SGD so that rounding does not grow into the update.
 
 The model: a small random Llama (or a Qwen2 with a sliding-window layer), saved to a
-temporary directory (TRL builds GRPO's reference model from its path); a character-level
-tokenizer built in memory; a reward function of the test's own.
+temporary directory (TRL builds GRPO's reference model from its path); the
+character-level tokenizer, built in memory, and the random words of examples/dpo_sp.py;
+a reward function of the test's own.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 
 from conftest import pool_for  # noqa: E402
+from on_ranks import raises  # noqa: E402
 from optional_dependency import oldest_marker, run_under_oldest_release  # noqa: E402
 from test_transformers_trainer import _as_torchrun_started  # noqa: E402
 
@@ -35,22 +38,24 @@ LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 WEIGHT_RTOL = 1e-4
 REWARD_ATOL = 1e-6
-CHARACTERS = "abcdefghijklmnopqrstuvwxyz "
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dpo_sp.py"
 # Logged values that are not the training's own (times, rates, counters of the run).
 NOT_COMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "epoch",
                 "total_flos", "learning_rate")  # fmt: skip
 
 
-def _tokenizer():
-    """A character-level tokenizer, made in memory: one id per character, <pad> and <eos>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def _example():
+    """examples/dpo_sp.py as a module (examples/ is not a package: loaded from its file
+    once per process): its character-level tokenizer, random words and train()."""
+    import importlib.util
+    import sys
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{char: index + 2 for index, char in enumerate(CHARACTERS)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    name = "_seqpar_example_dpo_sp"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 _MODELS = tempfile.TemporaryDirectory()
@@ -62,7 +67,7 @@ def _model_directory(kind: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(SEED)
-    common = dict(vocab_size=len(CHARACTERS) + 2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=len(_example().CHARACTERS) + 2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                   eos_token_id=1, bos_token_id=None, use_cache=False)  # fmt: skip
     if kind == "sliding-window":
@@ -75,17 +80,12 @@ def _model_directory(kind: str) -> str:
     return path
 
 
-def _words(generator, low: int, high: int) -> str:
-    length = int(torch.randint(low, high, (1,), generator=generator))
-    return "".join(CHARACTERS[int(i)] for i in torch.randint(0, len(CHARACTERS), (length,), generator=generator))
-
-
 def _preference_data(samples: int = 8):
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(1)
-    rows = [{"prompt": _words(generator, 4, 20), "chosen": _words(generator, 2, 14),
-             "rejected": _words(generator, 2, 14)} for _ in range(samples)]  # fmt: skip
+    rows = [{"prompt": _example().random_words(generator, 4, 20), "chosen": _example().random_words(generator, 2, 14),
+             "rejected": _example().random_words(generator, 2, 14)} for _ in range(samples)]  # fmt: skip
     return Dataset.from_list(rows)
 
 
@@ -93,7 +93,7 @@ def _prompts(samples: int = 8):
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(2)
-    return Dataset.from_list([{"prompt": _words(generator, 3, 16)} for _ in range(samples)])
+    return Dataset.from_list([{"prompt": _example().random_words(generator, 3, 16)} for _ in range(samples)])
 
 
 def vowel_reward(completions, **kwargs) -> list[float]:
@@ -128,7 +128,7 @@ def _trainer(case: dict, directory: str):
         base = GRPOTrainer
         args = GRPOConfig(beta=0.1, num_generations=2, max_completion_length=6, temperature=0.9, **common)
         extra = dict(reward_funcs=vowel_reward, train_dataset=_prompts())
-    tokenizer = _tokenizer()
+    tokenizer = _example().character_tokenizer()
     if options is None:
         return base(model=model, args=args, processing_class=tokenizer, **extra)
 
@@ -189,6 +189,35 @@ def test_grpo_matches_trl_in_one_process():
     """GRPO: completions from model.generate (the same on both ranks), KL to the reference
     model, Ulysses, gradient accumulation."""
     _check(2, dict(trainer="grpo", mode="ulysses", args=dict(gradient_accumulation_steps=2)))
+
+
+def unsupported_option_raises(case: dict) -> str | None:
+    _as_torchrun_started()
+    with tempfile.TemporaryDirectory() as directory:
+        return raises(lambda: _trainer(case, directory), "does not support precompute_ref_log_probs")
+
+
+def test_an_option_it_cannot_honour_raises_on_every_rank():
+    case = dict(trainer="dpo", mode="ring", path=_model_directory("llama"), args=dict(precompute_ref_log_probs=True))
+    assert pool_for(2).run(unsupported_option_raises, case) == [None, None]
+
+
+def run_example(argv: list[str]) -> list[dict]:
+    _as_torchrun_started()
+    example = _example()
+    return example.train(example.parse_args(argv))
+
+
+def test_example_matches_trl_in_one_process():
+    """examples/dpo_sp.py's run on 2 ranks (torchrun starts it so) logs what TRL's one
+    process logs."""
+    argv = ["--steps", "2"]
+    ours = pool_for(2).run(run_example, argv)[0]
+    [reference] = pool_for(1).run(run_example, argv + ["--one-process"])
+    assert [entry["step"] for entry in ours] == [1, 2]
+    for mine, theirs in zip(ours, reference):
+        for name, value in theirs.items():
+            assert abs(mine[name] - value) <= LOSS_RTOL * abs(value) + REWARD_ATOL, (name, mine, theirs)
 
 
 @pytest.mark.skipif(os.environ.get(oldest_marker("trl")) == "1", reason="this is the rerun")

@@ -264,18 +264,23 @@ def as_replicas(trainer, replicas: int, replica: int):
             setattr(module, name, original)
 
 
-def unsupported_options(trainer) -> list[str]:
-    """The TRL options of `trainer` that sequence parallelism cannot honour, by name.
+def unsupported_options(args, trainer=None) -> list[str]:
+    """The TRL options that sequence parallelism cannot honour, by name: those of the
+    trainer's arguments `args` (checkable before the trainer is made, so that every rank
+    raises before TRL prepares its data), and with `trainer` its own.
     (padding_free is not one: TRL's DPOTrainer falls back to padding itself, and the
     fused head takes packed documents' position ids where a trainer passes them.)"""
-    args = trainer.args
     options = {
         "precompute_ref_log_probs (computed before sequence parallelism is set up)":
             getattr(args, "precompute_ref_log_probs", False),
         "use_vllm (vLLM generates outside the model: use the model's generate)": getattr(args, "use_vllm", False),
         "use_transformers_continuous_batching": getattr(args, "use_transformers_continuous_batching", False),
-        "a MoE router auxiliary loss (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False),
-        "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False),
-        "a PEFT model": hasattr(trainer.model, "peft_config"),
     }  # fmt: skip
+    if trainer is not None:
+        options.update({
+            "a MoE router auxiliary loss (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False),
+            "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm",
+                                                                                             False),
+            "a PEFT model": hasattr(trainer.model, "peft_config"),
+        })  # fmt: skip
     return [name for name, present in options.items() if present]

@@ -218,6 +218,8 @@ class SequenceParallelTrainerMixin:
         self._epochs: dict[str, _Epoch | None] = {}
         self._eval_rows = 1
         self._fused_head = False
+        if uses_fused_head(self):
+            self._refuse(unsupported_options(kwargs.get("args")))
         super().__init__(*args, **kwargs)
         self._check_trainer_arguments()
         self._prepare_model(self.model)
@@ -226,6 +228,11 @@ class SequenceParallelTrainerMixin:
             self._prepare_post_training()
 
     # ---- set-up -------------------------------------------------------------------
+
+    def _refuse(self, unsupported: list[str]) -> None:
+        """Raises ValueError naming what sequence parallelism does not support, if any."""
+        if unsupported:
+            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(unsupported)}")
 
     def _check_trainer_arguments(self) -> None:
         args = self.args
@@ -240,9 +247,7 @@ class SequenceParallelTrainerMixin:
             "train_sampling_strategy='batch_rebalance'": getattr(args, "train_sampling_strategy", None)
             == "batch_rebalance",
         }
-        named = [name for name, present in unsupported.items() if present]
-        if named:
-            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(named)}")
+        self._refuse([name for name, present in unsupported.items() if present])
 
     def _prepare_model(self, model) -> None:
         """Switch the model's attention to the mode (and tile its MLPs); the groups are
@@ -270,9 +275,7 @@ class SequenceParallelTrainerMixin:
         sequence-parallel fused head of the model and of the reference model; GRPO's
         generation batch counted in replicas, its sampler seeded alike on every rank of
         a group (TRL seeds each process apart) so that they generate the same tokens."""
-        unsupported = unsupported_options(self)
-        if unsupported:
-            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(unsupported)}")
+        self._refuse(unsupported_options(self.args, self))
         parallelism = self.sequence_parallel
         temperature = float(getattr(self, "temperature", 1.0))
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)

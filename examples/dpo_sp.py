@@ -12,7 +12,7 @@ nothing is downloaded), the tokenizer is one id per character, made in memory, a
 preference pairs are random words. When the ranks are done, rank 0 runs this script
 again in one process (--one-process: TRL's DPOTrainer) and prints both runs' logs per
 step. CPU ranks over gloo without GPUs, one GPU per rank over NCCL with them. Needs
-`pip install "seqpar-kernels[transformers]" trl` (TRL 1.15 or newer).
+`pip install "seqpar-kernels[trl]"` (TRL 1.15 or newer).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _trainer(case: dict, directory: str):
     common = dict(output_dir=os.path.join(directory, "out"), per_device_train_batch_size=case.get("batch", 2),
                   max_steps=case.get("steps", 2), optim="sgd", learning_rate=0.5, max_grad_norm=1.0, logging_steps=1,
                   seed=SEED, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
-                  bf16=False, **case.get("args", {}))  # fmt: skip
+                  **{"bf16": False, **case.get("args", {})})  # fmt: skip
     options = {"mode": case["mode"], "layout": case.get("layout", "contiguous"),
                "sequence_parallel_size": dist.get_world_size()} if "mode" in case else None  # fmt: skip
     if case["trainer"] == "dpo":
@@ -200,6 +200,14 @@ def unsupported_option_raises(case: dict) -> str | None:
 def test_an_option_it_cannot_honour_raises_on_every_rank():
     case = dict(trainer="dpo", mode="ring", path=_model_directory("llama"), args=dict(precompute_ref_log_probs=True))
     assert pool_for(2).run(unsupported_option_raises, case) == [None, None]
+
+
+def test_reference_runs_in_the_policys_autocast():
+    """Under TRL's default bf16 autocast the reference model runs as the policy does: the
+    first step's rewards (policy against its own copy) are 0, as in TRL's one process."""
+    case = dict(trainer="dpo", mode="ring", steps=1, path=_model_directory("llama"), args=dict(bf16=True))
+    log = pool_for(2).run(run_post_training, case)[0]["log"]
+    assert log[0]["rewards/chosen"] == 0 and log[0]["rewards/margins"] == 0, log[0]
 
 
 def run_example(argv: list[str]) -> list[dict]:

@@ -35,6 +35,14 @@ within the budget, (budget - intercept) / slope, where the budget is the device'
 or SEQPAR_BENCH_MEMORY_BUDGET (bytes, or with a unit: "80GiB"). Beyond the measured
 lengths this is a linear extrapolation and says so.
 
+The log-prob path (rows "memory", case "logprobs <P> ranks T=<tokens>"): what TRL's DPO
+and GRPO ask of the model's head, each token's log-probability of its label and the
+entropy of its distribution, forward and backward, from hidden states of T tokens (the
+same model's head, random hidden states, seeded). ours: causal_lm_logprobs on every
+rank, T / P tokens each, LOSS_CHUNK tokens' logits at a time; baseline: rank 0 alone,
+log_softmax of the materialised (T, vocab) logits. check: the sums of the log-probs and
+the entropies over the sequence against the baseline's (fp32: 1e-5 relative).
+
 Llama-8B. The P-rank slopes split into three measured parts per token of a rank: the
 MLP's working set ("P ranks" - "P ranks, tiled"), the checkpoints ("tiled" - "tiled +
 offload"), the rest. Each part is scaled to Llama-8B in bf16 by what it is made of: the
@@ -65,7 +73,8 @@ from seqpar_kernels.testing import peak_cpu_memory
 BASELINE_NOTE = (
     "memory: peak bytes per rank of a training step of a small Llama (activation checkpointing, the loss a "
     "chunk of tokens at a time) at growing lengths; baseline = one rank, ours = P ranks (ring, balanced), "
-    "with and without tiled MLPs and activation offload; bytes per token fitted per configuration"
+    "with and without tiled MLPs and activation offload; bytes per token fitted per configuration; the log-prob "
+    "path (causal_lm_logprobs on P ranks against log_softmax of the materialised logits on one)"
 )
 
 SEED = 0
@@ -257,6 +266,73 @@ def measure(case: MemoryCase, ctx: Context, steppers: list[tuple[Configuration, 
     return rows
 
 
+def head_of_model(size: ModelSize, device):
+    """A Llama of one layer with size's head (seeded): what the log-prob rows project with."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
+                         num_hidden_layers=1, num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
+                         head_dim=size.head_dim, use_cache=False)  # fmt: skip
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config).to(device)
+
+
+def measure_logprobs(case: MemoryCase, ctx: Context, model, world) -> Row:
+    """causal_lm_logprobs on every rank (T / P tokens each) against log_softmax of the
+    whole sequence's logits on rank 0: peak bytes per rank of forward and backward."""
+    from seqpar_kernels.integrations.transformers import causal_lm_logprobs
+
+    generator = torch.Generator().manual_seed(SEED + case.tokens)
+    hidden = torch.randn(1, case.tokens, case.model.hidden, generator=generator).to(ctx.device)
+    labels = torch.randint(0, case.model.vocab, (1, case.tokens), generator=generator).to(ctx.device)
+
+    def ours() -> torch.Tensor:
+        """This rank's piece (contiguous: the head is the same in every layout)."""
+        piece = case.tokens // ctx.world_size
+        local = hidden[:, ctx.rank * piece : (ctx.rank + 1) * piece].clone().requires_grad_()
+        log_probs, entropy = causal_lm_logprobs(model, local, labels[:, ctx.rank * piece : (ctx.rank + 1) * piece],
+                                                group=world, return_entropy=True, chunk_size=LOSS_CHUNK)  # fmt: skip
+        (log_probs.sum() + entropy.sum()).backward()
+        return torch.stack([log_probs.sum(), entropy.sum()]).detach().double()
+
+    def materialised() -> torch.Tensor:
+        whole = hidden.clone().requires_grad_()
+        log_softmax = torch.log_softmax(model.lm_head(whole).float(), dim=-1)  # (1, T, vocab)
+        log_probs = log_softmax.gather(-1, labels[..., None])[..., 0]
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        (log_probs.sum() + entropy.sum()).backward()
+        return torch.stack([log_probs.sum(), entropy.sum()]).detach().double()
+
+    ours()  # once before measuring: buffers made on first use
+    start = time.perf_counter()
+    sums, peak = peak_bytes(ctx, ours)
+    seconds = time.perf_counter() - start
+    per_rank = torch.zeros(ctx.world_size, 3, dtype=torch.float64)
+    per_rank[ctx.rank] = torch.tensor([peak, *sums.tolist()], dtype=torch.float64)
+    base = torch.zeros(4, dtype=torch.float64)
+    if ctx.is_root:
+        materialised()
+        start = time.perf_counter()
+        base_sums, base_peak = peak_bytes(ctx, materialised)
+        base[:] = torch.tensor([base_peak, time.perf_counter() - start, *base_sums.tolist()])
+    ctx.barrier()
+    per_rank = ctx.reduce_over_ranks(per_rank, op=dist.ReduceOp.SUM)
+    base = ctx.reduce_over_ranks(base, op=dist.ReduceOp.SUM)
+    totals = per_rank[:, 1:].sum(0)
+    error = float(((totals - base[2:]).abs() / base[2:].abs()).max())
+    peak, base_peak = int(per_rank[:, 0].max()), int(base[0])
+    detail = (f"peak per rank [{', '.join(f'{value / MiB:.2f}' for value in per_rank[:, 0].tolist())}] MiB, "
+              f"materialised logits on one rank {base_peak / MiB:.2f} MiB ({case.tokens} x {case.model.vocab} fp32 "
+              f"logits: {case.tokens * case.model.vocab * 4 / MiB:.1f} MiB); sums of log-probs and entropies "
+              f"relative {error:.1e}")  # fmt: skip
+    return Row(bench=MEMORY_BENCH, case=f"logprobs {ctx.world_size} ranks {case.label}", shape=case.shape,
+               dtype="fp32", world_size=ctx.world_size, backend=ctx.backend, device=ctx.device_name, ours_s=seconds,
+               baseline_s=float(base[1]), speedup=float(base[1]) / seconds if seconds > 0 else float("nan"),
+               ours_faster_share=float("nan"), noise=float("nan"), reps=1,
+               check="matches" if error <= LOSS_RTOL else "MISMATCH log-probs", ours_peak_bytes=peak,
+               baseline_peak_bytes=base_peak, detail=detail)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Fit:
     """peak = intercept + slope x tokens, least squares over the measured lengths."""
@@ -375,4 +451,7 @@ def run(ctx: Context) -> list[Row]:
     if not ctx.quick:  # the quick lengths are too short for the slopes to mean anything
         for line in llama_8b_lines(fits, size, ctx.world_size):
             ctx.log(line)
+    head = head_of_model(size, ctx.device)
+    for count in tokens:
+        rows += run_case(ctx, MEMORY_BENCH, measure_logprobs, MemoryCase(size, count), head, world)
     return rows

@@ -7,7 +7,7 @@
 #     (setup.py finds the toolkit and decides; its lines are in build/install.log)
 # Without a package index (scripts/package_index.sh decides in about 2 s; SEQPAR_OFFLINE=1
 # says so at once) it installs nothing: it names what is missing, the optional parts
-# (transformers, its oldest supported release) are skipped and their tests skip.
+# (transformers, TRL, their oldest supported releases) are skipped and their tests skip.
 #
 #   bash scripts/setup.sh [--dry-run]
 #   --dry-run  prints what it would install, skip and build; installs and builds nothing.
@@ -112,6 +112,9 @@ optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0
   "datasets==4.4.1" "dill==0.4.0" "multiprocess==0.70.18" "fsspec==2025.10.0" \
   "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" "sniffio==1.3.1"
 optional_dependency diffusers 0.35.2
+# TRL (the Trainer mixin's DPOTrainer and GRPOTrainer): 1.15.0 is the first release whose
+# trainers read per-token log-probs from the model's fused LM head (add_fused_lm_head).
+optional_dependency trl 1.15.0
 # The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
 if [ -n "$(missing_packages accelerate:accelerate)" ]; then
   pip_install "accelerate (optional: the Trainer's tests)" -q "accelerate>=1.0" || say "no accelerate: the Trainer's tests will skip"

@@ -12,6 +12,8 @@ Public API:
                                                             sequence, its state passed across ranks)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
+    sequence_parallel_logprobs                             (each token's log-probability and entropy,
+                                                            the same chunks; per-sequence sums)
     shard_batch, all_reduce_gradients                      (a training step: this rank's tokens with
                                                             shifted labels; the ranks' gradient shares summed)
     decode_attention, prefill_attention,                   (inference over a KV cache sharded across ranks;
@@ -28,6 +30,7 @@ from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
+    sequence_parallel_logprobs,
 )
 from seqpar_kernels.parallel.gated_delta import gated_delta_rule
 from seqpar_kernels.parallel.inference import (
@@ -67,6 +70,7 @@ __all__ = [
     "gated_delta_rule",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
+    "sequence_parallel_logprobs",
     "shard_batch",
     "all_reduce_gradients",
     "comm_stats",

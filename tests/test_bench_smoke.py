@@ -137,11 +137,15 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     turns = [row["detail"] for row in inference if row["bench"] == "inference-turn"]
     assert all("auto chose pass-q" in detail for detail in turns[:2]), turns
     assert all("auto chose pass-kv" in detail for detail in turns[2:]), turns
-    # Memory: every configuration at both lengths (its loss one rank's), then its fitted line.
+    # Memory: every configuration at both lengths (its loss one rank's), then its fitted line;
+    # the log-prob path at both lengths, below the materialised logits.
     memory = [row for row in rows if row["bench"] == "memory"]
     if importlib.util.find_spec("transformers") is not None:
         measured = [row for row in memory if row["check"] != "fit"]
-        assert len(measured) == 10 and all(row["check"] == "matches" for row in measured), memory
+        assert len(measured) == 12 and all(row["check"] == "matches" for row in measured), memory
+        logprobs = [row for row in measured if row["case"].startswith("logprobs ")]
+        assert len(logprobs) == 2, memory
+        assert all(int(row["ours_peak_bytes"]) < int(row["baseline_peak_bytes"]) for row in logprobs), logprobs
         assert all(int(row["ours_peak_bytes"]) > 0 for row in measured), memory
         fits = [row for row in memory if row["check"] == "fit"]
         assert len(fits) == 5 and all("bytes per token" in row["detail"] for row in fits), fits

@@ -5,6 +5,9 @@ real tokens, with the logits never materialised for all tokens at once.
         the LM head and the loss fused, chunk_size tokens at a time
     sequence_parallel_cross_entropy_from_logits(logits, shift_labels, ...)
         the same reduction over logits the caller already has
+    sequence_parallel_logprobs(hidden_states, lm_head_weight, labels, ...)
+        each token's log-probability of its label (and entropy), the head fused in;
+        per-sequence sums over the ranks when asked (post-training losses)
 
 Each rank holds a piece of every sequence: its tokens' hidden states and their labels,
 already shifted (the label of token t is token t + 1, or ignore_index where there is
@@ -35,7 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from seqpar_kernels.comm.grid import reduction_groups
-from seqpar_kernels.engine.cross_entropy import ChunkedCrossEntropy, LogitTransform, default_chunk_size
+from seqpar_kernels.engine.cross_entropy import (
+    STATISTICS,
+    ChunkedCrossEntropy,
+    ChunkedLogProbs,
+    LogitTransform,
+    default_chunk_size,
+)
 from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES, checked_over_groups
 
 # ----------------------------------------------------------------------------------
@@ -69,16 +78,17 @@ def _all_reduce_sum(values: torch.Tensor, groups) -> torch.Tensor:
     return values
 
 
-def _check_labels(shift_labels, expected_shape, describe_shapes: str) -> None:
+def _check_labels(shift_labels, expected_shape, describe_shapes: str, name: str = "shift_labels") -> None:
     if not isinstance(shift_labels, torch.Tensor):
-        raise ValueError(f"shift_labels must be a tensor, got {type(shift_labels).__name__} ({describe_shapes})")
+        raise ValueError(f"{name} must be a tensor, got {type(shift_labels).__name__} ({describe_shapes})")
     if shift_labels.dtype.is_floating_point or shift_labels.dtype.is_complex or shift_labels.dtype == torch.bool:
-        raise ValueError(f"shift_labels must hold integers, got {shift_labels.dtype} ({describe_shapes})")
+        raise ValueError(f"{name} must hold integers, got {shift_labels.dtype} ({describe_shapes})")
     if tuple(shift_labels.shape) != tuple(expected_shape):
-        raise ValueError(f"shift_labels must have shape {tuple(expected_shape)}, got {describe_shapes}")
+        raise ValueError(f"{name} must have shape {tuple(expected_shape)}, got {describe_shapes}")
 
 
-def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, describe_shapes: str) -> None:
+def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, describe_shapes: str,
+                       name: str = "shift_labels") -> None:  # fmt: skip
     """Labels outside [0, vocab) other than ignore_index raise, as F.cross_entropy's do
     (never clamped into a wrong target). One small reduction (a host sync on GPUs,
     beside the one the argument checks' all-gather makes)."""
@@ -86,7 +96,7 @@ def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, desc
     if bad.any():
         value = labels[bad][0].item()
         raise ValueError(
-            f"shift_labels holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} ({describe_shapes})"
+            f"{name} holds {value}, outside [0, {vocab}) and not ignore_index={ignore_index} ({describe_shapes})"
         )
 
 
@@ -112,6 +122,35 @@ def _check_inputs_tensor(name: str, tensor, shapes: str) -> None:
         raise ValueError(f"{name} must be a tensor with at least one dim ({shapes})")
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}, got {tensor.dtype} ({shapes})")
+
+
+def _check_head_inputs(hidden_states, lm_head_weight, labels, labels_name: str, ignore_index, chunk_size,
+                       logit_softcap, logit_scale, temperature, shapes: str) -> LogitTransform:  # fmt: skip
+    """This rank's checks of a fused head's inputs (ValueError naming the shapes); the
+    checked LogitTransform."""
+    _check_inputs_tensor("hidden_states", hidden_states, shapes)
+    if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2:
+        raise ValueError(f"lm_head_weight must be (vocab, hidden) ({shapes})")
+    if lm_head_weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(f"lm_head_weight's hidden size must be hidden_states' last dim ({shapes})")
+    if lm_head_weight.shape[0] == 0:
+        raise ValueError(f"lm_head_weight has no vocabulary ({shapes})")
+    if lm_head_weight.dtype != hidden_states.dtype or lm_head_weight.device != hidden_states.device:
+        raise ValueError(
+            f"lm_head_weight must have hidden_states' dtype and device, got {lm_head_weight.dtype} on "
+            f"{lm_head_weight.device} and {hidden_states.dtype} on {hidden_states.device} ({shapes})"
+        )
+    _check_labels(labels, hidden_states.shape[:-1], shapes, labels_name)
+    if labels.device != hidden_states.device:
+        raise ValueError(f"{labels_name} must be on hidden_states' device ({shapes})")
+    _check_ignore_index(ignore_index)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r} ({shapes})")
+    _check_label_range(labels, lm_head_weight.shape[0], ignore_index, shapes, labels_name)
+    transform = check_logit_transform(logit_softcap, logit_scale, shapes)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r:.80} ({shapes})")
+    return LogitTransform(transform.softcap, transform.scale, float(temperature))
 
 
 def _global_count(labels: torch.Tensor, ignore_index: int, groups) -> torch.Tensor:
@@ -212,28 +251,9 @@ def sequence_parallel_cross_entropy(
     transform = LogitTransform()
 
     def local_checks():
-        _check_inputs_tensor("hidden_states", hidden_states, shapes)
-        if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2:
-            raise ValueError(f"lm_head_weight must be (vocab, hidden) ({shapes})")
-        if lm_head_weight.shape[1] != hidden_states.shape[-1]:
-            raise ValueError(f"lm_head_weight's hidden size must be hidden_states' last dim ({shapes})")
-        if lm_head_weight.shape[0] == 0:
-            raise ValueError(f"lm_head_weight has no vocabulary ({shapes})")
-        if lm_head_weight.dtype != hidden_states.dtype or lm_head_weight.device != hidden_states.device:
-            raise ValueError(
-                f"lm_head_weight must have hidden_states' dtype and device, got {lm_head_weight.dtype} on "
-                f"{lm_head_weight.device} and {hidden_states.dtype} on {hidden_states.device} ({shapes})"
-            )
-        _check_labels(shift_labels, hidden_states.shape[:-1], shapes)
-        if shift_labels.device != hidden_states.device:
-            raise ValueError(f"shift_labels must be on hidden_states' device ({shapes})")
-        _check_ignore_index(ignore_index)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size < 1):  # fmt: skip
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r} ({shapes})")
-        _check_label_range(shift_labels, lm_head_weight.shape[0], ignore_index, shapes)
         nonlocal transform
-        transform = check_logit_transform(logit_softcap, logit_scale, shapes)
+        transform = _check_head_inputs(hidden_states, lm_head_weight, shift_labels, "shift_labels", ignore_index,
+                                       chunk_size, logit_softcap, logit_scale, 1.0, shapes)  # fmt: skip
         return (tuple(lm_head_weight.shape), hidden_states.dtype, ignore_index, transform)
 
     device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
@@ -250,6 +270,112 @@ def sequence_parallel_cross_entropy(
         grad_enabled and hidden.requires_grad, grad_enabled and lm_head_weight.requires_grad, transform,
     )  # fmt: skip
     return _global_loss(share, local_sum, count, groups)
+
+
+def sequence_parallel_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    logit_softcap: float = 0.0,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    sequence_ids: torch.Tensor | None = None,
+    num_sequences: int | None = None,
+    statistics: tuple[str, ...] = (),
+):
+    """Each of this rank's tokens' log-probability of its label under the LM head (and
+    the entropy of its distribution), the head fused in: at most chunk_size tokens'
+    logits in memory at once, forward and backward. What post-training losses (DPO,
+    GRPO, ...) are computed from.
+
+    hidden_states: (..., hidden), this rank's tokens; any leading dims and strides; fp32,
+        fp16 or bf16; lengths may differ by rank, 0 included.
+    lm_head_weight: (vocab, hidden), hidden_states' dtype and device.
+    labels: int tensor of hidden_states' leading shape: each token's target (the next
+        token, shifted on the full sequence: shard_batch's shift_labels), ignore_index
+        where there is none (its values are 0). Others outside [0, vocab) raise.
+    group / mesh / ulysses_group + ring_group: as sequence_parallel_cross_entropy; the
+        ranks the checks run over and the sums below are reduced over.
+    logit_softcap, logit_scale: as sequence_parallel_cross_entropy; temperature: the
+        transformed logits are divided by it (a sampler's temperature: TRL's).
+    return_entropy: also each token's entropy -sum_v p_v log p_v.
+    sequence_ids, num_sequences: instead of per-token values, their sums per sequence
+        over every rank's tokens: sequence_ids (labels' shape, ints in [0,
+        num_sequences)) says which sequence (a row, a packed document) each token adds
+        to; (num_sequences,) fp32 the same on every rank (one all-reduce per group).
+    statistics: names from STATISTICS ("mean_logits", "is_top1", "log_sum_sq_probs"):
+        per-token values without gradient, returned in a dict after the rest.
+
+    Logits as nn.Linear computes them, upcast to fp32, then transformed (fp32); the
+    log-softmax and entropy in fp32, exact to rounding: log_softmax(all logits)[label]
+    of one process. Returns log_probs (labels' shape, fp32; or (num_sequences,)); with
+    return_entropy (log_probs, entropy); with statistics, a dict of them appended.
+    Gradient (log-probs and entropy): this rank's tokens' own; for the sums, the
+    gradient flows through this rank's tokens only, so that summing the parameters'
+    gradients over the ranks gives the single-process gradient.
+
+    Memory: two chunks' fp32 logits (chunk_size x vocab x 4 bytes each; default
+    chunk_size: 2**26 // (vocab x buffers)), the backward computing them again; the
+    fp32 weight and hidden gradients in the backward. Collectives: the argument checks'
+    small all-gather, and with sequence_ids one all-reduce of num_sequences values.
+    """
+    describe = "sequence_parallel_logprobs"
+    groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                              any_mesh=True)  # fmt: skip
+    shapes = _shapes(("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight), ("labels", labels),
+                     ("sequence_ids", sequence_ids))  # fmt: skip
+    transform = LogitTransform()
+
+    def local_checks():
+        nonlocal transform
+        transform = _check_head_inputs(hidden_states, lm_head_weight, labels, "labels", ignore_index, chunk_size,
+                                       logit_softcap, logit_scale, temperature, shapes)  # fmt: skip
+        unknown = [name for name in statistics if name not in STATISTICS]
+        if isinstance(statistics, str) or unknown:
+            raise ValueError(f"statistics must name some of {STATISTICS}, got {statistics!r}")
+        if sequence_ids is not None:
+            if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 0:
+                raise ValueError(f"num_sequences must be an int >= 0 with sequence_ids, got {num_sequences!r}")
+            _check_labels(sequence_ids, labels.shape, shapes, "sequence_ids")
+            if sequence_ids.numel() and (sequence_ids.min() < 0 or sequence_ids.max() >= num_sequences):
+                raise ValueError(f"sequence_ids must lie in [0, num_sequences={num_sequences}) ({shapes})")
+        return (tuple(lm_head_weight.shape), hidden_states.dtype, ignore_index, transform, bool(return_entropy),
+                sequence_ids is None, num_sequences, tuple(statistics))  # fmt: skip
+
+    device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
+    checked_over_groups(describe, groups, device, local_checks)
+    vocab, hidden_size = lm_head_weight.shape
+    chunk_size = chunk_size or default_chunk_size(vocab, transform.buffers + 1)
+    log_probs, entropy, *extra = ChunkedLogProbs.apply(
+        hidden_states.reshape(-1, hidden_size), lm_head_weight, labels.reshape(-1).long(), ignore_index, chunk_size,
+        transform, bool(return_entropy), tuple(statistics),
+    )  # fmt: skip
+    values = [log_probs] + ([entropy] if return_entropy else [])
+    if sequence_ids is None:
+        values = [value.view(labels.shape) for value in values]
+    else:
+        values = list(_sequence_sums(torch.stack(values), sequence_ids.reshape(-1).long(), num_sequences, groups))
+    if statistics:
+        values.append({name: value.view(labels.shape) for name, value in zip(statistics, extra)})
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int, groups) -> torch.Tensor:
+    """values (K, N) summed per sequence over every rank's tokens: (K, num_sequences)
+    fp32, the same on every rank (summed in fp64, one all-reduce), whose gradient flows
+    through this rank's tokens alone (as _global_loss's)."""
+    share = values.new_zeros(values.shape[0], num_sequences).index_add(1, sequence_ids, values)
+    local = values.detach().double().new_zeros(values.shape[0], num_sequences)
+    total = _all_reduce_sum(local.index_add_(1, sequence_ids, values.detach().double()), groups).float()
+    return total + (share - share.detach())
 
 
 def sequence_parallel_cross_entropy_from_logits(

@@ -20,7 +20,8 @@ Modules:
     masks       the mask function registered beside them: transformers' masks read as
                 the package's AttentionMask (LayerMask)
     causal_lm   causal_lm_loss: the loss of the model's own head (tied embeddings,
-                final logit softcapping, logit scales), fused and chunked
+                final logit softcapping, logit scales), fused and chunked;
+                causal_lm_logprobs: its tokens' log-probabilities and entropies
     trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
                 imported on first use)
     loss        the loss computed inside the model's forward (where DDP and FSDP need it)
@@ -38,13 +39,14 @@ from __future__ import annotations
 
 # attention first: it raises the ImportError that names the missing dependency.
 from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, apply, register
-from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss
+from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_logprobs, causal_lm_loss
 from seqpar_kernels.integrations.transformers.masks import LayerMask
 from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
 from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
     sequence_parallel_cross_entropy_from_logits,
+    sequence_parallel_logprobs,
 )
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard, all_reduce_gradients
@@ -54,8 +56,10 @@ __all__ = [
     "apply",
     "shard_batch",
     "causal_lm_loss",
+    "causal_lm_logprobs",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
+    "sequence_parallel_logprobs",
     "all_reduce_gradients",
     "SequenceParallelism",
     "SequenceShard",

@@ -197,6 +197,16 @@ def _scales_queries_by_row(module) -> bool:
     return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype under autocast (rotary embeddings leave q and k
+    in fp32 beside a bf16 v), as eager and sdpa attention compute them; else as given."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(tensor.to(dtype) for tensor in tensors)
+
+
 def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The attention function of one mode, as transformers calls it.
 
@@ -246,7 +256,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
         query = _rescale_temperature(module, query, _global_rows(shard, position_ids, query.device))
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
     options = dict(causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
                    attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0,
                    sinks=kwargs.get("s_aux"))  # fmt: skip
@@ -266,7 +276,7 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
     the piece's. Returns (B, Tq, H, D)."""
     if dropout and module.training:
         raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
     variants = dict(causal=mask.causal, softmax_scale=scaling, window_size=mask.window,
                     attention_chunk_size=mask.chunk_size, softcap=kwargs.get("softcap") or 0.0,
                     sinks=kwargs.get("s_aux"))  # fmt: skip

@@ -1,8 +1,10 @@
 """The loss of a transformers causal language model's own head under sequence
-parallelism: causal_lm_loss(model, hidden_states, shift_labels).
+parallelism, causal_lm_loss(model, hidden_states, shift_labels), and its tokens'
+log-probabilities, causal_lm_logprobs(model, hidden_states, labels) (post-training).
 
     hidden = model.model(**batch).last_hidden_state         # (B, S_local, hidden)
     loss = causal_lm_loss(model, hidden, batch["shift_labels"])
+    logps, entropy = causal_lm_logprobs(model, hidden, batch["shift_labels"], return_entropy=True)
 
 What a model's forward does between its last hidden states and its loss, read from the
 model: the output embeddings (the LM head, tied to the input embeddings or not), and
@@ -21,9 +23,10 @@ from __future__ import annotations
 import torch
 
 from seqpar_kernels.integrations.transformers.attention import SETTINGS_ATTRIBUTE
-from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy
+from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy, sequence_parallel_logprobs
+from seqpar_kernels.parallel.training import SequenceShard
 
-__all__ = ["causal_lm_loss", "head_of", "LOGIT_SCALES"]
+__all__ = ["causal_lm_loss", "causal_lm_logprobs", "head_of", "LOGIT_SCALES"]
 
 # What a causal LM's forward multiplies its logits by, by config.model_type, as its
 # modeling file computes them (transformers 5); final_logit_softcapping is the same tanh
@@ -42,7 +45,7 @@ LOGIT_SCALES = {
 _SCALE_ATTRIBUTES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 
 
-def head_of(model) -> tuple[torch.Tensor, float, float]:
+def head_of(model, describe: str = "causal_lm_loss") -> tuple[torch.Tensor, float, float]:
     """(lm_head weight (vocab, hidden), logit_softcap, logit_scale) of a transformers
     causal LM: its logits are logit_softcap * tanh(logit_scale * hidden @ weight.T /
     logit_softcap) (without the tanh when logit_softcap is 0). Raises ValueError for a
@@ -51,11 +54,11 @@ def head_of(model) -> tuple[torch.Tensor, float, float]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(
-            f"causal_lm_loss: {name}'s output embeddings are {type(head).__name__}, not a Linear LM head: pass "
+            f"{describe}: {name}'s output embeddings are {type(head).__name__}, not a Linear LM head: pass "
             "sequence_parallel_cross_entropy the head's weight yourself"
         )
     if head.bias is not None:
-        raise ValueError(f"causal_lm_loss: {name}'s LM head has a bias, which the fused loss does not add")
+        raise ValueError(f"{describe}: {name}'s LM head has a bias, which the fused loss does not add")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     softcap = getattr(config, "final_logit_softcapping", None) or 0.0
     model_type = getattr(config, "model_type", "")
@@ -67,11 +70,32 @@ def head_of(model) -> tuple[torch.Tensor, float, float]:
                   if getattr(config, attribute, None) not in (None, 1, 1.0)}  # fmt: skip
         if scaled:
             raise ValueError(
-                f"causal_lm_loss: {name} (model type {model_type!r}) has {scaled}, which its forward may apply to "
+                f"{describe}: {name} (model type {model_type!r}) has {scaled}, which its forward may apply to "
                 "the logits in a way causal_lm_loss does not know; compute the logits' transform yourself and pass "
                 "sequence_parallel_cross_entropy logit_scale= and logit_softcap="
             )
     return head.weight, float(softcap), scale
+
+
+def _through_head(describe: str, model, hidden_states: torch.Tensor, function, labels: torch.Tensor, groups: dict,
+                  **options):  # fmt: skip
+    """function(hidden_states, head weight, labels, **options) with the model's head:
+    its weight, logit_softcap and logit_scale (head_of), the groups apply() recorded on
+    the model where none is given, and the dtype its Linear would compute the logits in
+    (the autocast dtype under autocast)."""
+    weight, logit_softcap, logit_scale = head_of(model, describe)
+    settings = getattr(model, SETTINGS_ATTRIBUTE, None)
+    if settings is not None and all(value is None for value in groups.values()):
+        groups = settings.group_kwargs()
+    options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **groups)
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return function(hidden_states.to(dtype), weight.to(dtype), labels, **options)
+    if hidden_states.dtype != weight.dtype:  # e.g. an fp32 final norm before a bf16 head
+        hidden_states = hidden_states.to(weight.dtype)
+    return function(hidden_states, weight, labels, **options)
 
 
 def causal_lm_loss(
@@ -102,18 +126,81 @@ def causal_lm_loss(
     its backward gives this rank's share (all_reduce_gradients sums them). Under
     autocast the head's logits are computed in the autocast dtype, as its Linear would
     compute them. Raises ValueError for a head it cannot express (head_of)."""
-    weight, logit_softcap, logit_scale = head_of(model)
     groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
-    settings = getattr(model, SETTINGS_ATTRIBUTE, None)
-    if settings is not None and all(value is None for value in groups.values()):
-        groups.update(settings.group_kwargs())
-    options = dict(ignore_index=ignore_index, chunk_size=chunk_size, logit_softcap=logit_softcap,
-                   logit_scale=logit_scale, **groups)  # fmt: skip
-    device_type = hidden_states.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        with torch.autocast(device_type, enabled=False):
-            return sequence_parallel_cross_entropy(hidden_states.to(dtype), weight.to(dtype), shift_labels, **options)
-    if hidden_states.dtype != weight.dtype:  # e.g. an fp32 final norm before a bf16 head
-        hidden_states = hidden_states.to(weight.dtype)
-    return sequence_parallel_cross_entropy(hidden_states, weight, shift_labels, **options)
+    return _through_head("causal_lm_loss", model, hidden_states, sequence_parallel_cross_entropy, shift_labels, groups,
+                         ignore_index=ignore_index, chunk_size=chunk_size)  # fmt: skip
+
+
+def causal_lm_logprobs(
+    model,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    group=None,
+    mesh=None,
+    ulysses_group=None,
+    ring_group=None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    per_sequence: bool = False,
+    sequence_shard: SequenceShard | None = None,
+    statistics: tuple[str, ...] = (),
+):
+    """This rank's tokens' log-probabilities of their labels under `model`'s own head
+    (tied embeddings, final softcapping, logit scales: what causal_lm_loss reads), and
+    optionally each token's entropy, without the logits of the whole piece ever
+    existing (sequence_parallel_logprobs: a chunk of tokens at a time, fp32).
+
+        hidden = model.model(**batch).last_hidden_state          # (B, S_local, hidden)
+        logps = causal_lm_logprobs(model, hidden, batch["shift_labels"])   # (B, S_local)
+        # DPO: each sequence's sum over every rank's tokens, (B,), the same on every rank
+        seq_logps = causal_lm_logprobs(model, hidden, batch["shift_labels"], per_sequence=True)
+
+    model, hidden_states, group / mesh / ulysses_group + ring_group: as causal_lm_loss.
+    labels: shard_batch's "shift_labels" (ignore_index: prompt, padding, last token).
+    temperature: the logits (after the model's own transform) are divided by it.
+    return_entropy: also the entropy of each token's distribution.
+    per_sequence: sums over each sequence's tokens of every rank instead: hidden_states
+        (B, S_local, hidden) gives (B,); a packed batch (shard_batch's, position ids
+        restarting) gives one sum per document, (documents,), given sequence_shard=
+        (the batch's "sequence_shard").
+    statistics: per-token "mean_logits", "is_top1", "log_sum_sq_probs" (no gradient),
+        in a dict after the rest (what TRL's trainers log).
+    Returns log_probs (labels' shape, fp32, 0 where the label is ignore_index), or
+    (log_probs, entropy); differentiable (this rank's share, as causal_lm_loss's).
+    Raises ValueError for a head it cannot express (head_of)."""
+    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+    options = dict(ignore_index=ignore_index, chunk_size=chunk_size, temperature=temperature,
+                   return_entropy=return_entropy, statistics=statistics)  # fmt: skip
+    if per_sequence:
+        options.update(_sequence_ids(hidden_states, labels, sequence_shard))
+    return _through_head("causal_lm_logprobs", model, hidden_states, sequence_parallel_logprobs, labels, groups,
+                         **options)  # fmt: skip
+
+
+def _sequence_ids(hidden_states, labels, sequence_shard: SequenceShard | None) -> dict:
+    """sequence_ids= and num_sequences= for per-sequence sums: each token's row of
+    hidden_states (B, S_local, hidden), or its document in a packed batch's plan."""
+    shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else None
+    if shape is None or len(shape) != 2 or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        found = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(
+            f"causal_lm_logprobs: per_sequence=True takes hidden_states (batch, seqlen_local, hidden) and labels "
+            f"(batch, seqlen_local), got hidden_states {found} and labels {shape}"
+        )
+    plan = None if sequence_shard is None else sequence_shard.varlen
+    if plan is None:
+        rows = torch.arange(shape[0], device=labels.device).unsqueeze(1).expand(shape)
+        return {"sequence_ids": rows, "num_sequences": shape[0]}
+    bounds = plan.layout.cu_seqlens
+    lengths = torch.tensor([end - start for start, end in zip(bounds[:-1], bounds[1:])], device=labels.device)
+    documents = torch.repeat_interleave(torch.arange(len(lengths), device=labels.device), lengths).unsqueeze(0)
+    local = plan.split(documents, dim=1)
+    if tuple(local.shape) != shape:
+        raise ValueError(
+            f"causal_lm_logprobs: labels {shape} are not this rank's tokens of sequence_shard's packed batch "
+            f"({tuple(local.shape)})"
+        )
+    return {"sequence_ids": local, "num_sequences": len(lengths)}

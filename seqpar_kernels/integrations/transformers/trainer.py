@@ -57,6 +57,13 @@ sequence_parallel_size does not divide; when train() or evaluate() makes a datal
 batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
 IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
 rank: keys shard_batch does not know, ranks of a group holding different batches.
+
+TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over a
+sequence-parallel fused LM head of the model and the reference model (each rank's
+tokens' log-probs, gathered back into the whole sequence's), GRPO's completions from the
+sharded-cache generate, the same on every rank of a group; what TRL logs counted per
+replica. Raises at construction for the TRL options post_training.unsupported_options
+names.
 """
 
 from __future__ import annotations
@@ -82,6 +89,14 @@ from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, h
 from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 from seqpar_kernels.integrations.transformers.memory import offload_activations as offloading
 from seqpar_kernels.integrations.transformers.memory import tile_mlp
+from seqpar_kernels.integrations.transformers.post_training import (
+    as_replicas,
+    batch_checksum,
+    generate_in_eval_mode,
+    install_fused_head,
+    unsupported_options,
+    uses_fused_head,
+)
 from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_options
 
@@ -145,20 +160,6 @@ def make_parallelism(mode: str, layout: str, sequence_parallel_size: int | None,
     return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, **groups)
 
 
-def _batch_checksum(batch) -> torch.Tensor:
-    """An int64 fingerprint (0-dim, on the batch's device) of a batch's token tensors: the
-    same bytes give the same value on every rank (the sums wrap around alike)."""
-    total = None
-    for index, key in enumerate(("input_ids", "labels", "position_ids", "attention_mask")):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor):
-            flat = value.reshape(-1).long()
-            weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) % 65521 + 1 + index
-            term = (flat * weights).sum() + flat.numel()
-            total = term if total is None else total + term
-    return total
-
-
 @dataclass(frozen=True)
 class _Epoch:
     """What a replica-sharded dataloader's padding depends on: the samples of an epoch,
@@ -216,11 +217,22 @@ class SequenceParallelTrainerMixin:
         self.sequence_parallel: SequenceParallelism | None = None
         self._epochs: dict[str, _Epoch | None] = {}
         self._eval_rows = 1
+        self._fused_head = False
+        if uses_fused_head(self):
+            self._refuse(unsupported_options(kwargs.get("args")))
         super().__init__(*args, **kwargs)
         self._check_trainer_arguments()
         self._prepare_model(self.model)
+        self._fused_head = uses_fused_head(self)
+        if self._fused_head:
+            self._prepare_post_training()
 
     # ---- set-up -------------------------------------------------------------------
+
+    def _refuse(self, unsupported: list[str]) -> None:
+        """Raises ValueError naming what sequence parallelism does not support, if any."""
+        if unsupported:
+            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(unsupported)}")
 
     def _check_trainer_arguments(self) -> None:
         args = self.args
@@ -235,9 +247,7 @@ class SequenceParallelTrainerMixin:
             "train_sampling_strategy='batch_rebalance'": getattr(args, "train_sampling_strategy", None)
             == "batch_rebalance",
         }
-        named = [name for name, present in unsupported.items() if present]
-        if named:
-            raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(named)}")
+        self._refuse([name for name, present in unsupported.items() if present])
 
     def _prepare_model(self, model) -> None:
         """Switch the model's attention to the mode (and tile its MLPs); the groups are
@@ -259,6 +269,48 @@ class SequenceParallelTrainerMixin:
               **parallelism.group_kwargs())  # fmt: skip
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
+
+    def _prepare_post_training(self) -> None:
+        """TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over the
+        sequence-parallel fused head of the model and of the reference model; GRPO's
+        generation batch counted in replicas, its sampler seeded alike on every rank of
+        a group (TRL seeds each process apart) so that they generate the same tokens."""
+        self._refuse(unsupported_options(self.args, self))
+        parallelism = self.sequence_parallel
+        temperature = float(getattr(self, "temperature", 1.0))
+        statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)
+                                                  else ())  # fmt: skip
+        install_fused_head(self.accelerator.unwrap_model(self.model), parallelism, temperature, statistics,
+                           self.accelerator.autocast)  # fmt: skip
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            reference = self.accelerator.unwrap_model(reference)
+            head_of(reference)
+            apply(reference, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
+                  **parallelism.group_kwargs())  # fmt: skip
+            install_fused_head(reference, parallelism, temperature, autocast=self.accelerator.autocast)
+        if hasattr(self.args, "generation_batch_size") and hasattr(self, "num_generations"):
+            from accelerate.utils import set_seed
+
+            size = self.args.generation_batch_size // self._group_size  # TRL counted every rank as a process
+            if size % self.num_generations != 0:
+                raise ValueError(
+                    f"{type(self).__name__}: the generation batch of the {self._replicas} replica(s), {size}, must "
+                    f"divide by num_generations={self.num_generations}"
+                )
+            self.args.generation_batch_size = size
+            set_seed(self.args.seed + self._replica)
+            generate_in_eval_mode(self.accelerator.unwrap_model(self.model))
+
+    def _as_replicas(self):
+        """TRL's code sees one process per replica inside (post_training.as_replicas)."""
+        return as_replicas(self, self._replicas, self._replica)
+
+    def _prepare_inputs(self, inputs):
+        if not getattr(self, "_fused_head", False):
+            return super()._prepare_inputs(inputs)
+        with self._as_replicas():  # GRPO generates and scores here
+            return super()._prepare_inputs(inputs)
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
@@ -394,7 +446,7 @@ class SequenceParallelTrainerMixin:
         batches (one small all-gather of their checksums, before any sharding)."""
         if self._group_size == 1:
             return
-        rows = self._gather_rows(torch.stack([_batch_checksum(batch) for batch in batches]))
+        rows = self._gather_rows(torch.stack([batch_checksum(batch) for batch in batches]))
         groups = [
             rows[replica * self._group_size : (replica + 1) * self._group_size] for replica in range(self._replicas)
         ]
@@ -433,6 +485,8 @@ class SequenceParallelTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's micro-batches, sharded for this rank, and num_items_in_batch as
         the one-process Trainer has it (None where it counts none)."""
+        if self._fused_head:  # the full batches: the fused head shards them
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches, num_items = super().get_batch_samples(self._with_padding_dropped(epoch_iterator, "train"),
                                                        num_batches, device)  # fmt: skip
         if not batches:
@@ -449,6 +503,8 @@ class SequenceParallelTrainerMixin:
         docstring); inputs: a batch sharded by get_batch_samples, or a full batch
         (evaluation, or a direct call), sharded here."""
         training = model.training and torch.is_grad_enabled()
+        if self._fused_head:
+            return self._post_training_loss(model, inputs, return_outputs, num_items_in_batch, training)
         if _COUNTS_KEY in inputs:
             local = dict(inputs)
         else:
@@ -492,6 +548,18 @@ class SequenceParallelTrainerMixin:
             return loss, result
         return loss
 
+    def _post_training_loss(self, model, inputs, return_outputs, num_items_in_batch, training: bool):
+        """TRL's own loss over the sequence-parallel fused head, the same on every rank of
+        a group; its gradient (each rank's tokens' share) scaled by the group's size, as
+        DDP and FSDP average over every rank of the world."""
+        with self._as_replicas():
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)  # fmt: skip
+        loss = result[0] if return_outputs else result
+        if training:
+            loss = loss.detach() + (loss - loss.detach()) * self._group_size
+        return (loss, result[1]) if return_outputs else loss
+
     # ---- evaluation ---------------------------------------------------------------
 
     def _one_process_rows(self, real: int | None) -> int:
@@ -508,6 +576,8 @@ class SequenceParallelTrainerMixin:
         return losses.reshape(-1)[:1].repeat(self._eval_rows)
 
     def evaluation_loop(self, *args, **kwargs):
+        if self._fused_head:  # every rank of a group holds its replica's loss
+            return super().evaluation_loop(*args, **kwargs)
         self.gather_function = self._gather_eval_losses  # the Trainer resets it after the loop
         return super().evaluation_loop(*args, **kwargs)
 

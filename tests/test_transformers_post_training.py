@@ -2,7 +2,9 @@
 trainer in one process.
 
 The sequence-parallel runs: gloo ranks of the rank pool, started as torchrun would start
-them. The reference: TRL's trainer in one process on the same data, seed and sampling.
+them. The reference: TRL's trainer in one process on the same data, seed and sampling;
+for data-parallel replicas, TRL's trainer on one process per replica with the same global
+batch (TRL seeds GRPO's sampling per process: that run samples the replicas' completions).
 Compared: every logged value both log (loss, grad_norm, rewards, logps, entropy, KL, ...;
 relative 1e-5, grad_norm 1e-4, rewards 1e-6 absolute: they are beta x differences of
 summed log-probs, whose rounding does not shrink with them) and the final weights (1e-4
@@ -115,7 +117,9 @@ def _trainer(case: dict, directory: str):
                   seed=SEED, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
                   **{"bf16": False, **case.get("args", {})})  # fmt: skip
     options = {"mode": case["mode"], "layout": case.get("layout", "contiguous"),
-               "sequence_parallel_size": dist.get_world_size()} if "mode" in case else None  # fmt: skip
+               "sequence_parallel_size": case.get("size", dist.get_world_size()),
+               **({"ulysses_degree": case["ulysses_degree"]} if "ulysses_degree" in case else {})
+               } if "mode" in case else None  # fmt: skip
     if case["trainer"] == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -151,12 +155,16 @@ _references: dict[str, dict] = {}
 
 
 def _check(world_size: int, case: dict) -> None:
+    """The case on world_size ranks (groups of case["size"], default all) against TRL's
+    own trainer on one process per replica: TRL samples GRPO's completions with a seed
+    per process, so that is the run whose completions the replicas' match."""
     case = dict(case, path=_model_directory(case.get("model", "llama")))
     results = pool_for(world_size).run(run_post_training, case)
-    plain = {key: value for key, value in case.items() if key not in ("mode", "layout")}
-    key = repr(sorted(plain.items()))
+    replicas = world_size // case.get("size", world_size)
+    plain = {key: value for key, value in case.items() if key not in ("mode", "layout", "size", "ulysses_degree")}
+    key = repr((replicas, sorted(plain.items())))
     if key not in _references:
-        [_references[key]] = pool_for(1).run(run_post_training, plain)
+        _references[key] = pool_for(replicas).run(run_post_training, plain)[0]
     reference, problems = _references[key], []
     if len(reference["log"]) != len(results[0]["log"]):
         problems.append(f"{len(results[0]['log'])} log entries, the reference {len(reference['log'])}")
@@ -189,6 +197,20 @@ def test_grpo_matches_trl_in_one_process():
     """GRPO: completions from model.generate (the same on both ranks), KL to the reference
     model, Ulysses, gradient accumulation."""
     _check(2, dict(trainer="grpo", mode="ulysses", args=dict(gradient_accumulation_steps=2)))
+
+
+def test_grpo_matches_trl_in_one_process_under_usp():
+    """GRPO on 4 ranks as one USP group (a ring of 2 Ulysses pairs, balanced): its
+    generate over the KV cache sharded on that grid, the policy's and the reference
+    model's fused heads."""
+    _check(4, dict(trainer="grpo", mode="usp", layout="balanced", ulysses_degree=2))
+
+
+def test_grpo_replicas_match_trl_data_parallel():
+    """GRPO on 4 ranks as 2 replicas of a Ulysses group of 2, against TRL's own trainer on
+    2 processes (data-parallel, the same global batch): the replicas' generation, rewards
+    gathered across replicas, advantages of this replica's slice, DDP over the world."""
+    _check(4, dict(trainer="grpo", mode="ulysses", size=2, args=dict(gradient_accumulation_steps=2)))
 
 
 def unsupported_option_raises(case: dict) -> str | None:

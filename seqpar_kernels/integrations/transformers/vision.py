@@ -53,7 +53,10 @@ __all__ = ["VISION_LANGUAGE_TYPES", "MULTIMODAL_KEYS", "EncodedFrames", "VisionS
 
 # The model types (config.model_type) built as the module docstring says, each checked
 # against one process by tests/test_transformers_vision.py.
-VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+# Model types whose video frames take the image token (mm_token_type_ids tells them apart):
+# their forward scatters a batch's images or its videos, not both.
+VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe")
 # Per modality: the pixels' key, the grid's key, the config attribute of its placeholder token.
 MODALITIES = {
     "image": ("pixel_values", "image_grid_thw", "image_token_id"),
@@ -120,7 +123,22 @@ def vision_language_base(model, describe: str) -> torch.nn.Module | None:
             f"({sorted(config.sub_configs)}); sequence parallelism runs text models and the vision-language models "
             f"{list(VISION_LANGUAGE_TYPES)} whole (vision tower and language model together)"
         )
+    takes_types = "mm_token_type_ids" in inspect.signature(base.get_rope_index).parameters
+    if model_type in VIDEO_IN_IMAGE_TOKENS and not takes_types:
+        # Before transformers 5 its get_rope_index finds videos by their start and end tokens instead.
+        raise ValueError(
+            f"{describe}: {type(model).__name__} (model type {model_type!r}) runs sequence-parallel under "
+            "transformers 5 and newer, whose get_rope_index takes mm_token_type_ids (its video frames take the "
+            "image token)"
+        )
     return base
+
+
+def _placeholder_token(config, modality: str) -> int:
+    """The token id of a modality's placeholders in input_ids (MODALITIES' attribute, or
+    the image token for VIDEO_IN_IMAGE_TOKENS' videos)."""
+    image = config.model_type in VIDEO_IN_IMAGE_TOKENS
+    return getattr(config, MODALITIES["image" if image else modality][2])
 
 
 # ----------------------------------------------------------------------------------
@@ -228,16 +246,22 @@ def _checked_batch(describe: str, batch, config, base) -> tuple[tuple, _FullBatc
     ids = input_ids.cpu()
     merge = int(config.vision_config.spatial_merge_size)
     agreed, placeholders, frames, grids = [tuple(input_ids.shape)], {}, {}, {}
-    for modality, (pixels_key, grid_key, token_attribute) in MODALITIES.items():
+    given = [modality for modality, (pixels_key, grid_key, _) in MODALITIES.items()
+             if batch.get(pixels_key) is not None or batch.get(grid_key) is not None]  # fmt: skip
+    if config.model_type in VIDEO_IN_IMAGE_TOKENS and len(given) == len(MODALITIES):
+        raise ValueError(f"{describe}: a {config.model_type} batch holds images or videos, not both: its video "
+                         "frames take the image token, and its forward places either")  # fmt: skip
+    for modality, (pixels_key, grid_key, _) in MODALITIES.items():
         pixels, grid = batch.get(pixels_key), batch.get(grid_key)
         if pixels is None and grid is None:
             continue
         if pixels is None or grid is None:
             raise ValueError(f"{describe}: {pixels_key} and {grid_key} come together; got only "
                              f"{pixels_key if grid is None else grid_key}")  # fmt: skip
-        placeholders[modality] = ids == getattr(config, token_attribute)
+        token = _placeholder_token(config, modality)
+        placeholders[modality] = ids == token
         frames[modality] = _frames(describe, pixels, grid, int(placeholders[modality].sum()), merge,
-                                   (pixels_key, grid_key, getattr(config, token_attribute)))  # fmt: skip
+                                   (pixels_key, grid_key, token))  # fmt: skip
         grids[grid_key] = grid
         agreed.append((modality, grid.tolist(), tuple(pixels.shape), str(pixels.dtype),
                        float(pixels.sum(dtype=torch.float64)),

@@ -74,10 +74,12 @@ FAMILIES = {
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
     "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", _GLM4V_VISION,
                   dict(rope=_GLM4V_ROPE, **_GLM4V_MOE), True),
+    "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
+    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
 }  # fmt: skip
 # Families whose video frames take the image token (and whose start and end tokens are named
 # after images); transformers 4's get_rope_index finds their videos otherwise (not supported).
-VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe")
+VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 
 
 def _here(family: str) -> bool:
@@ -290,7 +292,7 @@ CASES = {
     1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
     2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded"),
-        _case("glm4v", "ring", "balanced", "videos")],
+        _case("glm4v", "ring", "balanced", "videos"), _case("glm46v", "ulysses", "contiguous", "images")],
     3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed"),
         _case("glm4v_moe", "ulysses", "contiguous", "videos"), _case("glm4v", "ring", "contiguous", "padded_images")],
@@ -299,7 +301,7 @@ CASES = {
         _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),
         _case("qwen3_vl_moe", "usp", "balanced", "dense", ulysses=2),
         _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3),
-        _case("glm4v", "usp", "balanced", "images", ulysses=2)],
+        _case("glm4v", "usp", "balanced", "images", ulysses=2), _case("glm_ocr", "ring", "balanced", "videos")],
 }  # fmt: skip
 
 

@@ -51,6 +51,13 @@ _QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2
 _QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+# Qwen3.5's tower: Qwen3-VL's without deepstack; its language model: Gated DeltaNet (2 q/k
+# heads serving 4 value heads of 16, a convolution of kernel 3), then gated attention.
+_QWEN35_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=16
+)
+_GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=3)  # fmt: skip
 # GLM-4.1V's tower: position embeddings of a 4 x 4 patch grid interpolated to each frame's;
 # its language model rotates half of each head (mrope_section sums to a quarter; transformers
 # 4 names no "mrope" type for it).
@@ -74,6 +81,9 @@ FAMILIES = {
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
     "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", _GLM4V_VISION,
                   dict(rope=_GLM4V_ROPE, **_GLM4V_MOE), True),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION,
+                dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA),
+                True),
     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
 }  # fmt: skip
@@ -292,10 +302,12 @@ CASES = {
     1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
     2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded"),
-        _case("glm4v", "ring", "balanced", "videos"), _case("glm46v", "ulysses", "contiguous", "images")],
+        _case("glm4v", "ring", "balanced", "videos"), _case("glm46v", "ulysses", "contiguous", "images"),
+        _case("qwen3_5", "ring", "balanced", "dense")],
     3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed"),
-        _case("glm4v_moe", "ulysses", "contiguous", "videos"), _case("glm4v", "ring", "contiguous", "padded_images")],
+        _case("glm4v_moe", "ulysses", "contiguous", "videos"), _case("qwen3_5", "ulysses", "contiguous", "packed"),
+        _case("glm4v", "ring", "contiguous", "padded_images")],
     4: [_case("qwen3_vl", "ring", "balanced", "dense"), _case("qwen2_5_vl", "usp", "balanced", "dense", ulysses=2),
         _case("qwen3_vl", "usp", "balanced", "images", ulysses=2),
         _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),

@@ -84,6 +84,10 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION,
                 dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA),
                 True),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", _QWEN35_VISION,
+                    dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"],
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, **_GATED_DELTA), True),
     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
 }  # fmt: skip
@@ -313,7 +317,8 @@ CASES = {
         _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),
         _case("qwen3_vl_moe", "usp", "balanced", "dense", ulysses=2),
         _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3),
-        _case("glm4v", "usp", "balanced", "images", ulysses=2), _case("glm_ocr", "ring", "balanced", "videos")],
+        _case("glm4v", "usp", "balanced", "images", ulysses=2), _case("glm_ocr", "ring", "balanced", "videos"),
+        _case("qwen3_5_moe", "usp", "balanced", "padded", ulysses=2)],
 }  # fmt: skip
 
 

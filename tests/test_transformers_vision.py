@@ -1,7 +1,8 @@
 """Vision-language models under sequence parallelism
 (seqpar_kernels/integrations/transformers/vision.py): small random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (deepstack) and Qwen3-VL-MoE models (a vision tower of 2 blocks; images of 4 to
-12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
+Qwen3-VL (deepstack), Qwen3-VL-MoE, Qwen3.5 (Gated DeltaNet) and its MoE, GLM-4.1V (video
+frames in the image token), GLM-4.5V, GLM-4.6V and GLM-OCR models (a vision tower of 2
+blocks; images of 4 to 12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
 all_reduce_gradients on gloo ranks must give transformers' own single-process run's loss
 and every parameter's gradient, the vision tower's included: images straddling rank
 boundaries (checked to happen at every world size above 1), two images of different

@@ -1,7 +1,7 @@
 """Vision-language models under sequence parallelism: a batch's images and videos, when
 their tokens are split across the ranks.
 
-    sp_transformers.apply(model, "ring", layout="balanced")      # Qwen2.5-VL, Qwen3-VL, ...
+    sp_transformers.apply(model, "ring", layout="balanced")      # Qwen2.5-VL, Qwen3-VL, GLM-4.1V, ...
     batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", model=model)
     hidden = model.model(**batch).last_hidden_state               # (B, S_local, hidden)
 
@@ -12,7 +12,8 @@ placeholder token (image_grid_thw / video_grid_thw (N, 3): each item's temporal,
 and width patches, giving t x h x w / merge^2 features), attending within each frame
 (one temporal patch of an item); the base model scatters the features into the
 placeholder tokens' embeddings in order (input_ids == image_token_id, row-major over
-(B, S)); Qwen3-VL adds features of early vision layers (deepstack) to the same tokens'
+(B, S); GLM-4.1V's video frames take the image token, mm_token_type_ids telling them
+apart); Qwen3-VL adds features of early vision layers (deepstack) to the same tokens'
 hidden states after its first decoder layers; the rotary positions are three rows
 (time, height, width) that the model's get_rope_index computes over the whole sequence.
 

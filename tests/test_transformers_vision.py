@@ -1,10 +1,10 @@
 """Vision-language models under sequence parallelism
 (seqpar_kernels/integrations/transformers/vision.py): small random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (deepstack), Qwen3-VL-MoE, Qwen3.5 (Gated DeltaNet) and its MoE, GLM-4.1V (video
-frames in the image token), GLM-4.5V, GLM-4.6V and GLM-OCR models (a vision tower of 2
-blocks; images of 4 to 12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
-all_reduce_gradients on gloo ranks must give transformers' own single-process run's loss
-and every parameter's gradient, the vision tower's included: images straddling rank
+Qwen3-VL (deepstack), Qwen3-VL-MoE, Cosmos3-Omni, Qwen3.5 (Gated DeltaNet) and its MoE,
+GLM-4.1V (video frames in the image token), GLM-4.5V, GLM-4.6V and GLM-OCR models (a
+vision tower of 2 blocks; images of 4 to 12 features, a video of 2 frames) through apply +
+shard_batch(model=) + causal_lm_loss + all_reduce_gradients on gloo ranks must give
+transformers' own single-process run's loss and every parameter's gradient, the vision tower's included: images straddling rank
 boundaries (checked to happen at every world size above 1), two images of different
 sizes and a video in one batch, padded and packed batches, world sizes 1 to 4 and a USP
 grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
@@ -82,6 +82,8 @@ FAMILIES = {
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
     "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", _GLM4V_VISION,
                   dict(rope=_GLM4V_ROPE, **_GLM4V_MOE), True),
+    "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16),
+                     True),
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION,
                 dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA),
                 True),
@@ -312,7 +314,7 @@ CASES = {
     3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed"),
         _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed"),
         _case("glm4v_moe", "ulysses", "contiguous", "videos"), _case("qwen3_5", "ulysses", "contiguous", "packed"),
-        _case("glm4v", "ring", "contiguous", "padded_images")],
+        _case("glm4v", "ring", "contiguous", "padded_images"), _case("cosmos3_omni", "ring", "balanced", "dense")],
     4: [_case("qwen3_vl", "ring", "balanced", "dense"), _case("qwen2_5_vl", "usp", "balanced", "dense", ulysses=2),
         _case("qwen3_vl", "usp", "balanced", "images", ulysses=2),
         _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),

@@ -55,7 +55,7 @@ __all__ = ["VISION_LANGUAGE_TYPES", "MULTIMODAL_KEYS", "EncodedFrames", "VisionS
 # The model types (config.model_type) built as the module docstring says, each checked
 # against one process by tests/test_transformers_vision.py.
 VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
-                         "glm4v", "glm4v_moe", "glm46v", "glm_ocr")  # fmt: skip
+                         "cosmos3_omni", "glm4v", "glm4v_moe", "glm46v", "glm_ocr")  # fmt: skip
 # Model types whose video frames take the image token (mm_token_type_ids tells them apart):
 # their forward scatters a batch's images or its videos, not both.
 VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")

@@ -4,10 +4,10 @@ Qwen3-VL (deepstack), Qwen3-VL-MoE, Cosmos3-Omni, Qwen3.5 (Gated DeltaNet) and i
 GLM-4.1V (video frames in the image token), GLM-4.5V, GLM-4.6V and GLM-OCR models (a
 vision tower of 2 blocks; images of 4 to 12 features, a video of 2 frames) through apply +
 shard_batch(model=) + causal_lm_loss + all_reduce_gradients on gloo ranks must give
-transformers' own single-process run's loss and every parameter's gradient, the vision tower's included: images straddling rank
-boundaries (checked to happen at every world size above 1), two images of different
-sizes and a video in one batch, padded and packed batches, world sizes 1 to 4 and a USP
-grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
+transformers' own single-process run's loss and every parameter's gradient, the vision
+tower's included: images straddling rank boundaries (checked to happen at every world
+size above 1), two images of different sizes and a video in one batch, padded and packed
+batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
 be honoured raises.
 
 The single-process reference: the model on the full batch (under transformers 4 with

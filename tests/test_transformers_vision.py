@@ -7,8 +7,8 @@ shard_batch(model=) + causal_lm_loss + all_reduce_gradients on gloo ranks must g
 transformers' own single-process run's loss and every parameter's gradient, the vision
 tower's included: images straddling rank boundaries (checked to happen at every world
 size above 1), two images of different sizes and a video in one batch, padded and packed
-batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
-be honoured raises.
+batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a
+collator of the test's own; and what cannot be honoured raises.
 
 The single-process reference: the model on the full batch (under transformers 4 with
 an attention mask of ones, as its processor gives), its multimodal positions

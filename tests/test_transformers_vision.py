@@ -31,6 +31,10 @@ import test_transformers_integration as integration  # noqa: E402
 from conftest import pool_for  # noqa: E402
 from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
 
+# The families whose video frames take the image token (their start and end tokens are named
+# after images); transformers 4's get_rope_index finds their videos otherwise (not supported).
+from seqpar_kernels.integrations.transformers.vision import VIDEO_IN_IMAGE_TOKENS  # noqa: E402
+
 VOCAB = 96
 IMAGE, VIDEO, VISION_START, VISION_END = 90, 91, 92, 93
 TEXT = 80  # text tokens are drawn below this
@@ -54,18 +58,18 @@ _QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2,
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 # Qwen3.5's tower: Qwen3-VL's without deepstack; its language model: Gated DeltaNet (2 q/k
 # heads serving 4 value heads of 16, a convolution of kernel 3), then gated attention.
-_QWEN35_VISION = dict(
-    depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=16
-)
+_QWEN35_VISION = {key: value for key, value in _QWEN3_VISION.items() if key != "deepstack_visual_indexes"}
 _GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_conv_kernel_dim=3)  # fmt: skip
-# GLM-4.1V's tower: position embeddings of a 4 x 4 patch grid interpolated to each frame's;
-# its language model rotates half of each head (mrope_section sums to a quarter; transformers
-# 4 names no "mrope" type for it).
+# GLM-4.1V's tower: position embeddings of a 4 x 4 patch grid interpolated to each frame's.
 _GLM4V_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, image_size=8)
-_GLM4V_ROPE = dict(
+# GLM's and Qwen3.5's language models rotate part of each head: half here (mrope_section sums
+# to a quarter; transformers 4 names no "mrope" type for GLM).
+_HALF_ROTARY = dict(
     mrope_section=[1, 1, 2], partial_rotary_factor=0.5, **({"type": "default"} if TRANSFORMERS_4 else {})
 )
+_QWEN35_TEXT = dict(head_dim=16, rope=_HALF_ROTARY, layer_types=["linear_attention", "full_attention"],
+                    **_GATED_DELTA)  # fmt: skip
 # GLM-4.5V's language model: a dense first layer, then routed experts and a shared one.
 _GLM4V_MOE = dict(
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1
@@ -79,24 +83,17 @@ FAMILIES = {
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16), True),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", _QWEN3_VISION,
                      dict(head_dim=16, **_MOE), True),
-    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
     "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", _GLM4V_VISION,
-                  dict(rope=_GLM4V_ROPE, **_GLM4V_MOE), True),
+                  dict(rope=_HALF_ROTARY, **_GLM4V_MOE), True),
     "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16),
                      True),
-    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION,
-                dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"], **_GATED_DELTA),
-                True),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION, _QWEN35_TEXT, True),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", _QWEN35_VISION,
-                    dict(head_dim=16, rope=_GLM4V_ROPE, layer_types=["linear_attention", "full_attention"],
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=32, **_GATED_DELTA), True),
-    "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
-    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_GLM4V_ROPE), True),
+                    dict(_QWEN35_TEXT, shared_expert_intermediate_size=32, **_MOE), True),
+    "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
+    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
 }  # fmt: skip
-# Families whose video frames take the image token (and whose start and end tokens are named
-# after images); transformers 4's get_rope_index finds their videos otherwise (not supported).
-VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 
 
 def _here(family: str) -> bool:

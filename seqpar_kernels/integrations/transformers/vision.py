@@ -49,8 +49,8 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import document_starts
 from seqpar_kernels.parallel.training import shard_batch as shard_token_batch
 
-__all__ = ["VISION_LANGUAGE_TYPES", "MULTIMODAL_KEYS", "EncodedFrames", "VisionShard", "shard_batch",
-           "vision_language_base", "install"]  # fmt: skip
+__all__ = ["VISION_LANGUAGE_TYPES", "VIDEO_IN_IMAGE_TOKENS", "MULTIMODAL_KEYS", "EncodedFrames", "VisionShard",
+           "shard_batch", "vision_language_base", "install"]  # fmt: skip
 
 # The model types (config.model_type) built as the module docstring says, each checked
 # against one process by tests/test_transformers_vision.py.

@@ -1,13 +1,14 @@
 """Vision-language models under sequence parallelism
 (seqpar_kernels/integrations/transformers/vision.py): small random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL (deepstack) and Qwen3-VL-MoE models (a vision tower of 2 blocks; images of 4 to
-12 features, a video of 2 frames) through apply + shard_batch(model=) + causal_lm_loss +
-all_reduce_gradients on gloo ranks must give transformers' own single-process run's loss
-and every parameter's gradient, the vision tower's included: images straddling rank
-boundaries (checked to happen at every world size above 1), two images of different
-sizes and a video in one batch, padded and packed batches, world sizes 1 to 4 and a USP
-grid, three AdamW steps; the Trainer with a collator of the test's own; and what cannot
-be honoured raises.
+Qwen3-VL (deepstack), Qwen3-VL-MoE, Cosmos3-Omni, Qwen3.5 (Gated DeltaNet) and its MoE,
+GLM-4.1V (video frames in the image token), GLM-4.5V, GLM-4.6V and GLM-OCR models (a
+vision tower of 2 blocks; images of 4 to 12 features, a video of 2 frames) through apply +
+shard_batch(model=) + causal_lm_loss + all_reduce_gradients on gloo ranks must give
+transformers' own single-process run's loss and every parameter's gradient, the vision
+tower's included: images straddling rank boundaries (checked to happen at every world
+size above 1), two images of different sizes and a video in one batch, padded and packed
+batches, world sizes 1 to 4 and a USP grid, three AdamW steps; the Trainer with a
+collator of the test's own; and what cannot be honoured raises.
 
 The single-process reference: the model on the full batch (under transformers 4 with
 an attention mask of ones, as its processor gives), its multimodal positions
@@ -30,6 +31,10 @@ import test_transformers_integration as integration  # noqa: E402
 from conftest import pool_for  # noqa: E402
 from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
 
+# The families whose video frames take the image token (their start and end tokens are named
+# after images); transformers 4's get_rope_index finds their videos otherwise (not supported).
+from seqpar_kernels.integrations.transformers.vision import VIDEO_IN_IMAGE_TOKENS  # noqa: E402
+
 VOCAB = 96
 IMAGE, VIDEO, VISION_START, VISION_END = 90, 91, 92, 93
 TEXT = 80  # text tokens are drawn below this
@@ -51,7 +56,26 @@ _QWEN25_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2
 _QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-# (config class, model class, vision settings, text settings, whether video frames are separated by timestamps)
+# Qwen3.5's tower: Qwen3-VL's without deepstack; its language model: Gated DeltaNet (2 q/k
+# heads serving 4 value heads of 16, a convolution of kernel 3), then gated attention.
+_QWEN35_VISION = {key: value for key, value in _QWEN3_VISION.items() if key != "deepstack_visual_indexes"}
+_GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=3)  # fmt: skip
+# GLM-4.1V's tower: position embeddings of a 4 x 4 patch grid interpolated to each frame's.
+_GLM4V_VISION = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, image_size=8)
+# GLM's and Qwen3.5's language models rotate part of each head: half here (mrope_section sums
+# to a quarter; transformers 4 names no "mrope" type for GLM).
+_HALF_ROTARY = dict(
+    mrope_section=[1, 1, 2], partial_rotary_factor=0.5, **({"type": "default"} if TRANSFORMERS_4 else {})
+)
+_QWEN35_TEXT = dict(head_dim=16, rope=_HALF_ROTARY, layer_types=["linear_attention", "full_attention"],
+                    **_GATED_DELTA)  # fmt: skip
+# GLM-4.5V's language model: a dense first layer, then routed experts and a shared one.
+_GLM4V_MOE = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1
+)
+# (config class, model class, vision settings, text settings, whether video frames are
+# separated by timestamps); text settings' "rope": the rotary settings' own.
 FAMILIES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
                  dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=1, num_heads=2), {}, False),
@@ -59,28 +83,35 @@ FAMILIES = {
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16), True),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", _QWEN3_VISION,
                      dict(head_dim=16, **_MOE), True),
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", _GLM4V_VISION,
+                  dict(rope=_HALF_ROTARY, **_GLM4V_MOE), True),
+    "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration", _QWEN3_VISION, dict(head_dim=16),
+                     True),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _QWEN35_VISION, _QWEN35_TEXT, True),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", _QWEN35_VISION,
+                    dict(_QWEN35_TEXT, shared_expert_intermediate_size=32, **_MOE), True),
+    "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
+    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", _GLM4V_VISION, dict(rope=_HALF_ROTARY), True),
 }  # fmt: skip
 
 
 def _here(family: str) -> bool:
-    return hasattr(transformers, FAMILIES[family][1])
-
-
-def _skip_unless_here(family: str) -> None:
-    if not _here(family):
-        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][1]}")
+    return hasattr(transformers, FAMILIES[family][1]) and not (TRANSFORMERS_4 and family in VIDEO_IN_IMAGE_TOKENS)
 
 
 def _model(family: str, seed: int = 0):
     """A tiny random model of the family on eager attention (fp32)."""
     config_class, model_class, vision, text, _ = FAMILIES[family]
+    text = dict(text)
+    start_end = "image" if family in VIDEO_IN_IMAGE_TOKENS else "vision"
     config = getattr(transformers, config_class)(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-                         **_rope(), **text),
+                         **_rope(**text.pop("rope", {})), **text),
         vision_config=dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, **vision),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
+        image_token_id=IMAGE, video_token_id=VIDEO,
+        **{f"{start_end}_start_token_id": VISION_START, f"{start_end}_end_token_id": VISION_END},
     )  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
@@ -102,6 +133,9 @@ CONTENTS = {
     "packed": [[("text", 2), ("image", (1, 4, 6)), ("text", 3)], [("text", 5)],
                [("text", 1), ("video", (2, 4, 4)), ("image", (1, 6, 8)), ("text", 2)]],
     "images": [[("text", 3), ("image", (1, 4, 6)), ("text", 2), ("image", (1, 6, 8)), ("text", 4)]],
+    "padded_images": [[("text", 3), ("image", (1, 4, 6)), ("text", 4)],
+                      [("text", 2), ("image", (1, 6, 8)), ("text", 9)]],
+    "videos": [[("text", 3), ("video", (2, 4, 4)), ("text", 4)], [("text", 2), ("video", (2, 4, 6)), ("text", 2)]],
 }  # fmt: skip
 
 
@@ -142,8 +176,11 @@ def _batch(family: str, kind: str, seed: int = 1, contents=None) -> tuple[dict, 
         for row, tokens in enumerate(tokens_rows):
             ids[row, : len(tokens)] = torch.tensor(tokens)
         labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
+        types = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
+        if family in VIDEO_IN_IMAGE_TOKENS:
+            ids = ids.masked_fill(ids == VIDEO, IMAGE)
         inputs = {"input_ids": ids, "labels": labels if mask is None else labels.masked_fill(mask == 0, -100),
-                  "mm_token_type_ids": (ids == IMAGE).long() + 2 * (ids == VIDEO).long()}  # fmt: skip
+                  "mm_token_type_ids": types}  # fmt: skip
         if mask is not None:
             inputs["attention_mask"] = mask
         for modality, (pixels_key, grid_key) in (("image", ("pixel_values", "image_grid_thw")),
@@ -162,7 +199,7 @@ def _batch(family: str, kind: str, seed: int = 1, contents=None) -> tuple[dict, 
         targets = [int((document["labels"][0, 1:] != -100).sum()) for document in documents]
         return whole, [(document, count) for document, count in zip(documents, targets)]
     mask = None
-    if kind == "padded":
+    if kind.startswith("padded"):
         mask = torch.zeros(len(rows), max(len(tokens) for tokens, _ in rows), dtype=torch.long)
         for row, (tokens, _) in enumerate(rows):
             mask[row, : len(tokens)] = 1
@@ -198,10 +235,10 @@ def _split_items(batch: dict, local: dict) -> list[str]:
     """The images and videos (e.g. "image 1") some but not all of whose placeholder
     tokens are among this rank's."""
     split = []
-    for modality, token, grid_key in (("image", IMAGE, "image_grid_thw"), ("video", VIDEO, "video_grid_thw")):
+    for modality, token_type, grid_key in (("image", 1, "image_grid_thw"), ("video", 2, "video_grid_thw")):
         if grid_key not in batch:
             continue
-        placeholders = (batch["input_ids"] == token).flatten()
+        placeholders = (batch["mm_token_type_ids"] == token_type).flatten()
         feature_of_token = (torch.cumsum(placeholders.long(), 0) - 1).masked_fill(~placeholders, -1)
         here = local["sequence_shard"].take(feature_of_token.view_as(batch["input_ids"]), dim=1).flatten()
         ends = torch.cumsum(batch[grid_key].prod(dim=1) // 4, 0)  # each item's features end
@@ -268,14 +305,20 @@ def _case(family, mode, layout, kind, **extra) -> dict:
 CASES = {
     1: [_case("qwen2_5_vl", "ring", "contiguous", "dense")],
     2: [_case("qwen3_vl", "ulysses", "contiguous", "dense"), _case("qwen2_5_vl", "ring", "balanced", "packed"),
-        _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded")],
+        _case("qwen2_vl", "ring", "contiguous", "images"), _case("qwen3_vl_moe", "ring", "balanced", "padded"),
+        _case("glm4v", "ring", "balanced", "videos"), _case("glm46v", "ulysses", "contiguous", "images"),
+        _case("qwen3_5", "ring", "balanced", "dense")],
     3: [_case("qwen2_5_vl", "ring", "contiguous", "padded"), _case("qwen3_vl", "ring", "balanced", "packed"),
-        _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed")],
+        _case("qwen2_vl", "ulysses", "contiguous", "dense"), _case("qwen3_vl_moe", "ulysses", "contiguous", "packed"),
+        _case("glm4v_moe", "ulysses", "contiguous", "videos"), _case("qwen3_5", "ulysses", "contiguous", "packed"),
+        _case("glm4v", "ring", "contiguous", "padded_images"), _case("cosmos3_omni", "ring", "balanced", "dense")],
     4: [_case("qwen3_vl", "ring", "balanced", "dense"), _case("qwen2_5_vl", "usp", "balanced", "dense", ulysses=2),
         _case("qwen3_vl", "usp", "balanced", "images", ulysses=2),
         _case("qwen2_vl", "usp", "balanced", "packed", ulysses=2),
         _case("qwen3_vl_moe", "usp", "balanced", "dense", ulysses=2),
-        _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3)],
+        _case("qwen2_5_vl", "ulysses", "contiguous", "images", steps=3),
+        _case("glm4v", "usp", "balanced", "images", ulysses=2), _case("glm_ocr", "ring", "balanced", "videos"),
+        _case("qwen3_5_moe", "usp", "balanced", "padded", ulysses=2)],
 }  # fmt: skip
 
 
@@ -413,6 +456,16 @@ def run_unsupported_vision_cases() -> dict:
     problems["plan without its pixels"] = raises(
         lambda: model.model(**{key: value for key, value in local.items() if key != "pixel_values_videos"}), "missing"
     )
+    if hasattr(transformers, FAMILIES["glm4v"][1]):
+        glm = _model("glm4v")
+        if TRANSFORMERS_4:
+            problems["GLM-4.1V under transformers 4"] = raises(lambda: sp_transformers.apply(glm, "ring", **group),
+                                                               "transformers 5")  # fmt: skip
+        else:
+            sp_transformers.apply(glm, "ring", **group)
+            both, _ = _batch("glm4v", "dense")
+            problems["GLM-4.1V images and videos together"] = raises(
+                lambda: sp_transformers.shard_batch(both, mode="ring", model=glm, **group), "not both")  # fmt: skip
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     llava = LlavaForConditionalGeneration(LlavaConfig(

@@ -1,7 +1,7 @@
 """Vision-language models under sequence parallelism: a batch's images and videos, when
 their tokens are split across the ranks.
 
-    sp_transformers.apply(model, "ring", layout="balanced")      # Qwen2.5-VL, Qwen3-VL, ...
+    sp_transformers.apply(model, "ring", layout="balanced")      # Qwen2.5-VL, Qwen3-VL, GLM-4.1V, ...
     batch = sp_transformers.shard_batch(batch, mode="ring", layout="balanced", model=model)
     hidden = model.model(**batch).last_hidden_state               # (B, S_local, hidden)
 
@@ -12,7 +12,8 @@ placeholder token (image_grid_thw / video_grid_thw (N, 3): each item's temporal,
 and width patches, giving t x h x w / merge^2 features), attending within each frame
 (one temporal patch of an item); the base model scatters the features into the
 placeholder tokens' embeddings in order (input_ids == image_token_id, row-major over
-(B, S)); Qwen3-VL adds features of early vision layers (deepstack) to the same tokens'
+(B, S); GLM-4.1V's video frames take the image token, mm_token_type_ids telling them
+apart); Qwen3-VL adds features of early vision layers (deepstack) to the same tokens'
 hidden states after its first decoder layers; the rotary positions are three rows
 (time, height, width) that the model's get_rope_index computes over the whole sequence.
 
@@ -48,12 +49,16 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import document_starts
 from seqpar_kernels.parallel.training import shard_batch as shard_token_batch
 
-__all__ = ["VISION_LANGUAGE_TYPES", "MULTIMODAL_KEYS", "EncodedFrames", "VisionShard", "shard_batch",
-           "vision_language_base", "install"]  # fmt: skip
+__all__ = ["VISION_LANGUAGE_TYPES", "VIDEO_IN_IMAGE_TOKENS", "MULTIMODAL_KEYS", "EncodedFrames", "VisionShard",
+           "shard_batch", "vision_language_base", "install"]  # fmt: skip
 
 # The model types (config.model_type) built as the module docstring says, each checked
 # against one process by tests/test_transformers_vision.py.
-VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                         "cosmos3_omni", "glm4v", "glm4v_moe", "glm46v", "glm_ocr")  # fmt: skip
+# Model types whose video frames take the image token (mm_token_type_ids tells them apart):
+# their forward scatters a batch's images or its videos, not both.
+VIDEO_IN_IMAGE_TOKENS = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 # Per modality: the pixels' key, the grid's key, the config attribute of its placeholder token.
 MODALITIES = {
     "image": ("pixel_values", "image_grid_thw", "image_token_id"),
@@ -120,7 +125,22 @@ def vision_language_base(model, describe: str) -> torch.nn.Module | None:
             f"({sorted(config.sub_configs)}); sequence parallelism runs text models and the vision-language models "
             f"{list(VISION_LANGUAGE_TYPES)} whole (vision tower and language model together)"
         )
+    takes_types = "mm_token_type_ids" in inspect.signature(base.get_rope_index).parameters
+    if model_type in VIDEO_IN_IMAGE_TOKENS and not takes_types:
+        # Before transformers 5 its get_rope_index finds videos by their start and end tokens instead.
+        raise ValueError(
+            f"{describe}: {type(model).__name__} (model type {model_type!r}) runs sequence-parallel under "
+            "transformers 5 and newer, whose get_rope_index takes mm_token_type_ids (its video frames take the "
+            "image token)"
+        )
     return base
+
+
+def _placeholder_token(config, modality: str) -> int:
+    """The token id of a modality's placeholders in input_ids (MODALITIES' attribute, or
+    the image token for VIDEO_IN_IMAGE_TOKENS' videos)."""
+    image = config.model_type in VIDEO_IN_IMAGE_TOKENS
+    return getattr(config, MODALITIES["image" if image else modality][2])
 
 
 # ----------------------------------------------------------------------------------
@@ -228,16 +248,22 @@ def _checked_batch(describe: str, batch, config, base) -> tuple[tuple, _FullBatc
     ids = input_ids.cpu()
     merge = int(config.vision_config.spatial_merge_size)
     agreed, placeholders, frames, grids = [tuple(input_ids.shape)], {}, {}, {}
-    for modality, (pixels_key, grid_key, token_attribute) in MODALITIES.items():
+    given = [modality for modality, (pixels_key, grid_key, _) in MODALITIES.items()
+             if batch.get(pixels_key) is not None or batch.get(grid_key) is not None]  # fmt: skip
+    if config.model_type in VIDEO_IN_IMAGE_TOKENS and len(given) == len(MODALITIES):
+        raise ValueError(f"{describe}: a {config.model_type} batch holds images or videos, not both: its video "
+                         "frames take the image token, and its forward places either")  # fmt: skip
+    for modality, (pixels_key, grid_key, _) in MODALITIES.items():
         pixels, grid = batch.get(pixels_key), batch.get(grid_key)
         if pixels is None and grid is None:
             continue
         if pixels is None or grid is None:
             raise ValueError(f"{describe}: {pixels_key} and {grid_key} come together; got only "
                              f"{pixels_key if grid is None else grid_key}")  # fmt: skip
-        placeholders[modality] = ids == getattr(config, token_attribute)
+        token = _placeholder_token(config, modality)
+        placeholders[modality] = ids == token
         frames[modality] = _frames(describe, pixels, grid, int(placeholders[modality].sum()), merge,
-                                   (pixels_key, grid_key, getattr(config, token_attribute)))  # fmt: skip
+                                   (pixels_key, grid_key, token))  # fmt: skip
         grids[grid_key] = grid
         agreed.append((modality, grid.tolist(), tuple(pixels.shape), str(pixels.dtype),
                        float(pixels.sum(dtype=torch.float64)),

@@ -26,7 +26,10 @@ from seqpar_kernels.integrations.transformers.attention import SETTINGS_ATTRIBUT
 from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy, sequence_parallel_logprobs
 from seqpar_kernels.parallel.training import SequenceShard
 
-__all__ = ["causal_lm_loss", "causal_lm_logprobs", "head_of", "LOGIT_SCALES"]
+__all__ = ["causal_lm_loss", "causal_lm_logprobs", "head_of", "IGNORE_INDEX", "LOGIT_SCALES"]
+
+# transformers' label of a token without a target (its loss functions' ignore_index).
+IGNORE_INDEX = -100
 
 # What a causal LM's forward multiplies its logits by, by config.model_type, as its
 # modeling file computes them (transformers 5); final_logit_softcapping is the same tanh

@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_logprobs
+from seqpar_kernels.integrations.transformers.causal_lm import IGNORE_INDEX, causal_lm_logprobs
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import shard_batch
 
@@ -51,7 +51,6 @@ __all__ = [
     "as_replicas",
 ]
 
-IGNORE_INDEX = -100
 # Model inputs the sequence-parallel fused head takes; others (pixel values, token type
 # ids of vision-language models) raise.
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "use_cache")

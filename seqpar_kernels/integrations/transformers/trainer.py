@@ -85,7 +85,7 @@ except ImportError as error:  # pragma: no cover - exercised only without them
 
 from seqpar_kernels.groups import all_gather_ints, resolve_group
 from seqpar_kernels.integrations.transformers.attention import apply
-from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_loss, head_of
+from seqpar_kernels.integrations.transformers.causal_lm import IGNORE_INDEX, causal_lm_loss, head_of
 from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 from seqpar_kernels.integrations.transformers.memory import offload_activations as offloading
 from seqpar_kernels.integrations.transformers.memory import tile_mlp
@@ -102,7 +102,6 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_optio
 
 __all__ = ["SequenceParallelTrainer", "SequenceParallelTrainerMixin"]
 
-IGNORE_INDEX = -100
 # A batch sharded by get_batch_samples carries its token counts under this key (popped
 # before the model sees the batch).
 _COUNTS_KEY = "seqpar_token_counts"
@@ -263,12 +262,17 @@ class SequenceParallelTrainerMixin:
                 options["mode"], options["layout"], options["sequence_parallel_size"], options["ulysses_degree"],
                 self.args.device, kv_heads, options["step_backend"],
             )  # fmt: skip
-        head_of(inner)  # a head causal_lm_loss cannot express raises before training starts
+        self._apply_parallelism(inner)
+        if options["tiled_mlp"]:
+            tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
+
+    def _apply_parallelism(self, inner) -> None:
+        """The trainer's parallelism applied to a model (the trained one, or TRL's
+        reference model); a head causal_lm_loss cannot express raises before training."""
+        head_of(inner)
         parallelism = self.sequence_parallel
         apply(inner, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
               **parallelism.group_kwargs())  # fmt: skip
-        if options["tiled_mlp"]:
-            tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
 
     def _prepare_post_training(self) -> None:
         """TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over the
@@ -285,9 +289,7 @@ class SequenceParallelTrainerMixin:
         reference = getattr(self, "ref_model", None)
         if reference is not None:
             reference = self.accelerator.unwrap_model(reference)
-            head_of(reference)
-            apply(reference, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
-                  **parallelism.group_kwargs())  # fmt: skip
+            self._apply_parallelism(reference)
             install_fused_head(reference, parallelism, temperature, autocast=self.accelerator.autocast)
         if hasattr(self.args, "generation_batch_size") and hasattr(self, "num_generations"):
             from accelerate.utils import set_seed

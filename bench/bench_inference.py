@@ -93,7 +93,14 @@ from bench.rows import (
 )
 from bench.timing import Timing, time_side_by_side
 from bench.verify import Volume, accuracy_verdict, checked_heads, judge_attention, volume_against_theory
-from seqpar_kernels import comm_stats, decode_attention, gather_sequence, prefill_attention, ring_attention
+from seqpar_kernels import (
+    comm_stats,
+    decode_attention,
+    gather_sequence,
+    prefill_attention,
+    ring_attention,
+    zigzag_gather,
+)
 from seqpar_kernels.parallel.varlen import varlen_plan
 from seqpar_kernels.traffic import (
     PASS_KV,
@@ -228,18 +235,9 @@ def with_bytes(fn) -> tuple[object, int]:
     return result, sent.bytes_sent
 
 
-def sequence_order(layout: str, length: int, world_size: int) -> torch.Tensor:
-    """Where each row of the ranks' pieces, gathered in rank order, sits in the sequence."""
-    index = torch.arange(length)[None, :, None]
-    return torch.cat([ring_piece(index, layout, rank, world_size) for rank in range(world_size)], 1).flatten()
-
-
-def in_sequence_order(ctx: Context, local: torch.Tensor, layout: str, length: int) -> torch.Tensor:
+def in_sequence_order(local: torch.Tensor, layout: str) -> torch.Tensor:
     """The ranks' pieces (B, S_l, ...) of `layout` gathered into sequence order (collective)."""
-    gathered = gather_sequence(local.contiguous(), 1)
-    whole = torch.empty_like(gathered)
-    whole[:, sequence_order(layout, length, ctx.world_size)] = gathered
-    return whole
+    return (zigzag_gather if layout == "zigzag" else gather_sequence)(local.contiguous(), 1)
 
 
 def check_over_cache(q, k, v, q_positions, ours, baseline) -> tuple[str, str]:
@@ -360,7 +358,7 @@ def measure_prefill(case: OpCase, ctx: Context) -> list[Row]:
         results = {}
         for name, (fn, layout, theory) in candidates.items():
             out, sent = with_bytes(fn)
-            results[name] = (volume_against_theory(ctx, sent, theory), in_sequence_order(ctx, out, layout, length))
+            results[name] = (volume_against_theory(ctx, sent, theory), in_sequence_order(out, layout))
         verdicts = {}
         for name, (_, whole) in results.items():
             if ctx.is_root:
@@ -447,7 +445,7 @@ def measure_turn(case: OpCase, ctx: Context) -> list[Row]:
         for method, fn in methods.items():
             out, sent = with_bytes(fn)
             results[method] = (volume_against_theory(ctx, sent, formulas[method]),
-                               in_sequence_order(ctx, out, "contiguous", chunk_len))  # fmt: skip
+                               in_sequence_order(out, "contiguous"))  # fmt: skip
         _, auto_sent = with_bytes(call("auto"))
         auto = volume_against_theory(ctx, auto_sent, formulas[chosen])
         q_positions = torch.arange(cached, cached + chunk_len).expand(batch, -1)

@@ -11,7 +11,11 @@ draws the same cases, runs its piece, and compares forward and backward with a
 single-process fp64 answer: data movement bit for bit, attention by the accuracy rule
 (tools/reference.py).
 
-Two seeds run: a fixed one, and one that changes every day (SEQPAR_FUZZ_SEED sets it).
+CI runs fixed seeds only (tests/data/randomized_seeds.json): one at every world size,
+and every seed that ever found a defect, at the world size it found it at, so that CI says
+the same thing every day. New seeds are explored by a command of their own,
+`bash scripts/fuzz.sh [COUNT [FIRST]]` (test_explore below, SEQPAR_FUZZ_SEEDS), which a
+developer runs every session; each finding becomes a fixed seed in that file and a fix.
 A failure prints one line per failing case that replays it alone:
 
     SEQPAR_REPLAY='{...}' python -m pytest tests/test_randomized.py::test_replay
@@ -19,7 +23,6 @@ A failure prints one line per failing case that replays it alone:
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
@@ -34,17 +37,37 @@ import seqpar_kernels as sp
 from seqpar_kernels.layouts import zigzag_piece_lengths
 from tools import reference
 
-FIXED_SEED = 20261123
 WORLD_SIZES = (1, 2, 3, 4, 5)
 ATTENTION_CASES_PER_RUN = 24
 MOVEMENT_CASES_PER_RUN = 24
 COMPILE_CASES_PER_RUN = 1
 
 
-def rotating_seed() -> int:
-    if "SEQPAR_FUZZ_SEED" in os.environ:
-        return int(os.environ["SEQPAR_FUZZ_SEED"])
-    return int(datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+SEEDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "randomized_seeds.json")
+
+
+def fixed_runs() -> list[tuple[int, int]]:
+    """(seed, world size) of every fixed run: the seeds run at every world size, and
+    each seed that found a defect at the world size it was found at."""
+    with open(SEEDS_FILE) as file:
+        seeds = json.load(file)
+    runs = [(seed, world_size) for seed in seeds["every_world_size"] for world_size in WORLD_SIZES]
+    return runs + [(finding["seed"], finding["world_size"]) for finding in seeds["findings"]]
+
+
+def exploration_runs() -> list[tuple[int, int]]:
+    """(seed, world size) of the exploration SEQPAR_FUZZ_SEEDS asks for: "FIRST:COUNT"
+    (COUNT seeds from FIRST) or seeds separated by commas, each at every world size
+    (SEQPAR_FUZZ_WORLD_SIZES, commas, narrows them)."""
+    spec = os.environ.get("SEQPAR_FUZZ_SEEDS", "")
+    if ":" in spec:
+        first, count = (int(part) for part in spec.split(":"))
+        seeds = range(first, first + count)
+    else:
+        seeds = [int(seed) for seed in spec.split(",") if seed.strip()]
+    sizes = os.environ.get("SEQPAR_FUZZ_WORLD_SIZES")
+    world_sizes = [int(size) for size in sizes.split(",")] if sizes else WORLD_SIZES
+    return [(seed, world_size) for seed in seeds for world_size in world_sizes]
 
 
 # ----------------------------------------------------------------------------------
@@ -243,13 +266,18 @@ def run_attention_case(case: dict, rank: int) -> dict:
     plain = reference.with_grads(
         lambda q, k, v: exact_fn(q, k, v, dtype), low, dout_full.to(dtype), make_inputs
     )  # fmt: skip
-    # SDPA takes windows and chunks as a mask, as models hand them to it; softcap and sinks
-    # not: there plain attention alone is the yardstick.
+    # SDPA takes windows and chunks as a mask, as models hand them to it, and sinks as one
+    # more key of value 0; softcapped scores not: there plain attention alone is the
+    # yardstick. (SDPA's fused backward takes rowsum(dout * out) from the rounded out, as
+    # every flash-style backward does; plain attention's softmax backward does not, and is
+    # the more accurate of the two where one key takes nearly all of a row's weight.)
     attn_mask = None
-    if variants and not variants.get("softcap") and "sinks" not in variants:
+    if variants and not variants.get("softcap"):
         attn_mask = reference.visible(total, causal, window, variants.get("attention_chunk_size"))
-    fused = plain if variants and attn_mask is None else reference.with_grads(
-        lambda q, k, v: reference.sdpa(q, k, v, causal, scale, attn_mask), low, dout_full.to(dtype), make_inputs
+    low_sinks = variants["sinks"].to(dtype) if "sinks" in variants else None
+    fused = plain if variants.get("softcap") else reference.with_grads(
+        lambda q, k, v: reference.sdpa(q, k, v, causal, scale, attn_mask, sinks=low_sinks), low, dout_full.to(dtype),
+        make_inputs,
     )  # fmt: skip
 
     group = timeout_group()
@@ -468,15 +496,26 @@ def run_and_check(cases: list[dict], world_size: int, what: str) -> None:
     assert not failures, f"{what}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda size: f"P{size}")
-def test_fixed_seed(world_size):
-    run_and_check(draw_cases(FIXED_SEED, world_size), world_size, f"seed {FIXED_SEED}")
+def _parametrized_runs(runs: list[tuple[int, int]]) -> list:
+    return [pytest.param(seed, world_size, id=f"{seed}-P{world_size}") for seed, world_size in runs]
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda size: f"P{size}")
-def test_rotating_seed(world_size):
-    seed = rotating_seed()
-    run_and_check(draw_cases(seed, world_size), world_size, f"seed {seed} (SEQPAR_FUZZ_SEED={seed} draws it again)")
+@pytest.mark.parametrize("seed, world_size", _parametrized_runs(fixed_runs()))
+def test_fixed_seed(seed, world_size):
+    run_and_check(draw_cases(seed, world_size), world_size, f"seed {seed} at world size {world_size}")
+
+
+EXPLORATION_OFF = [pytest.param(None, None, id="off")]
+
+
+@pytest.mark.parametrize("seed, world_size", _parametrized_runs(exploration_runs()) or EXPLORATION_OFF)
+def test_explore(seed, world_size):
+    """New seeds, run by scripts/fuzz.sh; a finding is to be added to the fixed seeds."""
+    if seed is None:
+        pytest.skip("explores new seeds when SEQPAR_FUZZ_SEEDS is set (bash scripts/fuzz.sh)")
+    finding = json.dumps(dict(seed=seed, world_size=world_size, found="<what it found>"))
+    run_and_check(draw_cases(seed, world_size), world_size, f"seed {seed} at world size {world_size}; once fixed, "
+                  f"add to the findings of tests/data/randomized_seeds.json:\n  {finding}")  # fmt: skip
 
 
 def test_replay():
@@ -485,3 +524,19 @@ def test_replay():
         pytest.skip("replays a case printed by a failing run (SEQPAR_REPLAY)")
     case = json.loads(os.environ["SEQPAR_REPLAY"])
     run_and_check([case], case["world_size"], "replayed case")
+
+
+def test_fuzz_command_draws_the_seeds_it_is_asked_for():
+    """scripts/fuzz.sh COUNT FIRST runs test_explore for COUNT seeds from FIRST at every
+    world size asked for (collected, not run: each run is minutes)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ, SEQPAR_FUZZ_WORLD_SIZES="2,3")
+    result = subprocess.run(
+        ["bash", "scripts/fuzz.sh", "2", "700", "--collect-only"],
+        cwd=root, env=environment, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    collected = sorted(line.split("::")[-1] for line in result.stdout.splitlines() if "::test_explore[" in line)
+    assert collected == [f"test_explore[{seed}-P{size}]" for seed in (700, 701) for size in (2, 3)], result.stdout

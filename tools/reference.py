@@ -6,6 +6,7 @@
     masked_attention(q, k, v, keep, scale)   the same under any mask of the keys each
                                              query sees (visible_at: by positions)
     sdpa(q, k, v, causal, scale)             torch's fused attention, in the inputs' dtype
+                                             (sinks as one more key of value 0)
     with_grads(fn, leaves, dout[, make_inputs])  out and the leaves' gradients of any of them
     max_error(a, b)                          largest absolute difference, in fp64
     error_bound(dtype, yardstick, magnitude) the accuracy rule
@@ -132,7 +133,7 @@ def masked_attention(q, k, v, keep, scale=None, *, softcap=0.0, sinks=None):
     return out, torch.logsumexp(scores.to(lse_dtype), dim=-1)
 
 
-def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
+def sdpa(q, k, v, causal=False, scale=None, attn_mask=None, sinks=None):
     """(out, None) of torch's scaled_dot_product_attention in q's dtype, on (B, H, S, D)
     contiguous copies: the layout models hand it, for which torch runs its fused (flash)
     kernel. Which backend SDPA runs depends on the layout it is given, and its math
@@ -142,9 +143,11 @@ def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
     1e-11 on one-hot rows, where the flash backward errs by 2.2e-3), 2.13 and 2.14 the
     flash kernel either way. attn_mask: a boolean (S, S) mask of the keys each query
     sees (windows, chunks, documents; causal folded in), as a model hands SDPA a mask
-    (a row that sees no key gives 0). A negative or zero scale is given as the same scores
-    with a positive one (-q, or zero q with scale 1): SDPA's CPU kernel masks causal
-    scores before scaling them and returns NaN otherwise."""
+    (a row that sees no key gives 0). sinks (H,): each head's sink logit, run as SDPA
+    runs it for models whose kernels lack sinks: one more key of value 0 whose score is
+    the sink (an additive float mask). A negative or zero scale is given as the same
+    scores with a positive one (-q, or zero q with scale 1): SDPA's CPU kernel masks
+    causal scores before scaling them and returns NaN otherwise."""
     scale = default_scale(q) if scale is None else scale
     if scale < 0:
         q, scale = -q, -scale
@@ -152,7 +155,14 @@ def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
         q, scale = q * 0, 1.0
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    if attn_mask is not None:  # a boolean (S, S) mask of the keys each query sees, causal folded in
+    if sinks is not None:  # (S, S + 1) additive: 0 where a key is seen, -inf elsewhere, the sink last
+        length = q.shape[1]
+        keep = visible(length, causal, device=q.device) if attn_mask is None else attn_mask
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+        bias = torch.cat([bias.expand(q.shape[2], -1, -1), sinks.to(q.dtype)[:, None, None].expand(-1, length, 1)], -1)
+        k, v = (torch.cat([x, x.new_zeros(x[:, :1].shape)], dim=1) for x in (k, v))
+        attn_mask = bias[None]  # (1, H, S, S + 1)
+    if attn_mask is not None:  # a mask of the keys each query sees, causal folded in
         out = F.scaled_dot_product_attention(
             *(t.transpose(1, 2).contiguous() for t in (q, k, v)), attn_mask=attn_mask, scale=scale
         )

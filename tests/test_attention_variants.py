@@ -105,6 +105,8 @@ def _run(case, dtype, seed):
 
     ours = list(reference.with_grads(ours_fn, [t.to(dtype) for t in leaves], dout.to(dtype)))
     if sinks is not None:  # every rank's share summed: the gradient
+        # Zeros, not None, on a rank whose heads never see them (or that holds no heads).
+        assert ours[-1] is not None, f"{case['id']}: sinks.grad is None on rank {rank}"
         dist.all_reduce(ours[-1], group=group)
     drop_lse = lambda result: [result[0], *result[2:]]  # noqa: E731
     return drop_lse(ours), drop_lse(exact), drop_lse(plain)
@@ -140,6 +142,8 @@ DENSE_CASES = [
     case("ring-zigzag-all", "ring", layout="zigzag", window=(6, 0), softcap=2.0, sinks=True, chunk=7, B=2),
     case("ulysses-all", "ulysses", window=(4, -1), softcap=1.0, sinks=True, chunk=6, H=6, H_kv=3),
     case("ulysses-window-full", "ulysses", causal=False, window=(2, 2), H=3, H_kv=3),
+    # Fewer heads than ranks at 3 and 4: a rank with no heads gets zeros in sinks.grad.
+    case("ulysses-fewer-heads-sinks", "ulysses", window=(3, -1), sinks=True, H=2, H_kv=1),
 ]
 DOCUMENT_CASES = [
     case("ring-docs-window-chunks", "ring", layout="balanced", window=(3, -1), chunk=5, sinks=True,
@@ -151,6 +155,7 @@ GRID_CASES = [
     case("usp-window-sinks", "usp", grid=2, window=(3, -1), sinks=True, H=4, H_kv=2),
     case("usp-zigzag-softcap-chunks", "usp", grid=2, layout="zigzag", softcap=1.5, chunk=5, window=(5, 2)),
     case("usp-docs-window", "usp", grid=2, layout="balanced", window=(2, -1), documents=(0.4,), sinks=True),
+    case("usp-fewer-heads-sinks", "usp", grid=2, window=(3, -1), sinks=True, H=1, H_kv=1),
 ]
 LOW_PRECISION_CASES = [
     case("ring-bf16-window-softcap-sinks", "ring", window=(5, -1), softcap=2.0, sinks=True, per_rank=8, D=32),

@@ -67,7 +67,7 @@ def uniform_head_runs(q_head_start: int, num_q: int, group_size: int) -> list[tu
     return runs
 
 
-def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int):
+def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int, sinks: torch.Tensor | None = None):
     """Attention of the model's q heads [q_head_start, +n) against the kv heads they
     read, one call of attend per uniform run of heads (uniform_head_runs), the runs'
     results joined along the heads.
@@ -75,9 +75,12 @@ def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int):
     q (B, S, n, D), k, v (B, S, n_kv, D): this rank's heads, any strides.
     attend(q_run, k_run, v_run, heads) -> (out (B, S, q_count, D), lse (B, q_count, S)
     or None): the attention of one run, `heads` the run's q heads of the model (a slice).
+    sinks: the call's sink logits (H,) or None.
     Returns (out (B, S, n, D), lse (B, n, S) fp32 or None). With no heads on this rank
     (fewer heads than ranks): an empty out that stays in the autograd graph, so that
-    this rank joins the backward exchanges like the others."""
+    this rank joins the backward exchanges like the others, and the sinks with it at
+    weight 0, so that sinks.grad is zeros here (not None, which a data-parallel
+    reduction of gradients would skip)."""
     outs, lses = [], []
     for q_offset, q_count, kv_offset, kv_count in uniform_head_runs(q_head_start, q.shape[2], group_size):
         heads = slice(q_head_start + q_offset, q_head_start + q_offset + q_count)
@@ -87,7 +90,8 @@ def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int):
         outs.append(out)
         lses.append(lse)
     if not outs:
-        return q.clone(), q.new_empty((q.shape[0], 0, q.shape[1]), dtype=torch.float32)
+        empty = q.clone() if sinks is None else q.clone() + sinks[:0].sum()
+        return empty, q.new_empty((q.shape[0], 0, q.shape[1]), dtype=torch.float32)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     if lses[0] is None:
         return out, None
@@ -124,7 +128,7 @@ def _local_attention(q, k, v, call: AttentionCall, scale: float, q_head_start: i
         order = torch.argsort(positions)
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
     attend = _sdpa_run(call.mask.causal, scale) if call.is_plain else _masked_run(call, scale)
-    out, _ = attend_by_head_runs(attend, q, k, v, q_head_start, group_size)
+    out, _ = attend_by_head_runs(attend, q, k, v, q_head_start, group_size, call.sinks)
     return out if order is None else out.index_select(1, positions)
 
 

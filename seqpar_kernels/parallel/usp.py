@@ -254,7 +254,7 @@ def run_usp_attention(q, k, v, call: AttentionCall, grid: Grid):
         return out, lse.detach()  # not differentiable, as ring_attention's
 
     out_heads, lse_heads = attend_by_head_runs(
-        ring_run, q_heads, k_heads, v_heads, plan.head_starts[grid.ulysses.rank], q.shape[2] // k.shape[2]
+        ring_run, q_heads, k_heads, v_heads, plan.head_starts[grid.ulysses.rank], q.shape[2] // k.shape[2], call.sinks
     )  # (B, S_slot, n, D), (B, n, S_slot)
     out = heads_to_sequence(out_heads, plan, grid.ulysses)  # (B, S_p, H, D)
     if not call.return_lse:

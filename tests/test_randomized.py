@@ -314,6 +314,21 @@ def run_attention_case(case: dict, rank: int) -> dict:
                 f"torch.compile differs from eager by {mismatch:.3g}"
             )
 
+    # Two more errors that any implementation in the dtype makes, measured at the inputs
+    # rounded to it (exact otherwise): the inputs' own rounding (the exact answer of the
+    # rounded inputs; plain attention's error can cancel it by chance), and for dq and dk
+    # a flash-style backward's rowsum(dout * out) of the rounded out, which plain
+    # attention's softmax backward does not take.
+    rounded = [t.to(dtype).double() for t in leaves]
+    rounded_dout = dout_full.to(dtype).double()
+
+    rounded_sinks = variants["sinks"].to(dtype).double() if "sinks" in variants else None
+
+    def rounded_fn(q, k, v):
+        return reference.attention(q, k, v, causal, scale, sinks=rounded_sinks, **reference_variants)
+
+    of_rounded = reference.with_grads(rounded_fn, rounded, rounded_dout, make_inputs)
+    flash_error = reference.rounded_out_error(rounded_fn, rounded, rounded_dout, dtype, make_inputs)
     q_full, k_full, v_full = leaves
     effective_scale = 1.0 if scale == 0 else head_dim**-0.5 if scale is None else scale
     backward_rounding = reference.delta_rounding(
@@ -330,6 +345,8 @@ def run_attention_case(case: dict, rank: int) -> dict:
         yardstick = max(
             reference.max_error(_rows(case, plain[index], rank), expected),
             reference.max_error(_rows(case, fused[index], rank), expected),
+            reference.max_error(_rows(case, of_rounded[index], rank), expected),
+            reference.magnitude(_rows(case, flash_error[index - 2], rank)) if name in ("dq", "dk") else 0.0,
         )
         results[name] = (
             error,

@@ -11,6 +11,8 @@
     max_error(a, b)                          largest absolute difference, in fp64
     error_bound(dtype, yardstick, magnitude) the accuracy rule
     delta_rounding(...)                      its term for a flash-style backward's dq, dk
+    rounded_out_error(fn, leaves, dout, dtype)  a flash-style backward's error from the
+                                             rounded out its delta is taken from
     contiguous_piece(x, lengths, rank)       rank r's rows of a full sequence, rank r
                                              holding lengths[r] consecutive rows
     zigzag_piece(x, rank, world_size)        rank r's rows in the zigzag layout
@@ -24,7 +26,11 @@ magnitude (RELATIVE_SLACK) for errors that both are too small to measure, plus t
 rounding of the fp32 log-sum-exp a blockwise backward rebuilds its probabilities from
 (LSE_ROUNDOFFS), which only counts at large logits, plus for dq and dk the rounding of
 the fp32 difference dp - delta every flash-style backward takes (delta_rounding), which
-only shows where the exact gradient is about 0.
+only shows where the exact gradient is about 0. Where a test measures them, the
+yardstick is the largest error of the ways to compute attention in that dtype that torch
+users have: plain PyTorch, torch's fused SDPA, the exact answer of the inputs rounded to
+the dtype (their own rounding, which plain PyTorch's error can cancel by chance), and for
+dq and dk a flash-style backward that errs only by its delta (rounded_out_error).
 
 q: (batch, seqlen, nheads, headdim); k, v: (batch, seqlen, nheads_kv, headdim); nheads
 % nheads_kv == 0. Outputs follow q's layout; lse is (batch, nheads, seqlen) fp32 (fp64
@@ -130,7 +136,11 @@ def masked_attention(q, k, v, keep, scale=None, *, softcap=0.0, sinks=None):
         probabilities = probabilities[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return out, torch.logsumexp(scores.to(lse_dtype), dim=-1)
+    scores = scores.to(lse_dtype)
+    # A row that sees no key: lse -inf, its gradient 0 (logsumexp's own backward gives NaN).
+    empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty[..., 0], float("-inf"))
+    return out, lse
 
 
 def sdpa(q, k, v, causal=False, scale=None, attn_mask=None, sinks=None):
@@ -171,6 +181,25 @@ def sdpa(q, k, v, causal=False, scale=None, attn_mask=None, sinks=None):
         *(t.transpose(1, 2).contiguous() for t in (q, k, v)), is_causal=causal, scale=scale
     )
     return out.transpose(1, 2), None
+
+
+def rounded_out_error(fn, leaves, dout, dtype, make_inputs=None) -> list[torch.Tensor]:
+    """The error, in the leaves' gradients, of a flash-style backward in `dtype` that is
+    exact but for taking delta = rowsum(dout * out) from out rounded to `dtype` (the out
+    it saves, as flash-attention, cuDNN and torch's fused kernels do), to first order.
+
+    fn(*make_inputs(*leaves)) -> (out (B, S, H, D), lse (B, H, S)) in fp64, as attention().
+    Since d lse_i / d s_ij = p_ij, the change -p_ij x (delta'_i - delta_i) of dS is the
+    gradient of -sum_i (delta'_i - delta_i) x lse_i, through the scores, their cap and
+    mask. Plain attention's softmax backward has no such term: where one key (or a sink)
+    takes nearly all of a row's weight, the row's dS is a small difference that this
+    rounding, summed over the head dim, dominates. Returns one gradient change per leaf."""
+    leaves = [leaf.detach().clone().requires_grad_() for leaf in leaves]
+    out, lse = fn(*(make_inputs(*leaves) if make_inputs else leaves))
+    exact_out = out.detach()
+    delta_change = ((exact_out.to(dtype).double() - exact_out) * dout.double()).sum(-1).transpose(1, 2)
+    lse.backward(-delta_change)
+    return [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in leaves]
 
 
 def with_grads(fn, leaves, dout, make_inputs=None):

@@ -389,8 +389,11 @@ def test_tiles_of_keys_and_queries_give_the_same_partial():
         attend_keys_(partial, q, problem["q_positions"], shard["k_cache"], shard["v_cache"], shard["cache_positions"],
                      shard["cache_lengths"], mask, spec, tile_elements=tile_elements)  # fmt: skip
         partials.append(partial)
-    assert reference.max_error(partials[0].out, partials[1].out) < 1e-6
-    assert error_of(partials[0].lse, partials[1].lse) < 1e-6
+    # Two orders of merging a row's keys (at most 9 in the window): each within about a unit
+    # of fp32 roundoff of the magnitude per key merged, so twice that apart.
+    for got, want in [(partials[1].out, partials[0].out), (partials[1].lse, partials[0].lse)]:
+        finite = want[want.isfinite()]
+        assert error_of(got, want) <= 2 * 9 * 2.0**-24 * reference.magnitude(finite)
     assert not partials[0].packed.isnan().any()  # padding rows hold NaN: never read into the result
 
 

@@ -10,6 +10,10 @@
     with_grads(fn, leaves, dout[, make_inputs])  out and the leaves' gradients of any of them
     max_error(a, b)                          largest absolute difference, in fp64
     error_bound(dtype, yardstick, magnitude) the accuracy rule
+    assert_within_rule(got, exact, yardstick, dtype, what)
+                                             the rule on one tensor, as an assertion
+    tf32_products()                          plain PyTorch's products as Triton's TF32
+                                             ones (the yardstick of TF32 kernels)
     delta_rounding(...)                      its term for a flash-style backward's dq, dk
     rounded_out_error(fn, leaves, dout, dtype)  a flash-style backward's error from the
                                              rounded out its delta is taken from
@@ -43,6 +47,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ERROR_FACTOR = 2.0
 # fp32 against fp64 at ordinary logits: what the fp32 cases of the tests allow.
@@ -253,6 +258,48 @@ def error_bound(
     magnitude = max(exact_magnitude, 1e-2)
     lse_rounding = LSE_ROUNDOFFS * 2.0**-24 * lse_magnitude * magnitude
     return ERROR_FACTOR * yardstick + RELATIVE_SLACK[dtype] * magnitude + lse_rounding + backward_rounding
+
+
+def assert_within_rule(got, exact, yardstick, dtype: torch.dtype, what: str, rounding: float = 0.0) -> None:
+    """The accuracy rule on one tensor: got's error against the fp64 answer `exact` at most
+    error_bound(dtype, the yardstick's error against it, exact's magnitude) plus
+    `rounding` (a rounding of got's own that the yardstick does not share). got, exact,
+    yardstick: the same shape; NaN fails."""
+    error, plain = max_error(got, exact), max_error(yardstick, exact)
+    bound = error_bound(dtype, plain, magnitude(exact)) + rounding
+    if not error <= bound:
+        raise AssertionError(
+            f"{what}: error {error:.3g} against the fp64 answer beyond the rule's {bound:.3g} "
+            f"(plain PyTorch in {dtype} errs by {plain:.3g}; magnitude {magnitude(exact):.3g})"
+        )
+
+
+def tf32_truncated(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x as a GPU's tensor cores read it for a TF32 product that Triton's tl.dot feeds
+    fp32 registers: the top 19 bits, 10 of mantissa (the low 13 dropped: toward zero, off
+    by less than 2^-10 relative, where rounding to nearest would be off by 2^-11)."""
+    return (x.detach().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+class _TF32Products(TorchDispatchMode):
+    # Each product's operands (by position): mm/bmm (a, b); addmm/baddbmm (c, a, b).
+    _OPERANDS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.bmm.default: (0, 1),
+                 torch.ops.aten.addmm.default: (1, 2), torch.ops.aten.baddbmm.default: (1, 2)}  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        args = list(args)
+        for index in self._OPERANDS.get(func, ()):
+            if args[index].dtype == torch.float32:
+                args[index] = tf32_truncated(args[index])
+        return func(*args, **(kwargs or {}))
+
+
+def tf32_products() -> TorchDispatchMode:
+    """A context manager: plain PyTorch's matrix products (whatever calls them: @, einsum,
+    autograd's backward) as torch computes them on a GPU with TF32 allowed, the operands
+    read as Triton's TF32 tl.dot reads them (tf32_truncated), the sums in fp32; on any
+    device. The yardstick of a kernel whose products are TF32."""
+    return _TF32Products()
 
 
 def even_lengths(total: int, world_size: int) -> list[int]:

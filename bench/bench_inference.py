@@ -25,7 +25,10 @@ next round's barrier (as the transformers family's single process):
                      sp_transformers.apply(model, "ring", layout="balanced") on every
                      rank; baseline the same model's generate in one process
   generate-decode    a decode step of generate: per round, (generate of 1 + N new tokens -
-                     generate of 1) / N, both timed in the same round, both sides
+                     generate of 1) / N, both timed in the same round, both sides; its
+                     detail (and check) also gives the cache bytes every rank holds after
+                     generate over a left-padded batch of 3 unequal prompts against the
+                     share, ceil(total / P) + 1 slots (total: batch x cached columns)
 The generate rows need transformers 5 (skipped, with the reason, without it); the op rows
 run without it. speedup = one process / ours: on CPU ranks sharing the cores (4 gloo
 ranks on 2 here) the ranks' total work against one process's, not a parallel speedup
@@ -41,7 +44,7 @@ Bytes (rank 0; volume_at_theory: measured = formula on every rank):
                 per step, (the 1 + N tokens' bytes - the 1 token's) / N against layers x
                 decode_attention_bytes
   kv_bytes_per_rank    the keys and values the largest rank holds: its cache shard (and
-                       chunk piece); generate: its ShardedCache's tensors, capacity included
+                       chunk piece); generate: its ShardedCache's tensors (packed)
   kv_bytes_whole       the one process's: the whole cache (and chunk); generate: its cache's
 
 check: the op rows' outputs (gathered to rank 0 in sequence order) against an exact fp64
@@ -528,11 +531,39 @@ def generate_cases(ctx: Context) -> list[GenerateCase]:
     return [GenerateCase(sizes.model, prompt, sizes.new_tokens) for prompt in sizes.model_prompts]
 
 
-def generate(model, ids: torch.Tensor, new_tokens: int):
+def generate(model, ids: torch.Tensor, new_tokens: int, attention_mask: torch.Tensor | None = None):
     """Greedy generate of exactly new_tokens tokens (no early end), its cache and scores."""
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+    attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    return model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True,
                           return_dict_in_generate=True, output_scores=True)  # fmt: skip
+
+
+def unequal_prompts(prompt: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of 3 prompts of `prompt`, about a half and a quarter as many
+    tokens: ids (3, prompt) and their attention mask."""
+    ids = torch.randint(3, vocab, (3, prompt), generator=torch.Generator().manual_seed(prompt + 1))
+    mask = torch.ones_like(ids)
+    for row, pads in ((1, prompt // 2), (2, prompt - prompt // 4 - 1)):
+        ids[row, :pads], mask[row, :pads] = 0, 0
+    return ids.to(device), mask.to(device)
+
+
+def batch_cache_against_share(ctx: Context, model, case: GenerateCase, steps: int) -> tuple[str, str]:
+    """(check, detail): generate over a left-padded batch of unequal prompts, the cache
+    bytes every rank holds against its share, ceil(total / P) + 1 slots a layer (total:
+    batch x the columns one process caches, padding included)."""
+    ids, mask = unequal_prompts(case.prompt, case.model.vocab, ctx.device)
+    cache = generate(model, ids, steps, attention_mask=mask).cache
+    held = [int(each) for each in every_rank(ctx, sum(t.numel() * t.element_size() for t in cache_tensors(cache)))]
+    slot_bytes = case.model.layers * 2 * case.model.kv_heads * case.model.head_dim * 4  # fp32 K and V, every layer
+    total = ids.shape[0] * (ids.shape[1] + steps - 1)
+    share = (-(-total // ctx.world_size) + 1) * slot_bytes
+    lengths = mask.sum(1).tolist()
+    detail = (f"a left-padded batch of prompts of {lengths} tokens, {steps} new: every rank holds {held} cache "
+              f"bytes, its share ceil({total} / {ctx.world_size}) + 1 slots = {share} bytes; one process "
+              f"{total * slot_bytes}")  # fmt: skip
+    return ("matches" if max(held) <= share else "MISMATCH cache over its share"), detail
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
@@ -598,6 +629,7 @@ def measure_generate(case: GenerateCase, ctx: Context) -> list[Row]:
                 if ctx.is_root else {"ttft": ("", ""), "decode": ("", "")})  # fmt: skip
     held = int(many.cache.lengths.sum())
     tokens_held = every_rank(ctx, held)
+    batch_check, batch_detail = batch_cache_against_share(ctx, model, case, steps)
     rows = []
     for kind, bench, ours, baseline in (
         ("ttft", GENERATE_TTFT_BENCH, timings[names[2]], timings[names[0]]),
@@ -605,6 +637,8 @@ def measure_generate(case: GenerateCase, ctx: Context) -> list[Row]:
          per_step(timings[names[1]], timings[names[0]], case.new_tokens)),
     ):  # fmt: skip
         check, verdict = verdicts[kind]
+        if kind == "decode" and batch_check != "matches":
+            check = batch_check
         what = ("generate(max_new_tokens=1): the prompt's prefill and the first token" if kind == "ttft" else
                 f"a decode step: (generate of {steps} tokens - of 1) / {case.new_tokens}, per round")  # fmt: skip
         detail = "; ".join([
@@ -613,6 +647,7 @@ def measure_generate(case: GenerateCase, ctx: Context) -> list[Row]:
             f"after {steps} tokens every rank holds [{', '.join(str(int(t)) for t in tokens_held)}] of "
             f"{case.prompt + case.new_tokens} cached tokens",
             verdict,
+            *([batch_detail] if kind == "decode" else []),
         ])  # fmt: skip
         volume = volumes[kind]
         rows.append(timed_row(

@@ -281,13 +281,14 @@ PASS_KV, PASS_Q = "pass-kv", "pass-q"
 
 def prefill_attention_bytes(
     cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], rank: int, *, method: str, batch: int,
-    num_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+    num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, ulysses_size: int = 1,
 ) -> int:  # fmt: skip
     """Bytes prefill_attention sends from `rank` by `method` (PASS_KV or PASS_Q).
 
     cache_seq_lens: every rank's cached rows S_j (k_cache.shape[1]); chunk_seq_lens: every
     rank's rows C_j of the new chunk; q (batch, C_r, num_heads, head_dim), k and v of the
-    chunk and of the cache num_kv_heads heads, element_size bytes each.
+    chunk and of the cache num_kv_heads heads, element_size bytes each. ulysses_size: U
+    of USP's grid (ranks in piece order i * U + j; pass-Q only), 1 for one group.
         pass-kv  each rank's block travels the ring: its cached and new K and V, their
                  positions and its cache's lengths. Block j, with e the element size:
                      B_j = batch x ((S_j + C_j) x (2 x num_kv_heads x head_dim x e + 8) + 8)
@@ -297,17 +298,28 @@ def prefill_attention_bytes(
                  and each rank's fp32 partial (out, lse) of every other rank's queries
                  goes back to that rank:
                      (P-1) x batch x C_r x (num_heads x head_dim x e + 8)
-                     + sum_{j != r} batch x C_j x num_heads x (head_dim + 1) x 4"""
+                     + sum_{j != r} batch x C_j x num_heads x (head_dim + 1) x 4
+                 On a grid, rank (i, j) sends its queries to its slot's U - 1 others and
+                 its slot's (C_i: the sum of its U pieces) to the R - 1 other slots; the
+                 partials of slot i' != i's queries to ring rank i', then the merged
+                 partials of its slot's piece j' != j to Ulysses rank j':
+                     batch x ((U-1) x C_r + (R-1) x C_i) x (num_heads x head_dim x e + 8)
+                     + batch x (sum_{i' != i} C_i' + C_i - C_r) x num_heads x (head_dim + 1) x 4
+                 (U = 1: the one group's formula)."""
     world_size = len(cache_seq_lens)
-    if method == PASS_KV:
+    if method == PASS_KV and ulysses_size == 1:
         block = [batch * ((cache + chunk) * (2 * num_kv_heads * head_dim * element_size + POSITION_BYTES)
                           + POSITION_BYTES) for cache, chunk in zip(cache_seq_lens, chunk_seq_lens)]  # fmt: skip
         return sum(block[(rank - step) % world_size] for step in range(world_size - 1))
     if method != PASS_Q:
-        raise ValueError(f"method must be {PASS_KV!r} or {PASS_Q!r}, got {method!r}")
-    queries = (world_size - 1) * batch * chunk_seq_lens[rank] * (num_heads * head_dim * element_size + POSITION_BYTES)
-    others = sum(chunk_seq_lens) - chunk_seq_lens[rank]
-    return queries + others * batch * num_heads * (head_dim + 1) * FP32_BYTES
+        raise ValueError(f"method must be {PASS_KV!r} (one group) or {PASS_Q!r}, got {method!r}")
+    ring_size, ring_index = world_size // ulysses_size, rank // ulysses_size
+    slots = _slot_lengths(chunk_seq_lens, ulysses_size)
+    mine, slot = chunk_seq_lens[rank], slots[ring_index]
+    query_rows = (ulysses_size - 1) * mine + (ring_size - 1) * slot
+    partial_rows = sum(slots) - slot + slot - mine
+    return batch * (query_rows * (num_heads * head_dim * element_size + POSITION_BYTES)
+                    + partial_rows * num_heads * (head_dim + 1) * FP32_BYTES)  # fmt: skip
 
 
 def prefill_attention_method(

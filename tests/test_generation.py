@@ -24,15 +24,15 @@ SCORE_ATOL = 2e-4
 NEW_TOKENS = 5
 
 
-def _prompt(batch: int, length: int, padded: bool, seed: int = 3):
+def _prompt(batch: int, length: int, padded: bool, seed: int = 3, pads=(3, 5)):
     """Token ids (batch, length) from 3 up, the rows after the first left-padded by 0s
-    (3 and 5 of them) where padded; and their attention mask."""
+    (`pads` of them) where padded; and their attention mask."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, integration.VOCAB, (batch, length), generator=generator)
     mask = torch.ones_like(ids)
     if padded:
-        for row, pads in zip(range(1, batch), (3, 5)):
-            ids[row, :pads], mask[row, :pads] = 0, 0
+        for row, count in zip(range(1, batch), pads):
+            ids[row, :count], mask[row, :count] = 0, 0
     return ids, mask
 
 
@@ -87,7 +87,8 @@ def run_generate(cases):
         reference = integration._family_model(case.get("family", "mistral"), spec=case.get("family_spec")).eval()
         model = copy.deepcopy(reference)
         sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
-        ids, mask = _prompt(case.get("batch", 2), case.get("length", 19), case.get("padded", True))
+        ids, mask = _prompt(case.get("batch", 2), case.get("length", 19), case.get("padded", True),
+                            pads=case.get("pads", (3, 5)))  # fmt: skip
         name = case["id"]
         streamers = (_Streamer(), _Streamer()) if case.get("streamer") else (None, None)
         ours, theirs = (_generate(m, ids, mask, seed=11, sample=case.get("sample", False), streamer=streamer)
@@ -99,12 +100,7 @@ def run_generate(cases):
                 failures.append(f"{name}: the streamer got {streamed[0].tolist()}, generate returned "
                                 f"{ours.sequences.tolist()}")  # fmt: skip
         cache = ours.cache
-        # Every rank's share: the prompt's real tokens over the pieces, and a decoded token a piece in turn.
-        pieces = dist.get_world_size()
-        held = int(cache.lengths.sum())
-        share = -(-int(mask.sum()) // pieces) + -(-(NEW_TOKENS - 1) * mask.shape[0] // pieces) + mask.shape[0]
-        if held > share:
-            failures.append(f"{name}: this rank holds {held} tokens, its share is at most {share}")
+        failures += _within_share(f"{name} after generate", cache, theirs.sequences, dist.get_world_size(), 1)
         if case.get("next_turn"):
             more = torch.randint(3, integration.VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(5))
             ids2 = torch.cat([theirs.sequences, more], 1)
@@ -112,7 +108,27 @@ def run_generate(cases):
             ours2 = _generate(model, ids2, mask2, seed=12, cache=cache)
             theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache)
             failures += _compare(f"{name} next turn", ours2, theirs2)
+            # A next turn's pieces are whole columns of the batch: up to batch - 1 slots past the share.
+            slack = max(1, ids.shape[0] - 1)
+            failures += _within_share(f"{name} after a next turn", ours2.cache, theirs2.sequences,
+                                      dist.get_world_size(), slack)  # fmt: skip
     return failures
+
+
+def _within_share(name: str, cache, sequences, ranks: int, slack: int) -> list[str]:
+    """What breaks the memory bound: this rank's attention layers hold more slots than
+    ceil(total / ranks) + slack, total one process's slots a layer: batch x the columns
+    whose keys it caches (all of `sequences` (batch, columns) but the last token's; a
+    DynamicCache without a sliding window, left padding included); or another count than
+    the cache's own."""
+    total = sequences.shape[0] * (sequences.shape[1] - 1)
+    bound = -(-total // ranks) + slack
+    held = {layer.keys.shape[2] for layer in cache.layers if getattr(layer, "keys", None) is not None} | {cache.slots}
+    if max(held) > bound:
+        return [f"{name}: this rank's layers hold {sorted(held)} slots, its share is {bound} (one process: {total})"]
+    if len(held) != 1 or int(cache.lengths.sum()) != cache.slots:
+        return [f"{name}: the layers hold {sorted(held)} slots, the cache counts {cache.slots}"]
+    return []
 
 
 def _case(mode, **extra):
@@ -136,8 +152,22 @@ def test_greedy_and_sampled_match_one_process(world_size):
 
 
 def test_usp_grid():
-    cases = [_case("usp", layout="balanced"), _case("usp", family="cohere2", sample=True, batch=1, length=23)]
+    """Decode and a next turn over the cache (pass-Q over the 2 x 2 grid)."""
+    cases = [_case("usp", layout="balanced", next_turn=True),
+             _case("usp", family="cohere2", sample=True, batch=1, length=23)]  # fmt: skip
     failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_rank_holds_at_most_its_share_of_the_cache(world_size):
+    """A left-padded batch of unequal prompts (19, 10 and 15 tokens): every rank's cache
+    within ceil(one process's slots / P) + 1 a layer, in every mode and layout."""
+    usp = dict(ulysses=2 if world_size % 2 == 0 else 1)
+    cases = [_case(mode, layout=layout, batch=3, pads=(9, 4), **(usp if mode == "usp" else {}))
+             for mode, layout in (("ring", "contiguous"), ("ring", "balanced"), ("ulysses", "contiguous"),
+                                  ("usp", "contiguous"), ("usp", "balanced"))]  # fmt: skip
+    failures = [failure for per_rank in pool_for(world_size).run(run_generate, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import pool_for
 from on_ranks import on_every_rank, raises, rank_and_world, timeout_group
+from test_usp import position as grid_position
 from test_usp import usp_groups
 
 import seqpar_kernels as sp
@@ -147,7 +148,10 @@ def run_ops(one, problem, dtype, ranks):
         sent = decode_attention_bytes(sizes, batch=batch, num_queries=q.shape[1], num_heads=heads, head_dim=head_dim)
         return out, lse, stats.bytes_sent, sent, slice(None)
     pieces = torch.tensor_split(torch.arange(one["chunk"]), world_size)
-    rows = slice(int(pieces[rank][0]), int(pieces[rank][0]) + len(pieces[rank])) if len(pieces[rank]) else slice(0, 0)
+    # The chunk's pieces in piece order: a grid's ring index i and Ulysses index j at i * U + j.
+    i, j, _, ulysses_size = (rank, 0, world_size, 1) if "group" in ranks else grid_position(ranks)
+    piece = pieces[i * ulysses_size + j]
+    rows = slice(int(piece[0]), int(piece[0]) + len(piece)) if len(piece) else slice(0, 0)
     positions = problem["q_positions"][:, rows]
     index = positions[:, :, None, None].expand(-1, -1, one["H_kv"], one["D"])
     q = problem["Q"][:, rows].to(dtype)
@@ -159,8 +163,12 @@ def run_ops(one, problem, dtype, ranks):
     chunk_rows = [len(piece) for piece in pieces]
     sizes = dict(batch=batch, num_heads=heads, num_kv_heads=one["H_kv"], head_dim=head_dim,
                  element_size=q.element_size())  # fmt: skip
-    method = prefill_attention_method(cache_rows, chunk_rows, **sizes) if one["method"] == "auto" else one["method"]
-    sent = prefill_attention_bytes(cache_rows, chunk_rows, rank, method=method, **sizes) if world_size > 1 else 0
+    # A grid's ranks run pass-Q.
+    method = one["method"]
+    if method == "auto":
+        method = prefill_attention_method(cache_rows, chunk_rows, **sizes) if ulysses_size == 1 else PASS_Q
+    sent = prefill_attention_bytes(cache_rows, chunk_rows, i * ulysses_size + j, method=method,
+                                   ulysses_size=ulysses_size, **sizes) if world_size > 1 else 0  # fmt: skip
     return out, lse, stats.bytes_sent, sent, rows
 
 
@@ -225,6 +233,9 @@ GRID_CASES = [
     case("grid-decode-gqa", "decode", Tq=3, window=(6, -1), sinks=True),
     case("grid-decode-mqa-chunks-softcap", "decode", Tq=1, H=3, H_kv=1, attention_chunk=5, softcap=1.0,
          layout="last-empty"),
+    case("grid-prefill-pass-q-window-sinks", "prefill", method=PASS_Q, window=(6, -1), sinks=True, chunk=7),
+    case("grid-prefill-auto-chunks-softcap", "prefill", H=3, H_kv=1, attention_chunk=5, softcap=1.0, chunk=6,
+         cached=(9, 0), layout="last-empty"),
 ]
 LOW_PRECISION_CASES = [
     case("decode-low-window-softcap-sinks", "decode", Tq=3, window=(9, -1), softcap=2.0, sinks=True, D=32,
@@ -241,7 +252,7 @@ def test_decode_and_prefill_match_fp64_attention_and_the_byte_formulas(ranks):
 
 
 @pytest.mark.parametrize("grid", ["inner", "mesh"])
-def test_decode_on_a_usp_grid_gathers_over_both_groups(grid):
+def test_decode_and_prefill_on_a_usp_grid_over_both_groups(grid):
     failures = [failure for per_rank in pool_for(4).run(run_cases, GRID_CASES, torch.float32, grid)
                 for failure in per_rank]  # fmt: skip
     assert not failures, "\n".join(failures)
@@ -331,6 +342,26 @@ def run_bad_inputs():
 
 def test_bad_inputs_raise_on_every_rank():
     failures = [failure for per_rank in pool_for(3).run(run_bad_inputs) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@on_every_rank
+def run_bad_grid_prefill():
+    """On a 2 x 2 grid: pass-KV, and a method bad on one rank, raise on every rank."""
+    rank, _ = rank_and_world()
+    q, inputs = _decode_inputs(rank)
+    chunk = dict(q=torch.randn(2, 1, 4, 8), k=torch.randn(2, 1, 2, 8), v=torch.randn(2, 1, 2, 8))
+    cache = {name: value for name, value in inputs.items() if name != "q_positions"}
+    reports = []
+    for what, method, match in (("pass-kv", PASS_KV, "one group"),
+                                ("a method of one rank", "pass-x" if rank == 3 else "auto", "method")):  # fmt: skip
+        arguments = dict(chunk, **cache, q_positions=torch.tensor([[9], [9]]), method=method, **usp_groups("mesh", 2))
+        reports.append((what, raises(lambda: sp.prefill_attention(**arguments), match)))
+    return [f"{what}: {report}" for what, report in reports if report is not None]
+
+
+def test_bad_grid_prefill_raises_on_every_rank():
+    failures = [failure for per_rank in pool_for(4).run(run_bad_grid_prefill) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 

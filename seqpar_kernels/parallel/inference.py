@@ -38,11 +38,11 @@ import torch.distributed as dist
 
 from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.comm.exchange import exchange_blocks
-from seqpar_kernels.comm.grid import reduction_groups
+from seqpar_kernels.comm.grid import Grid, reduction_groups
 from seqpar_kernels.comm.ring import DoubleBuffer, Ring
 from seqpar_kernels.engine.decode import PartialAttention, attend_keys_, merge_partials_
 from seqpar_kernels.engine.steps import StepSpec, merge_sinks_
-from seqpar_kernels.groups import GroupInfo, resolve_group
+from seqpar_kernels.groups import GroupInfo
 from seqpar_kernels.layouts import offsets
 from seqpar_kernels.parallel.attention_checks import (
     MAX_HEAD_DIM,
@@ -57,6 +57,7 @@ from seqpar_kernels.parallel.checks import (
     CheckedOnEveryRank,
     check_bool,
     check_local_sizes,
+    checked_on_grid,
     checked_over_groups,
     debug_checks_on,
 )
@@ -230,6 +231,9 @@ def prefill_attention(
     cache_lengths: torch.Tensor,
     method: str = AUTO,
     group: dist.ProcessGroup | None = None,
+    mesh=None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
@@ -264,22 +268,30 @@ def prefill_attention(
                    of every rank's queries over its keys, and the partials go back to
                    their owner (one all-to-all), which merges them.
         "auto"     the one that sends fewer bytes over all ranks
-                   (traffic.prefill_attention_method: pass-Q when the cache dominates).
-    group: the ranks sharing the cache (default: the world; a USP grid's ranks: a group
-        holding them all).
+                   (traffic.prefill_attention_method: pass-Q when the cache dominates);
+                   on a grid, pass-Q.
+    group: the ranks sharing the cache (default: the world); or USP's grid, mesh= (a 2-D
+        DeviceMesh with dims "ring" and "ulysses") or ulysses_group= and ring_group=,
+        whose every rank holds its tokens' keys of every head (a generate's cache under
+        USP): pass-Q over the grid, the queries gathered over the Ulysses group then
+        the ring group, the partials sent back over the ring group (merged there) then
+        the Ulysses group; pass-KV raises there.
     check_ranks: as decode_attention's; the same gather learns every rank's C_r and S_r.
-    chunk_seq_lens, cache_seq_lens: every rank's C_r and S_r, in group rank order;
+    chunk_seq_lens, cache_seq_lens: every rank's C_r and S_r, in group rank order (a
+        grid: piece order, ring index i and Ulysses index j at i * U + j);
         passing both skips that gather (as ring_attention's seq_lens). Without them and
         check_ranks=False, every rank's are taken to be this rank's.
     Returns out (batch, C_r, nheads, headdim) in q's dtype [, lse (batch, nheads, C_r) fp32].
 
     Bytes per rank: traffic.prefill_attention_bytes (the formulas for both methods)."""
     describe = "prefill_attention"
-    info = resolve_group(group)
+    levels = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+    grid = Grid(levels[0][0], levels[1][0], levels[0][1], levels[1][1]) if len(levels) == 2 else None
+    info = levels[0][1] if grid is None else grid.pieces
     cache = (k_cache, v_cache, cache_positions, cache_lengths)
     given = chunk_seq_lens is not None and cache_seq_lens is not None
-    with CheckedOnEveryRank(describe, info, _device(q), exchange=check_ranks is True and not given,
-                            extra_count=1) as checks:  # fmt: skip
+
+    def local_checks():
         check_attention_inputs(q, k, v)
         batch = q.shape[0]
         new_lengths = torch.full((batch,), q.shape[1], dtype=torch.int64, device=q.device)
@@ -292,18 +304,41 @@ def prefill_attention(
         check_bool("check_ranks", check_ranks)
         if method not in PREFILL_METHODS:
             raise ValueError(f"{describe}: method must be one of {PREFILL_METHODS}, got {method!r:.80}")
+        if grid is not None and method == PASS_KV:
+            raise ValueError(f"{describe}: method={PASS_KV!r} passes K/V around one group's ring; on USP's grid "
+                             f"the chunk runs {PASS_Q!r} (method={AUTO!r} takes it)")  # fmt: skip
         if (chunk_seq_lens is None) != (cache_seq_lens is None):
             raise ValueError(f"{describe}: pass both chunk_seq_lens and cache_seq_lens, or neither")
+        sizes = (chunk_seq_lens, cache_seq_lens)
         if given:
-            chunk_seq_lens = check_local_sizes(chunk_seq_lens, info, q.shape[1], "chunk_seq_lens", q.shape, 1)
-            cache_seq_lens = check_local_sizes(cache_seq_lens, info, k_cache.shape[1], "cache_seq_lens",
-                                               k_cache.shape, 1)  # fmt: skip
-        checks.share(q.shape[1], (call.agreed, method, chunk_seq_lens, cache_seq_lens), extra=(k_cache.shape[1],))
-    if not given:
-        chunk_seq_lens, cache_seq_lens = checks.sizes, [extra[0] for extra in checks.extras]
+            sizes = (
+                check_local_sizes(chunk_seq_lens, info, q.shape[1], "chunk_seq_lens", q.shape, 1),
+                check_local_sizes(cache_seq_lens, info, k_cache.shape[1], "cache_seq_lens", k_cache.shape, 1),
+            )
+        return call, new_lengths, sizes
+
+    exchange = check_ranks is True and not given
+    if grid is None:
+        with CheckedOnEveryRank(describe, info, _device(q), exchange=exchange, extra_count=1) as checks:
+            call, new_lengths, sizes = local_checks()
+            checks.share(q.shape[1], (call.agreed, method, *sizes), extra=(k_cache.shape[1],))
+        chunk_seq_lens, cache_seq_lens = sizes if given else (checks.sizes, [extra[0] for extra in checks.extras])
+        level_sizes = [chunk_seq_lens]
+    else:
+
+        def grid_checks():
+            call, new_lengths, sizes = local_checks()
+            return q.shape[1], (call.agreed, method, *sizes), (call, new_lengths)
+
+        (call, new_lengths), row_lens, slot_lens = checked_on_grid(describe, grid, _device(q), exchange, grid_checks)
+        if given:
+            rows = grid.rows(chunk_seq_lens)
+            row_lens, slot_lens = rows[grid.ring.rank], [sum(row) for row in rows]
+        # Each level's members' chunk rows: this slot's Ulysses ranks', then every ring slot's.
+        level_sizes = [list(row_lens), list(slot_lens)]
     if method == AUTO:
-        method = prefill_attention_method(
-            cache_seq_lens, chunk_seq_lens, batch=batch, num_heads=q.shape[2], num_kv_heads=k.shape[2],
+        method = PASS_Q if grid is not None else prefill_attention_method(
+            cache_seq_lens, chunk_seq_lens, batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2],
             head_dim=q.shape[3], element_size=q.element_size(),
         )  # fmt: skip
     new = (k, v, q_positions, new_lengths)
@@ -315,7 +350,7 @@ def prefill_attention(
             partial = _pass_kv(q_folded, q_positions, cache, new, call.mask, spec, info, cache_seq_lens,
                                chunk_seq_lens)  # fmt: skip
         else:
-            partial = _pass_q(q_folded, q_positions, cache, new, call.mask, spec, group, info, chunk_seq_lens)
+            partial = _pass_q(q_folded, q_positions, cache, new, call.mask, spec, levels, level_sizes)
         return _finish(partial, call.sinks, q.dtype, call.return_lse)
 
 
@@ -384,21 +419,25 @@ def _byte_views(buffer: torch.Tensor, parts) -> list[torch.Tensor]:
     return views
 
 
-def _pass_q(
-    q, q_positions, cache, new, mask: AttentionMask, spec: StepSpec, group, info: GroupInfo, chunk_seq_lens
-) -> PartialAttention:  # fmt: skip
+def _pass_q(q, q_positions, cache, new, mask: AttentionMask, spec: StepSpec, levels, level_sizes) -> PartialAttention:
     """Every rank's queries gathered; this rank's partial of all of them over its keys;
-    each rank's rows of those partials sent back to it (one all-to-all), merged there."""
-    batch, rows, heads, head_dim = q.shape
-    every_q = gather_sequence(q, 1, group, sizes=chunk_seq_lens)
-    every_position = gather_sequence(q_positions.long(), 1, group, sizes=chunk_seq_lens)
-    partial = _local_partial(every_q, every_position, [cache, new], mask, spec)
-    world_size = info.world_size
-    (received,) = exchange_blocks(
-        [partial.packed], [1], offsets(chunk_seq_lens), chunk_seq_lens,
-        [(world_size, batch, rows, heads, head_dim + 1)], [0], list(range(world_size)), [1] * world_size, info,
-    )  # fmt: skip
-    return _merged([PartialAttention(each) for each in received])
+    each rank's rows of those partials sent back to it (one all-to-all a level), merged
+    there. levels: (group, GroupInfo) innermost first (one group, or a grid's Ulysses
+    then ring group); level_sizes: their members' query rows, in member order (a ring
+    slot's: the sum of its Ulysses ranks')."""
+    for (group, _), sizes in zip(levels, level_sizes):
+        q = gather_sequence(q, 1, group, sizes=sizes)
+        q_positions = gather_sequence(q_positions.long(), 1, group, sizes=sizes)
+    partial = _local_partial(q, q_positions, [cache, new], mask, spec)
+    batch, _, heads, head_dim = q.shape
+    for (_, info), sizes in reversed(list(zip(levels, level_sizes))):
+        world_size, rows = info.world_size, sizes[info.rank]
+        (received,) = exchange_blocks(
+            [partial.packed], [1], offsets(sizes), sizes, [(world_size, batch, rows, heads, head_dim + 1)], [0],
+            list(range(world_size)), [1] * world_size, info,
+        )  # fmt: skip
+        partial = _merged([PartialAttention(each) for each in received])
+    return partial
 
 
 # ----------------------------------------------------------------------------------

@@ -271,9 +271,9 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
     """A generate step's attention over the sharded cache (generation.ShardedCache).
     decode: the new queries (the same on every rank) over every rank's cached keys,
     merged across the ranks (decode_attention); query (B, H, Tq, D), key, value
-    (B, H_kv, capacity, D): this rank's shard. chunk: this rank's piece of a next turn
-    over every rank's cache and the whole chunk (prefill_attention); query, key, value
-    the piece's. Returns (B, Tq, H, D)."""
+    (B, H_kv, width, D): this rank's shard by sequence (Step.index). chunk: this rank's
+    piece of a next turn over every rank's cache and the whole chunk (prefill_attention);
+    query, key, value the piece's. Returns (B, Tq, H, D)."""
     if dropout and module.training:
         raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
     q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
@@ -283,13 +283,12 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
     step = cache.step
     # Every rank runs the same step of one generate: their arguments agree by construction.
     if step.kind == "decode":
-        return decode_attention(q, k, v, q_positions=step.query_positions, cache_positions=cache.positions,
-                                cache_lengths=cache.lengths, check_ranks=False, **variants,
+        return decode_attention(q, k, v, q_positions=step.query_positions, cache_positions=step.cache_positions,
+                                cache_lengths=step.cache_lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
-    layer = cache.layers[module.layer_idx]
-    stored_keys, stored_values = (x.transpose(1, 2).narrow(1, 0, step.cache_rows) for x in (layer.keys, layer.values))
+    stored_keys, stored_values = cache.layers[module.layer_idx].gathered(step.index)
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
-                             cache_positions=cache.positions[:, : step.cache_rows], cache_lengths=step.cache_lengths,
+                             cache_positions=step.cache_positions, cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,
                              cache_seq_lens=step.cache_seq_lens, **variants, **settings.group_kwargs())  # fmt: skip
 

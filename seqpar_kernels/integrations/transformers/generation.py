@@ -11,13 +11,16 @@ full inputs returns the same result on every rank, what one process returns. How
              gives them, the others zeros): the logits generate reads, on every rank.
     decode   the new tokens (the same on every rank) run on every rank; their attention is
              the partial attention over each rank's cached keys merged by lse across the
-             ranks (parallel/inference.py); each step's keys and values are kept by one
-             rank, the ranks taking turns, so that the shards stay even.
+             ranks (parallel/inference.py); each sequence's new key and value are kept
+             by the rank holding the fewest tokens, so that no rank holds more than
+             its share.
 
 The cache generate sees is a ShardedCache (a transformers Cache): layers[i].keys hold
-this rank's tokens only, (batch, kv_heads, capacity, head_dim), row b's first lengths[b]
-valid, at global positions positions[b] (each sequence's own, from 0 at its first real
-token); get_seq_length() is the padded length generate counts.
+this rank's tokens only, packed in one row, (1, kv_heads, slots, head_dim), slot s of
+sequence rows[s] at its position positions[s] (each sequence's own, from 0 at its first
+real token); the attention reads them through a (batch, width) index of each sequence's
+slots (Step.index), gathered a layer at a time. get_seq_length() is the padded length
+generate counts.
 
 Hooks on the model (installed by apply): a pre-hook rewrites each call's inputs (the
 prefill's shard, the decode step's positions, the ShardedCache in place of generate's
@@ -35,7 +38,6 @@ import transformers
 from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from seqpar_kernels.layouts import tensor_split_sizes
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 from seqpar_kernels.parallel.varlen import varlen_plan
@@ -59,8 +61,9 @@ LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", CacheLayerMi
 
 
 class ShardedLayer(CacheLayerMixin):
-    """One layer's keys and values of this rank's tokens: (batch, kv_heads, capacity,
-    head_dim), the rows' tokens as their ShardedCache's lengths and positions say."""
+    """One layer's keys and values of this rank's tokens, packed in one row: (1,
+    kv_heads, slots, head_dim), slot s holding the token its ShardedCache's rows[s] and
+    positions[s] say (no padding: a rank's memory is its tokens)."""
 
     is_sliding = False
     is_compileable = False
@@ -70,49 +73,41 @@ class ShardedLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, heads, _, head_dim = key_states.shape
-        # The cache's sequences: a prefill's keys come packed in one row.
-        batch, capacity = self.cache.real_lengths.shape[0], self.cache.capacity
-        self.keys = key_states.new_zeros((batch, heads, capacity, head_dim))
-        self.values = value_states.new_zeros((batch, value_states.shape[1], capacity, value_states.shape[-1]))
+        self.keys = key_states.new_zeros((1, key_states.shape[1], 0, key_states.shape[-1]))
+        self.values = value_states.new_zeros((1, value_states.shape[1], 0, value_states.shape[-1]))
         self.device = key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Keeps this rank's share of the running step's tokens; returns what the
-        attention reads: the prefill's keys and values as they are (the training path),
-        the decode step's this rank's whole shard (its keys then padding)."""
+        attention reads: the prefill's and a next turn's keys and values as they are,
+        a decode step's this rank's whole shard gathered by sequence,
+        (batch, kv_heads, width, head_dim) (Step.index)."""
         step = self.cache.step
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._grow(self.cache.capacity)
         if step.kind == "prefill":
-            # Packed (1, kv_heads, S_local, D) -> each token's row and slot.
-            rows, slots = step.rows, step.slots
-            self.keys[rows, :, slots] = key_states[0].transpose(0, 1).to(self.keys.dtype)
-            self.values[rows, :, slots] = value_states[0].transpose(0, 1).to(self.values.dtype)
+            # Packed (1, kv_heads, S_local, D): the tokens in the cache's slot order already.
+            self._append(key_states, value_states)
             return key_states, value_states
         if step.kind == "chunk":
-            # This rank's piece (B, kv_heads, C_r, D) after each row's cached tokens; the attention
-            # reads the cache as it was (step.cache_lengths) and the piece apart.
-            pieces = key_states.shape[2]
-            slots = step.slots[:, None] + torch.arange(pieces, device=key_states.device)  # (B, C_r)
-            rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
-            self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
-            self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+            # This rank's piece (B, kv_heads, C_r, D): its slots are row 0's C_r tokens, then row 1's, ...
+            self._append(*(x.transpose(0, 1).flatten(1, 2).unsqueeze(0) for x in (key_states, value_states)))
             return key_states, value_states
-        if step.kept:
-            slot = step.slots  # (batch,): each row's next slot
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            self.keys[rows, :, slot] = key_states[:, :, -1].to(self.keys.dtype)
-            self.values[rows, :, slot] = value_states[:, :, -1].to(self.values.dtype)
-        return self.keys, self.values
+        if step.kept_rows.numel():
+            self._append(*(x[step.kept_rows, :, -1].transpose(0, 1).unsqueeze(0) for x in (key_states, value_states)))
+        return tuple(x.transpose(1, 2) for x in self.gathered(step.index))
 
-    def _grow(self, capacity: int) -> None:
-        if self.keys.shape[2] < capacity:
-            grow = capacity - self.keys.shape[2]
-            self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, grow))
-            self.values = torch.nn.functional.pad(self.values, (0, 0, 0, grow))
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Adds (1, kv_heads, n, D) keys and values as the next n slots."""
+        self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)], 2)
+        self.values = torch.cat([self.values, values.to(self.values.dtype)], 2)
+
+    def gathered(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the slots index (batch, width) names: (batch, width,
+        kv_heads, head_dim) each, a copy (a row's entries past its length are slot 0:
+        padding the attention does not read)."""
+        return tuple(x[0].transpose(0, 1)[index] for x in (self.keys, self.values))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.seen + query_length, 0
@@ -174,51 +169,58 @@ class Step:
 
     kind    "prefill" (the prompt, packed and sharded), "decode" (new tokens on every
             rank) or "chunk" (a next turn's tokens over the cache, each rank a piece)
-    rows, slots   prefill: each local token's row and slot; decode: each row's slot for
-                  the step's token (when kept)
-    kept    decode: whether this rank keeps the step's keys and values
-    query_positions  decode: (batch, new tokens) each new token's position
+    index, cache_positions, cache_lengths   decode: this rank's cache, the step's kept
+                  tokens included, as the attention reads it (batch, width): each row's
+                  slots, their positions, the count of each row's slots; chunk: the
+                  cache before the chunk, the same way
+    kept_rows     decode: the rows whose new key and value this rank keeps
+    query_positions  decode and chunk: (batch, new tokens here) each new token's position
     last_local, last_rows  prefill and chunk: the local rows of the sequences' last
                   tokens held here, and their sequences (whose next-token logits this
                   rank gives)
-    cache_lengths, cache_rows  chunk: this rank's cache before the chunk (each row's
-                  tokens, the rows in use)
-    chunk_seq_lens, cache_seq_lens  chunk: every rank's piece of the chunk and rows in use
+    chunk_seq_lens, cache_seq_lens  chunk: every rank's piece of the chunk and cache
+                  width, in piece order
     new_columns   the columns generate counts for the call, added to the cache's seen
                   once the call is done (the model reads the count before it while it runs)"""
 
     kind: str
-    rows: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    kept: bool = False
+    index: torch.Tensor | None = None
+    cache_positions: torch.Tensor | None = None
+    cache_lengths: torch.Tensor | None = None
+    kept_rows: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     last_local: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None
-    cache_lengths: torch.Tensor | None = None
-    cache_rows: int = 0
     chunk_seq_lens: list[int] | None = None
     cache_seq_lens: list[int] | None = None
     new_columns: int = 0
 
 
 class ShardedCache(Cache):
-    """A transformers Cache whose layers hold this rank's tokens only (ShardedLayer).
+    """A transformers Cache whose layers hold this rank's tokens only, packed
+    (ShardedLayer).
 
     parallelism  the model's SequenceParallelism (whose ranks share the sequences)
-    lengths      (batch,) int64: the tokens row b holds on this rank
-    positions    (batch, capacity) int64: their positions in the sequence (from 0 at its
-                 first real token)
+    rows         (slots,) int64: the sequence of each slot of this rank's layers
+    positions    (slots,) int64: its position in the sequence (from 0 at its first real token)
+    lengths      (batch,) int64: the slots of each sequence on this rank
     real_lengths (batch,) int64: every sequence's tokens so far, over all ranks
+    loads        every rank's slot count, in piece order (the same on every rank)
     seen         the padded length generate counts (the prompt's columns, then one a step)
-    steps        decode steps run: the step's keys go to piece steps % pieces"""
+
+    Memory: every rank holds at most ceil(batch x seen / P) + 1 slots a layer (share()),
+    where batch x seen is one process's cache (transformers' (batch, kv_heads, seen,
+    head_dim), left padding included); a next turn of C tokens a sequence may add up to
+    batch - 1 more (its pieces are whole columns)."""
 
     def __init__(self, parallelism: SequenceParallelism, config):
         self.parallelism = parallelism
-        self.lengths: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
         self.real_lengths: torch.Tensor | None = None
+        self.loads: list[int] = []
         self.seen = 0
-        self.steps = 0
         self.step: Step | None = None
         # The model's own layer kinds (transformers' DynamicCache of its config): attention,
         # recurrent states, or both.
@@ -234,8 +236,14 @@ class ShardedCache(Cache):
         super().__init__(layers=layers)
 
     @property
-    def capacity(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[1]
+    def slots(self) -> int:
+        """The tokens this rank holds (each attention layer's keys and values hold as many)."""
+        return 0 if self.positions is None else self.positions.shape[0]
+
+    def share(self) -> int:
+        """The most slots a layer any rank may hold: ceil(batch x seen / P) + 1."""
+        batch = 0 if self.real_lengths is None else self.real_lengths.shape[0]
+        return -(-batch * self.seen // self.parallelism.pieces) + 1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -245,67 +253,92 @@ class ShardedCache(Cache):
 
     # -- the steps ------------------------------------------------------------------
 
-    def begin_prefill(self, rows: torch.Tensor, positions: torch.Tensor, real_lengths: torch.Tensor, padded: int):
+    def begin_prefill(self, rows: torch.Tensor, positions: torch.Tensor, real_lengths: torch.Tensor, padded: int,
+                      loads: list[int]) -> None:  # fmt: skip
         """This rank's prompt tokens: each one's row (sequence) and position, in local
-        order; real_lengths every sequence's prompt length; padded the prompt's columns."""
-        batch = real_lengths.shape[0]
-        device = real_lengths.device
-        self.lengths = torch.bincount(rows, minlength=batch).to(device)
-        capacity = int(self.lengths.max()) if rows.numel() else 0
-        # Each token's slot: its rank among this rank's tokens of its row (local order is position order).
-        order = torch.argsort(rows, stable=True)
-        starts = torch.cumsum(self.lengths, 0) - self.lengths
-        slots = torch.empty_like(rows)
-        slots[order] = torch.arange(rows.numel(), device=device) - starts[rows[order]]
-        self.positions = torch.zeros((batch, capacity), dtype=torch.int64, device=device)
-        self.positions[rows, slots] = positions
+        order; real_lengths every sequence's prompt length; padded the prompt's columns;
+        loads every rank's token count."""
+        self.rows, self.positions = rows.clone(), positions.clone()
+        self.lengths = torch.bincount(rows, minlength=real_lengths.shape[0])
         self.real_lengths = real_lengths.clone()
-        self.step = Step("prefill", rows=rows, slots=slots, new_columns=padded)
+        self.loads = list(loads)
+        self.step = Step("prefill", new_columns=padded)
 
     def begin_chunk(self, new_tokens: int) -> Step:
-        """A next turn of new_tokens tokens a row over the cache: piece p of its
-        torch.tensor_split over the pieces is rank p's (kept in its cache)."""
+        """A next turn of new_tokens tokens a row over the cache: the columns of piece p
+        of a split over the pieces are rank p's (kept in its cache); the split gives the
+        least loaded ranks the most columns."""
         parallelism = self.parallelism
-        sizes = tensor_split_sizes(new_tokens, parallelism.pieces)
+        batch = self.real_lengths.shape[0]
+        sizes = _fill_columns(self.loads, new_tokens, batch)
         piece = parallelism.piece
         offset, local = sum(sizes[:piece]), sizes[piece]
         device = self.real_lengths.device
-        cache_lengths, cache_rows = self.lengths.clone(), int(self.lengths.max()) if self.lengths.numel() else 0
-        query_positions = self.real_lengths[:, None] + offset + torch.arange(local, device=device)
-        grow = int((self.lengths + local).max()) - self.capacity
-        if grow > 0:
-            self.positions = torch.nn.functional.pad(self.positions, (0, grow))
-        slots = self.lengths.clone()
-        rows = torch.arange(self.positions.shape[0], device=device)[:, None]
-        self.positions[rows, slots[:, None] + torch.arange(local, device=device)] = query_positions
-        self.lengths = self.lengths + local
+        index, cache_positions = self._by_row()
+        query_positions = self.real_lengths[:, None] + offset + torch.arange(local, device=device)  # (B, C_r)
+        cache_lengths = self.lengths.clone()
+        self._add(torch.arange(batch, device=device).repeat_interleave(local), query_positions.flatten())
         self.real_lengths = self.real_lengths + new_tokens
+        self.loads = [load + batch * size for load, size in zip(self.loads, sizes)]
         held = local > 0 and offset + local == new_tokens  # this rank holds the chunk's last token
-        step = Step("chunk", slots=slots, query_positions=query_positions, cache_lengths=cache_lengths,
-                    cache_rows=cache_rows, chunk_seq_lens=list(sizes),
-                    cache_seq_lens=parallelism.gather_ints([cache_rows], device),
+        step = Step("chunk", index=index, cache_positions=cache_positions, cache_lengths=cache_lengths,
+                    query_positions=query_positions, chunk_seq_lens=sizes,
+                    cache_seq_lens=parallelism.gather_ints([index.shape[1]], device),
                     last_local=torch.tensor([local - 1] if held else [], dtype=torch.int64, device=device),
-                    last_rows=torch.arange(self.positions.shape[0], device=device) if held else None,
+                    last_rows=torch.arange(batch, device=device) if held else None,
                     new_columns=new_tokens)  # fmt: skip
         self.step = step
         return step
 
     def begin_decode(self, new_tokens: int) -> Step:
-        """A decode step of new_tokens tokens a row (the same on every rank)."""
+        """A decode step of new_tokens tokens a row (the same on every rank): each row's
+        key goes to the rank holding the fewest tokens then (the lowest piece on a tie)."""
         if new_tokens != 1:
             raise ValueError(f"ShardedCache: decode steps of one token a sequence; got {new_tokens}")
         query_positions = self.real_lengths[:, None].clone()
-        kept = self.steps % self.parallelism.pieces == self.parallelism.piece
-        slots = self.lengths.clone()
-        if kept:
-            self.positions = torch.nn.functional.pad(self.positions, (0, 1)) if bool(
-                (self.lengths >= self.capacity).any()) else self.positions  # fmt: skip
-            self.positions[torch.arange(self.positions.shape[0]), slots] = query_positions[:, 0]
-            self.lengths = self.lengths + 1
+        kept = []
+        for row in range(query_positions.shape[0]):
+            rank = min(range(len(self.loads)), key=self.loads.__getitem__)
+            self.loads[rank] += 1
+            if rank == self.parallelism.piece:
+                kept.append(row)
+        kept_rows = torch.tensor(kept, dtype=torch.int64, device=query_positions.device)
+        self._add(kept_rows, query_positions[kept_rows, 0])
         self.real_lengths = self.real_lengths + 1
-        self.steps += 1
-        self.step = Step("decode", slots=slots, kept=kept, query_positions=query_positions, new_columns=1)
+        index, cache_positions = self._by_row()
+        self.step = Step("decode", index=index, cache_positions=cache_positions, cache_lengths=self.lengths.clone(),
+                         kept_rows=kept_rows, query_positions=query_positions, new_columns=1)  # fmt: skip
         return self.step
+
+    def _add(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """New slots after the last: their rows and positions."""
+        self.rows = torch.cat([self.rows, rows])
+        self.positions = torch.cat([self.positions, positions])
+        self.lengths = self.lengths + torch.bincount(rows, minlength=self.lengths.shape[0])
+
+    def _by_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, positions) (batch, width): row b's slots in slot order, and their
+        positions, then slot 0 (padding: past lengths[b]); width the most a row has."""
+        batch, device = self.lengths.shape[0], self.lengths.device
+        width = int(self.lengths.max()) if self.slots else 0
+        order = torch.argsort(self.rows, stable=True)  # the slots row by row
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        columns = torch.arange(width, device=device)
+        exists = columns < self.lengths[:, None]
+        index = torch.zeros((batch, width), dtype=torch.int64, device=device)
+        index[exists] = order[(starts[:, None] + columns)[exists]]
+        return index, torch.where(exists, self.positions[index] if self.slots else index, 0)
+
+
+def _fill_columns(loads: list[int], columns: int, batch: int) -> list[int]:
+    """Each rank's count of `columns` new columns of `batch` tokens each, in piece order:
+    one column at a time to the rank then holding the fewest tokens (`loads`, slots)."""
+    loads, sizes = list(loads), [0] * len(loads)
+    for _ in range(columns):
+        rank = min(range(len(loads)), key=loads.__getitem__)
+        loads[rank] += batch
+        sizes[rank] += 1
+    return sizes
 
 
 # ----------------------------------------------------------------------------------
@@ -377,9 +410,6 @@ def _prepare(model, kwargs: dict, cache: Cache, parallelism: SequenceParallelism
     if cache.seen == 0:
         kwargs.update(_prefill(cache, input_ids, kwargs.get("attention_mask"), parallelism))
     elif input_ids.shape[1] > 1:
-        if parallelism.mode == "usp":
-            raise ValueError("generate over a sharded cache: a next turn over the cache runs on one group (ulysses, "
-                             "ring), not on USP's grid")  # fmt: skip
         step = cache.begin_chunk(input_ids.shape[1])
         offset, local = sum(step.chunk_seq_lens[: parallelism.piece]), step.chunk_seq_lens[parallelism.piece]
         kwargs.update(input_ids=input_ids[:, offset : offset + local], position_ids=step.query_positions,
@@ -423,10 +453,14 @@ def _prefill(cache: ShardedCache, input_ids: torch.Tensor, attention_mask, paral
     packed = input_ids[attention_mask]  # (N,) the rows' real tokens, row after row
     bounds = [0, *torch.cumsum(real_lengths, 0).tolist()]
     plan = varlen_plan(bounds, layout=parallelism.layout, device=input_ids.device, **parallelism.group_kwargs())
+    if max(plan.seq_lens) > -(-batch * columns // parallelism.pieces) + 1:
+        # The balanced layout evens the causal work, not the tokens: the contiguous one
+        # holds at most ceil(N / P) a rank, within the cache's share (ShardedCache).
+        plan = varlen_plan(bounds, layout="contiguous", device=input_ids.device, **parallelism.group_kwargs())
     positions = plan.position_ids[0].to(input_ids.device)  # (S_local,) within each sequence
     global_rows = plan.split(torch.arange(bounds[-1], device=input_ids.device), dim=0)
     rows = torch.bucketize(global_rows, torch.tensor(bounds[1:], device=input_ids.device), right=True)
-    cache.begin_prefill(rows, positions, real_lengths, columns)
+    cache.begin_prefill(rows, positions, real_lengths, columns, plan.seq_lens)
     # The logits of each sequence's last token held here, for generate's next token.
     last = torch.tensor(bounds[1:], device=input_ids.device) - 1
     held = torch.isin(global_rows, last)

@@ -287,7 +287,9 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
                                 cache_lengths=cache.lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
     layer = cache.layers[module.layer_idx]
-    stored_keys, stored_values = (x.transpose(1, 2).narrow(1, 0, step.cache_rows) for x in (layer.keys, layer.values))
+    # The cache keeps the keys as rotary embeddings left them (fp32 under autocast): in q's dtype, as the chunk's.
+    rows = (x.narrow(2, 0, step.cache_rows) for x in (layer.keys, layer.values))
+    stored_keys, stored_values = (x.transpose(1, 2) for x in _autocast(*rows))
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
                              cache_positions=cache.positions[:, : step.cache_rows], cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,

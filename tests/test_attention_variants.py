@@ -12,6 +12,8 @@ ends (bytes against the formula), and the Triton step kernels in the interpreter
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,9 +46,10 @@ def _bounds(case, total):
     return [0, *[cut for cut in cuts if 0 < cut < total], total]
 
 
-def _run(case, dtype, seed):
+def _run(case, dtype, seed, autocast=False):
     """(ours, exact, plain): out, dq, dk, dv, dsinks of the op on this rank's piece
-    (gathered whole), of fp64 attention and of plain attention in dtype."""
+    (gathered whole), of fp64 attention and of plain attention in dtype. autocast: ours
+    forward and backward under torch.autocast in dtype."""
     rank, world_size = rank_and_world()
     group = timeout_group()
     total = case["per_rank"] * world_size
@@ -103,7 +106,8 @@ def _run(case, dtype, seed):
             more["layout"] = case["layout"]
         return gather(sp.usp_attention(*local, **usp_groups("mesh", case["grid"]), **more))
 
-    ours = list(reference.with_grads(ours_fn, [t.to(dtype) for t in leaves], dout.to(dtype)))
+    with torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext():
+        ours = list(reference.with_grads(ours_fn, [t.to(dtype) for t in leaves], dout.to(dtype)))
     if sinks is not None:  # every rank's share summed: the gradient
         # Zeros, not None, on a rank whose heads never see them (or that holds no heads).
         assert ours[-1] is not None, f"{case['id']}: sinks.grad is None on rank {rank}"
@@ -113,12 +117,18 @@ def _run(case, dtype, seed):
 
 
 @on_every_rank
-def run_cases(cases, dtype):
+def run_cases(cases, dtype, autocast=False):
     """Per case: the names whose error breaks the rule (fp32: 2e-5 of the magnitude;
-    fp16/bf16: twice plain attention's error in the dtype, plus a unit of roundoff)."""
+    fp16/bf16: twice plain attention's error in the dtype, plus a unit of roundoff).
+    autocast: ours under torch.autocast in dtype, which must also give what it gives
+    without autocast, bit for bit (its fp32 statistics never rounded to dtype)."""
     failures = []
     for seed, one in enumerate(cases):
-        ours, exact, plain = _run(one, dtype, seed)
+        ours, exact, plain = _run(one, dtype, seed, autocast)
+        if autocast:
+            without, _, _ = _run(one, dtype, seed)
+            failures += [f"{one['id']} {name}: differs under autocast by {reference.max_error(got, want):.3g}"
+                         for name, got, want in zip(NAMES, ours, without) if not torch.equal(got, want)]  # fmt: skip
         for name, got, want, yardstick in zip(NAMES, ours, exact, plain):
             error, magnitude = reference.max_error(got, want), reference.magnitude(want)
             if dtype == torch.float32:
@@ -161,6 +171,8 @@ LOW_PRECISION_CASES = [
     case("ring-bf16-window-softcap-sinks", "ring", window=(5, -1), softcap=2.0, sinks=True, per_rank=8, D=32),
     case("ulysses-bf16-chunks-sinks", "ulysses", chunk=6, sinks=True, per_rank=8, H=4, H_kv=1, D=32),
 ]
+# Under torch.autocast also USP's grid, with softcapped scores (the steps' plain torch matmuls).
+AUTOCAST_GRID_CASES = [case("usp-softcap-window", "usp", grid=2, softcap=1.5, window=(5, -1), per_rank=4, D=32)]
 # fmt: on
 
 
@@ -188,6 +200,36 @@ def test_low_precision_within_twice_plain_torch_error(dtype):
 
     failures = [failure for per_rank in pool_for(3).run(run_cases, LOW_PRECISION_CASES, dtype) for failure in per_rank]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_under_autocast_as_without(dtype):
+    """ring_attention, ulysses_attention and usp_attention forward and backward under
+    torch.autocast (a model's forward under TRL's default bf16): the accuracy rule, and
+    what they give without autocast."""
+    from conftest import pool_for
+
+    failures = [failure for per_rank in pool_for(3).run(run_cases, LOW_PRECISION_CASES, dtype, True)
+                for failure in per_rank]  # fmt: skip
+    failures += [failure for per_rank in pool_for(4).run(run_cases, AUTOCAST_GRID_CASES, dtype, True)
+                 for failure in per_rank]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+FP32_UNDER_AUTOCAST = [("ring_attention", dict(softcap=1.5)), ("ulysses_attention", {}),
+                      ("ulysses_attention", dict(window_size=(3, -1)))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("function", "variants"), FP32_UNDER_AUTOCAST, ids=str)
+def test_fp32_inputs_under_autocast_compute_in_fp32(function, variants):
+    """In one process: fp32 q, k, v under a bf16 autocast give the fp32 result (out in
+    q's dtype, the same bits), as the ops compute in their inputs' dtypes."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8, heads, 16, generator=gen) for heads in (4, 2, 2))
+    without = getattr(sp, function)(q, k, v, causal=True, **variants)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = getattr(sp, function)(q, k, v, causal=True, **variants)
+    assert under.dtype == torch.float32 and torch.equal(under, without)
 
 
 @runs_triton_on("cpu")

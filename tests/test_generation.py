@@ -131,6 +131,50 @@ def _within_share(name: str, cache, sequences, ranks: int, slack: int) -> list[s
     return []
 
 
+@on_every_rank
+def run_generate_under_autocast(cases):
+    """Per case: generate under torch.autocast in the case's dtype, ours against the
+    model's own in one process, by the accuracy rule (tools/reference.py): the same
+    tokens as theirs (greedy; and a next turn over the cache), each step's scores within
+    twice theirs' error plus a unit of roundoff, both against the one process without
+    autocast (fp32: the exact answer), while theirs had drawn the exact run's tokens."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+    from tools import reference as accuracy
+
+    failures = []
+    for case in cases:
+        groups = integration._parallelism(case["mode"], 2)
+        exact_model = integration._family_model(case.get("family", "mistral")).eval()
+        model = copy.deepcopy(exact_model)
+        sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
+        ids, mask = _prompt(2, 19, True)
+        more = torch.randint(3, integration.VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(5))
+        turns = {}
+        for name, each, autocast in (("exact", exact_model, False), ("theirs", exact_model, True),
+                                     ("ours", model, True)):  # fmt: skip
+            with torch.autocast("cpu", dtype=case["dtype"], enabled=autocast):
+                first = _generate(each, ids, mask, seed=11)
+                # The next turn after the exact tokens: every run extends the same sequences.
+                ids2 = torch.cat([turns["exact"][0].sequences if turns else first.sequences, more], 1)
+                mask2 = torch.cat([mask, torch.ones(ids.shape[0], ids2.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+                turns[name] = (first, _generate(each, ids2, mask2, seed=12, cache=first.cache))
+        for turn, label in enumerate(("", " next turn")):
+            ours, theirs, exact = (turns[name][turn] for name in ("ours", "theirs", "exact"))
+            if not torch.equal(ours.sequences, theirs.sequences):
+                failures.append(f"{case['id']}{label}: tokens {ours.sequences.tolist()} != {theirs.sequences.tolist()}")
+                continue
+            # A step's scores compare where theirs and the exact run had drawn the same tokens before it.
+            agree = (theirs.sequences == exact.sequences)[:, -NEW_TOKENS:].all(0).cumprod(0).tolist()
+            for step, (mine, plain, want) in enumerate(zip(ours.scores, theirs.scores, exact.scores)):
+                if step > 0 and not agree[step - 1]:
+                    break
+                error, yardstick = accuracy.max_error(mine, want), accuracy.max_error(plain, want)
+                bound = accuracy.error_bound(case["dtype"], yardstick, accuracy.magnitude(want))
+                if not error <= bound:
+                    failures.append(f"{case['id']}{label}: step {step} scores err by {error:.3g} > {bound:.3g}")
+    return failures
+
+
 def _case(mode, **extra):
     named = [f"{key}={value}" for key, value in extra.items() if key != "family_spec"]
     return dict(id="-".join([mode, *named]), mode=mode, **extra)
@@ -148,6 +192,15 @@ def test_greedy_and_sampled_match_one_process(world_size):
         _case("ring", layout="balanced", family="llama4", batch=1, length=23, padded=False, streamer=True),
     ]
     failures = [failure for per_rank in pool_for(world_size).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_under_autocast_matches_one_process(dtype):
+    """generate under torch.autocast (TRL's default bf16 generates so): the decode
+    partials and the prefill keep fp32 statistics under it."""
+    cases = [_case("ring", layout="balanced", dtype=dtype), _case("ulysses", family="gemma2", dtype=dtype)]
+    failures = [failure for per_rank in pool_for(2).run(run_generate_under_autocast, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 

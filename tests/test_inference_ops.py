@@ -13,6 +13,7 @@ seqpar_kernels.traffic's formulas (comm_stats).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -182,16 +183,18 @@ def error_of(got, want) -> float:
 
 
 @on_every_rank
-def run_cases(cases, dtype, grid=None):
+def run_cases(cases, dtype, grid=None, autocast=False):
     """Per case, what breaks: out or lse beyond the accuracy rule (fp32: 2e-5 of the
     magnitude; fp16/bf16: twice plain torch's error in the dtype, plus a unit of
-    roundoff), or bytes other than the formula's."""
+    roundoff), or bytes other than the formula's. autocast: the ops run under
+    torch.autocast in dtype (as a model's forward calls them), plain torch without it."""
     ranks = dict(group=timeout_group()) if grid is None else usp_groups(grid, 2)
     failures = []
     for seed, one in enumerate(cases):
         problem = draw(one, rank_and_world()[1], seed, dtype)
         exact, plain = expected(one, problem, dtype)
-        out, lse, sent, formula, rows = run_ops(one, problem, dtype, ranks)
+        with torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext():
+            out, lse, sent, formula, rows = run_ops(one, problem, dtype, ranks)
         if out.dtype != dtype or lse.dtype != torch.float32:
             failures.append(f"{one['id']}: out {out.dtype}, lse {lse.dtype}")
         for name, got, want, yardstick in zip(("out", "lse"), (out, lse), exact, plain):
@@ -258,9 +261,12 @@ def test_decode_and_prefill_on_a_usp_grid_over_both_groups(grid):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["", "autocast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_low_precision_within_twice_plain_torch_error(dtype):
-    failures = [failure for per_rank in pool_for(3).run(run_cases, LOW_PRECISION_CASES, dtype)
+def test_low_precision_within_twice_plain_torch_error(dtype, autocast):
+    """Also under torch.autocast (a model's generate under TRL's default bf16): the
+    partials' matmuls stay fp32 and lse fp32, so the rule holds as without it."""
+    failures = [failure for per_rank in pool_for(3).run(run_cases, LOW_PRECISION_CASES, dtype, None, autocast)
                 for failure in per_rank]  # fmt: skip
     assert not failures, "\n".join(failures)
 
@@ -399,6 +405,28 @@ def test_partials_merge_into_the_attention_over_every_shard_in_any_order():
         assert reference.max_error(out, exact_sinks[0]) < 2e-6 and error_of(lse, exact_sinks[1].float()) < 2e-6
     # The second sequence has no cached key anywhere: out 0, lse -inf; with sinks lse is the sink.
     assert torch.all(out[1] == 0) and torch.equal(lse[1], sinks[:, None].expand(-1, one["Tq"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_partials_and_their_merge_under_autocast_are_the_fp32_ones(dtype):
+    """Under torch.autocast a matmul of fp32 operands returns dtype: the partial and the
+    merge compute as without autocast (bit for bit), fp32 (out, lse) on dtype inputs."""
+    one, problem = _one_process_problem(seed=2)
+    inputs = [dict(shard, q_positions=problem["q_positions"], **options_of(one)) for shard in problem["shards"]]
+    q = problem["Q"].to(dtype)
+    low = [{**each, "k_cache": each["k_cache"].to(dtype), "v_cache": each["v_cache"].to(dtype)} for each in inputs]
+    results = []
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            partials = [sp.decode_attention_partial(q, **each) for each in low]
+            merged = sp.merge_attention_partials([out for out, _ in partials], [lse for _, lse in partials],
+                                                 sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))  # fmt: skip
+            decoded = sp.decode_attention(q, **low[0], return_lse=True)
+        results.append([tensor for pair in (*partials, merged, decoded) for tensor in pair])
+    plain, autocast = results
+    assert [t.dtype for t in autocast] == [t.dtype for t in plain] and autocast[-1].dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in autocast[:-2])
+    assert all(torch.equal(a, b) for a, b in zip(autocast, plain))
 
 
 def test_merge_rejects_a_base_2_or_low_precision_lse():

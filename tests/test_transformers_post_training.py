@@ -9,6 +9,8 @@ Compared: every logged value both log (loss, grad_norm, rewards, logps, entropy,
 relative 1e-5, grad_norm 1e-4, rewards 1e-6 absolute: they are beta x differences of
 summed log-probs, whose rounding does not shrink with them) and the final weights (1e-4
 of each tensor's largest value), with SGD so that rounding does not grow into the update.
+Under TRL's default bf16: the accuracy rule of tools/reference.py, TRL's fp32 run the
+exact answer and its bf16 run the yardstick.
 
 The model: a small random Llama (or a Qwen2 with a sliding-window layer), saved to a
 temporary directory (TRL builds GRPO's reference model from its path); the
@@ -33,6 +35,8 @@ from conftest import pool_for  # noqa: E402
 from on_ranks import raises  # noqa: E402
 from optional_dependency import oldest_marker, run_under_oldest_release  # noqa: E402
 from test_transformers_trainer import _as_torchrun_started  # noqa: E402
+
+from tools import reference as accuracy  # noqa: E402
 
 OLDEST_SUPPORTED = "1.15.0"
 SEED = 0
@@ -154,18 +158,29 @@ def run_post_training(case: dict) -> dict:
 _references: dict[str, dict] = {}
 
 
+def _reference(replicas: int, case: dict) -> dict:
+    """TRL's own trainer on the case (its sequence parallelism left out) on one process
+    per replica, run once per session."""
+    plain = {key: value for key, value in case.items() if key not in ("mode", "layout", "size", "ulysses_degree")}
+    key = repr((replicas, sorted(plain.items())))
+    if key not in _references:
+        _references[key] = pool_for(replicas).run(run_post_training, plain)[0]
+    return _references[key]
+
+
+def _ranks_disagree(results: list[dict]) -> list[str]:
+    losses = [[entry.get("loss") for entry in result["log"]] for result in results]
+    return [f"rank {rank} logged other losses than rank 0" for rank in range(1, len(results))
+            if losses[rank] != losses[0]]  # fmt: skip
+
+
 def _check(world_size: int, case: dict) -> None:
     """The case on world_size ranks (groups of case["size"], default all) against TRL's
     own trainer on one process per replica: TRL samples GRPO's completions with a seed
     per process, so that is the run whose completions the replicas' match."""
     case = dict(case, path=_model_directory(case.get("model", "llama")))
     results = pool_for(world_size).run(run_post_training, case)
-    replicas = world_size // case.get("size", world_size)
-    plain = {key: value for key, value in case.items() if key not in ("mode", "layout", "size", "ulysses_degree")}
-    key = repr((replicas, sorted(plain.items())))
-    if key not in _references:
-        _references[key] = pool_for(replicas).run(run_post_training, plain)[0]
-    reference, problems = _references[key], []
+    reference, problems = _reference(world_size // case.get("size", world_size), case), []
     if len(reference["log"]) != len(results[0]["log"]):
         problems.append(f"{len(results[0]['log'])} log entries, the reference {len(reference['log'])}")
     for expected, mine in zip(reference["log"], results[0]["log"]):
@@ -180,9 +195,36 @@ def _check(world_size: int, case: dict) -> None:
         error = ((results[0]["weights"][name] - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
         if not error <= WEIGHT_RTOL:
             problems.append(f"weight {name}: relative error {error:.1e}")
-    for rank, result in enumerate(results[1:], start=1):
-        if [entry.get("loss") for entry in result["log"]] != [entry.get("loss") for entry in results[0]["log"]]:
-            problems.append(f"rank {rank} logged other losses than rank 0")
+    problems += _ranks_disagree(results)
+    assert not problems, "\n".join(problems)
+
+
+def _check_within_bf16_noise(world_size: int, case: dict) -> None:
+    """The case under TRL's default precision (bf16=True: the model's forward and
+    generate under a bf16 autocast, with use_cpu too) on world_size ranks against TRL's
+    own trainer in one process, by the accuracy rule (tools/reference.py): every logged
+    value and weight within twice the error of TRL's bf16 run plus a unit of bf16
+    roundoff, both against TRL's run of the case in fp32 (the exact answer). The three
+    runs sample the same completions (the rewards, compared so, say it)."""
+    case = dict(case, path=_model_directory(case.get("model", "llama")), args={**case.get("args", {}), "bf16": True})
+    results = pool_for(world_size).run(run_post_training, case)
+    low, exact = _reference(1, case), _reference(1, dict(case, args={**case["args"], "bf16": False}))
+    problems = []
+    if not len(exact["log"]) == len(low["log"]) == len(results[0]["log"]):
+        problems.append(f"{len(results[0]['log'])} log entries, TRL's {len(low['log'])} and {len(exact['log'])}")
+    for want, plain, mine in zip(exact["log"], low["log"], results[0]["log"]):
+        for name, value in want.items():
+            if name in NOT_COMPARED or not isinstance(value, (int, float)):
+                continue
+            bound = accuracy.error_bound(torch.bfloat16, abs(plain[name] - value), abs(value))
+            if name not in mine or not abs(mine[name] - value) <= bound:
+                problems.append(f"step {want.get('step')} {name}: {mine.get(name)}, TRL's {plain[name]}, fp32 {value}")
+    for name, want in exact["weights"].items():
+        error, yardstick = (accuracy.max_error(run["weights"][name], want) for run in (results[0], low))
+        bound = accuracy.error_bound(torch.bfloat16, yardstick, accuracy.magnitude(want))
+        if not error <= bound:
+            problems.append(f"weight {name}: error {error:.2e} > {bound:.2e}")
+    problems += _ranks_disagree(results)
     assert not problems, "\n".join(problems)
 
 
@@ -211,6 +253,12 @@ def test_grpo_replicas_match_trl_data_parallel():
     2 processes (data-parallel, the same global batch): the replicas' generation, rewards
     gathered across replicas, advantages of this replica's slice, DDP over the world."""
     _check(4, dict(trainer="grpo", mode="ulysses", size=2, args=dict(gradient_accumulation_steps=2)))
+
+
+def test_grpo_under_trls_default_bf16_within_bf16_noise():
+    """GRPO as TRL configures it by default (bf16=True, also with use_cpu=True): ring,
+    balanced, 2 ranks; generate over the sharded cache under the bf16 autocast."""
+    _check_within_bf16_noise(2, dict(trainer="grpo", mode="ring", layout="balanced"))
 
 
 def unsupported_option_raises(case: dict) -> str | None:

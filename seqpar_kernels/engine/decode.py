@@ -15,8 +15,9 @@ position in sequence b, and only keys s < k_lengths[b] exist (the rest is paddin
 read into the result, NaN included). The mask (AttentionMask: causal, window, chunks)
 compares positions, so a rank's keys may sit at any positions, in any order.
 
-Plain torch, in fp32: decode has one to a few queries per sequence, and a chunk of a
-prompt is tiled (TILE_ELEMENTS). GQA kv heads are read in place, never repeated.
+Plain torch, in fp32 (under autocast too): decode has one to a few queries per sequence,
+and a chunk of a prompt is tiled (TILE_ELEMENTS). GQA kv heads are read in place, never
+repeated.
 
 Layouts: q (B, Tq, H, D); k, v (B, S, H_kv, D) with H % H_kv == 0; q_positions (B, Tq),
 k_positions (B, S), k_lengths (B,) integer tensors on q's device; out (B, Tq, H, D) and
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar_kernels.attention_mask import AttentionMask
-from seqpar_kernels.engine.steps import StepSpec
+from seqpar_kernels.engine.steps import StepSpec, inputs_precision
 from seqpar_kernels.ops import attention_merge_
 
 # fp32 values a tile may materialise: its scores, or its keys and values (64 MiB).
@@ -72,7 +73,8 @@ def attend_keys_(
     """Folds the attention of q over the keys k, v (the first k_lengths[b] of row b) into
     `partial`, in place. mask: over the positions (no documents); spec: the scale (any
     sign: scores are masked after scaling) and softcap. tile_elements: the fp32 values
-    one tile may hold (tests make it small to cross tiles).
+    one tile may hold (tests make it small to cross tiles). In fp32 under autocast too
+    (steps.inputs_precision).
 
     Reads k_lengths' largest value (a host sync on GPUs): keys past it are not read."""
     batch, queries, heads, head_dim = q.shape
@@ -84,17 +86,18 @@ def attend_keys_(
     query_tile = max(1, min(queries, QUERY_TILE, tile_elements // (batch * heads)))
     key_tile = max(1, tile_elements // (batch * max(heads * query_tile, 2 * kv_heads * head_dim)))
     positions = q_positions.long()
-    for key_start in range(0, longest, key_tile):
-        keys = slice(key_start, min(longest, key_start + key_tile))
-        exists = torch.arange(keys.start, keys.stop, device=q.device) < k_lengths[:, None]  # (B, t)
-        k_tile = k[:, keys].float()
-        # Padding is never read into the result: its values are zeroed (NaN * 0 is NaN).
-        v_tile = v[:, keys].float().masked_fill(~exists[:, :, None, None], 0.0)
-        for query_start in range(0, queries, query_tile):
-            rows = slice(query_start, min(queries, query_start + query_tile))
-            sees = exists[:, None, :] & mask.allows(positions[:, rows, None], k_positions[:, None, keys].long())
-            block_out, block_lse = _block(q[:, rows], k_tile, v_tile, sees, spec, group)
-            attention_merge_(partial.out[:, rows], partial.lse[:, :, rows], block_out, block_lse)
+    with inputs_precision(q.device):
+        for key_start in range(0, longest, key_tile):
+            keys = slice(key_start, min(longest, key_start + key_tile))
+            exists = torch.arange(keys.start, keys.stop, device=q.device) < k_lengths[:, None]  # (B, t)
+            k_tile = k[:, keys].float()
+            # Padding is never read into the result: its values are zeroed (NaN * 0 is NaN).
+            v_tile = v[:, keys].float().masked_fill(~exists[:, :, None, None], 0.0)
+            for query_start in range(0, queries, query_tile):
+                rows = slice(query_start, min(queries, query_start + query_tile))
+                sees = exists[:, None, :] & mask.allows(positions[:, rows, None], k_positions[:, None, keys].long())
+                block_out, block_lse = _block(q[:, rows], k_tile, v_tile, sees, spec, group)
+                attention_merge_(partial.out[:, rows], partial.lse[:, :, rows], block_out, block_lse)
 
 
 def _block(q, k, v, sees, spec: StepSpec, group: int):

@@ -4,6 +4,7 @@ one-process attention (engine/local_attention.py).
 
     StepSpec(scale, softcap)          what every step of a call computes besides the mask
     forward_step / backward_step      one step under a StepMask, through a step backend
+    inputs_precision(device)          autocast off: a step computes in its inputs' dtypes
     first_step_writes_every_row       whether step 0 may start from uninitialised state
     merge_sinks_ / sinks_gradient     per-head sink logits folded into the final result
 
@@ -12,6 +13,7 @@ Layouts: q, out, dout, dq (B, S, H, D); k, v (B, S_k, H_kv, D); lse, delta (B, H
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,21 +35,33 @@ class StepSpec:
     softcap: float = 0.0
 
 
+def inputs_precision(device: torch.device):
+    """A context in which torch ops on `device` compute in their inputs' dtypes: autocast
+    (a model's forward under torch.autocast, on any device type) switched off. Under it a
+    matmul of fp32 operands returns bf16/fp16, which would round the fp32 statistics
+    (scores, lse, the running out) that the steps and the decode partials keep."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def forward_step(steps: StepBackend, mask: StepMask, q, k, v, out, lse, spec: StepSpec, first_step=False) -> None:
-    """Folds the rows of one step's K/V block that `mask` selects into (out, lse).
-    first_step: (out, lse) hold nothing yet and the step kernels write every row
-    (first_step_writes_every_row)."""
-    if mask.uses_intervals and steps.takes_intervals:
-        steps.forward_intervals(q, k, v, out, lse, spec, mask.intervals(q.device), first_step=first_step)
-        return
-    for block in mask.blocks:
-        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
-        arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len), spec)
-        if block.mask is None:
-            steps.forward(*arguments, block.causal, first_step=first_step)
-        else:
-            steps.forward_masked(*arguments, block.mask, block.empty_rows)
+    """Folds the rows of one step's K/V block that `mask` selects into (out, lse), in the
+    inputs' dtypes under autocast too (inputs_precision). first_step: (out, lse) hold
+    nothing yet and the step kernels write every row (first_step_writes_every_row)."""
+    with inputs_precision(q.device):
+        if mask.uses_intervals and steps.takes_intervals:
+            steps.forward_intervals(q, k, v, out, lse, spec, mask.intervals(q.device), first_step=first_step)
+            return
+        for block in mask.blocks:
+            q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
+            kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
+            arguments = (q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), lse.narrow(2, block.q_start, block.q_len),
+                         spec)  # fmt: skip
+            if block.mask is None:
+                steps.forward(*arguments, block.causal, first_step=first_step)
+            else:
+                steps.forward_masked(*arguments, block.mask, block.empty_rows)
 
 
 def first_step_writes_every_row(steps: StepBackend, mask: StepMask | None, seqlen: int) -> bool:
@@ -69,23 +83,24 @@ def backward_step(
     """Adds one step's share of the gradients (the rows `mask` selects): to dq, and to
     the block's dK|dV accumulator, which grad_kv() returns as (dk, dv) once it is here
     (it may still be arriving from the previous rank: the step kernels compute what they
-    can before they ask for it)."""
-    if mask.uses_intervals and steps.takes_intervals:
-        steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, spec, mask.intervals(q.device))
-        return
-    for block in mask.blocks:
-        q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
-        kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
-        stat_rows = lambda x: None if x is None else x.narrow(2, block.q_start, block.q_len)  # noqa: E731
-        block_grad_kv = lambda kv_rows=kv_rows: tuple(kv_rows(t) for t in grad_kv())  # noqa: E731
-        arguments = (
-            q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
-            q_rows(dq), block_grad_kv, spec,
-        )  # fmt: skip
-        if block.mask is None:
-            steps.backward(*arguments, block.causal)
-        else:
-            steps.backward_masked(*arguments, block.mask)
+    can before they ask for it). In the inputs' dtypes under autocast too."""
+    with inputs_precision(q.device):
+        if mask.uses_intervals and steps.takes_intervals:
+            steps.backward_intervals(dout, q, k, v, out, lse, delta, dq, grad_kv, spec, mask.intervals(q.device))
+            return
+        for block in mask.blocks:
+            q_rows = lambda x: x.narrow(1, block.q_start, block.q_len)  # noqa: E731
+            kv_rows = lambda x: x.narrow(1, block.kv_start, block.kv_len)  # noqa: E731
+            stat_rows = lambda x: None if x is None else x.narrow(2, block.q_start, block.q_len)  # noqa: E731
+            block_grad_kv = lambda kv_rows=kv_rows: tuple(kv_rows(t) for t in grad_kv())  # noqa: E731
+            arguments = (
+                q_rows(dout), q_rows(q), kv_rows(k), kv_rows(v), q_rows(out), stat_rows(lse), stat_rows(delta),
+                q_rows(dq), block_grad_kv, spec,
+            )  # fmt: skip
+            if block.mask is None:
+                steps.backward(*arguments, block.causal)
+            else:
+                steps.backward_masked(*arguments, block.mask)
 
 
 def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:

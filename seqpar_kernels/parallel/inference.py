@@ -21,7 +21,9 @@ Conventions (the ones serving engines get wrong when they merge by hand):
       rank (rows [0, cache_lengths[b]) of its cache), not the sequence's global length;
     - positions are each sequence's own (rotary positions): the mask (causal, windows,
       chunks) compares them, so a rank's keys may sit at any positions, in any order;
-    - sinks join once, at the end of the merge, never in a partial.
+    - sinks join once, at the end of the merge, never in a partial;
+    - under torch.autocast (any device type) the ops compute as without it: the partials
+      and their merge stay fp32 (engine/steps.py inputs_precision).
 
 Inference only: no autograd. An input that requires grad while grad is enabled raises
 (call under torch.no_grad() or torch.inference_mode()); the results require no grad.

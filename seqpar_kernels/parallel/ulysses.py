@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from seqpar_kernels.comm.exchange import exchange_blocks
 from seqpar_kernels.comm.plan import interleave, kv_head_ranges
 from seqpar_kernels.engine.local_ops import local_attention_forward
+from seqpar_kernels.engine.steps import inputs_precision
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import offsets, tensor_split_ranges
 from seqpar_kernels.parallel.attention_checks import AttentionCall, checked_attention_call, fold_scale_sign
@@ -100,17 +101,19 @@ def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int, sin
 
 def _sdpa_run(causal: bool, scale: float):
     """attend for attend_by_head_runs by SDPA: the (B, S, n, D) runs as the (B, n, S, D)
-    views it reads (the exchange lays them out so, no copy)."""
+    views it reads (the exchange lays them out so, no copy). In the inputs' dtype under
+    autocast too, as the masked runs and the ring: out in q's dtype."""
 
     def attend(q, k, v, heads):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+        with inputs_precision(q.device):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            )
         return out.transpose(1, 2), None  # fmt: skip
 
     return attend

@@ -286,7 +286,8 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
         return decode_attention(q, k, v, q_positions=step.query_positions, cache_positions=step.cache_positions,
                                 cache_lengths=step.cache_lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
-    stored_keys, stored_values = cache.layers[module.layer_idx].gathered(step.index)
+    # The cache keeps the keys as rotary embeddings left them (fp32 under autocast): in q's dtype, as the chunk's.
+    stored_keys, stored_values = _autocast(*cache.layers[module.layer_idx].gathered(step.index))
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
                              cache_positions=step.cache_positions, cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,

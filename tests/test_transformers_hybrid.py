@@ -52,6 +52,28 @@ HYBRID_FAMILIES = {
                    mamba_d_state=8, mamba_d_conv=3, mamba_expand=1)),
 }  # fmt: skip
 
+# The same families at other sizes (odd head counts where the config takes them, one group,
+# other states, chunks, kernels; Falcon-H1 at 4 Mamba2 heads of 16 in one group), run on 3
+# and 4 ranks.
+_OTHER_MAMBA2 = dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, mamba_n_heads=3, mamba_d_head=16,
+                     mamba_n_groups=1, mamba_d_state=5, mamba_chunk_size=3, mamba_d_conv=4, mamba_expand=1)  # fmt: skip
+_OTHER_GATED_DELTA = dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=8,
+                          linear_value_head_dim=12, linear_conv_kernel_dim=4, num_attention_heads=3,
+                          num_key_value_heads=1)  # fmt: skip
+OTHER_SIZES = {
+    "qwen3_next": dict(HYBRID_FAMILIES["qwen3_next"][2], **_OTHER_GATED_DELTA),
+    "qwen3_5": dict(HYBRID_FAMILIES["qwen3_5"][2], **_OTHER_GATED_DELTA),
+    "lfm2": dict(HYBRID_FAMILIES["lfm2"][2], conv_L_cache=4, hidden_size=48, num_attention_heads=3,
+                 num_key_value_heads=1),
+    "bamba": dict(HYBRID_FAMILIES["bamba"][2], **_OTHER_MAMBA2),
+    "falcon_h1": dict(HYBRID_FAMILIES["falcon_h1"][2], mamba_n_groups=1),
+    "granitemoehybrid": dict(HYBRID_FAMILIES["granitemoehybrid"][2], **_OTHER_MAMBA2),
+    "nemotron_h": dict(HYBRID_FAMILIES["nemotron_h"][2], num_attention_heads=3, num_key_value_heads=1,
+                       mamba_num_heads=3, n_groups=1, ssm_state_size=5, chunk_size=3, conv_kernel=4),
+    "jamba": dict(HYBRID_FAMILIES["jamba"][2], hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                  mamba_d_state=5, mamba_d_conv=4),
+}  # fmt: skip
+
 
 def _here() -> list[str]:
     return [family for family, (config_class, _, _) in HYBRID_FAMILIES.items() if hasattr(transformers, config_class)]
@@ -86,12 +108,28 @@ def test_family_matches_the_single_process_model(family):
     assert not failures, "\n".join(failures)
 
 
-def test_three_ranks_uneven_pieces():
+# Per world size: Ulysses and the ring, one of them on pieces of 3 or 4 tokens (a
+# single Mamba2 chunk each), the other on 37 tokens of another batch kind.
+_OTHER_SIZE_CASES = {
+    3: [("ulysses", "contiguous", "dense", dict(seqlen=9)),
+        ("ring", "balanced", "packed", dict(per_document=True))],
+    4: [("ring", "contiguous", "dense", dict(seqlen=15)), ("ulysses", "contiguous", "padded", {})],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_three_and_four_ranks(world_size):
+    """Every family at other sizes on 3 and 4 ranks (uneven pieces, pieces of one Mamba2
+    chunk); at 3, at the usual sizes too, on uneven pieces of 29 tokens."""
     cases = [
-        integration._case("ring", "contiguous", "dense", family=family, family_spec=HYBRID_FAMILIES[family], seqlen=29)
-        for family in _here()
-    ]
-    failures = [failure for per_rank in pool_for(3).run(run_hybrid_cases, cases) for failure in per_rank]
+        integration._case(mode, layout, batch, family=family, sizes="other", **extra,
+                          family_spec=(*HYBRID_FAMILIES[family][:2], OTHER_SIZES[family]))
+        for family in _here() for mode, layout, batch, extra in _OTHER_SIZE_CASES[world_size]
+    ]  # fmt: skip
+    if world_size == 3:
+        cases += [integration._case("ring", "contiguous", "dense", family=family, family_spec=HYBRID_FAMILIES[family],
+                                    seqlen=29) for family in _here()]  # fmt: skip
+    failures = [failure for per_rank in pool_for(world_size).run(run_hybrid_cases, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 
@@ -157,3 +195,85 @@ def test_mixers_run_their_original_outside_an_applied_model():
             first = plain(input_ids=ids).logits
             again = integration._family_model(family, spec=spec)(input_ids=ids).logits
         torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+# The mixing functions a dispatcher stands for, each called as transformers' mixers call it:
+# (modeling module holding it, the reference's inputs (the whole sequence), the sequence's
+# dim in them, keyword arguments). Odd head counts and sizes; the gated delta rule with
+# as many q/k heads as value heads (the mixers repeat them before the call).
+def _mixing_calls(total: int, batch: int, generator):
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    heads, head_dim, groups, state, channels = 3, 5, 1, 4, 7
+    conv = ("lfm2", [randn(batch, channels, total), randn(channels, 3), randn(channels)], 2)
+    ssd = ("bamba", [randn(batch, total, heads, head_dim), randn(batch, total, heads), -torch.rand(heads) - 0.1,
+                     randn(batch, total, groups, state), randn(batch, total, groups, state)], 1)  # fmt: skip
+    selective = ("jamba", [randn(batch, channels, total), randn(batch, channels, total), -torch.rand(channels, state),
+                           randn(batch, state, total), randn(batch, state, total)], 2)  # fmt: skip
+    gated = ("qwen3_next", [randn(batch, total, heads, head_dim), randn(batch, total, heads, head_dim),
+                            randn(batch, total, heads, 6), -torch.rand(batch, total, heads),
+                            torch.rand(batch, total, heads)], 1)  # fmt: skip
+    return {
+        ("causal_conv1d_fn", "silu"): (*conv, dict(activation="silu")),
+        ("causal_conv1d_fn", None): (*conv, {}),
+        ("mamba2_chunk_scan", None): (*ssd, dict(chunk_size=4, D=torch.rand(heads), dt_bias=torch.rand(heads),
+                                                 dt_softplus=True)),
+        ("mamba_selective_scan", None): (*selective, dict(D=torch.rand(channels), z=randn(batch, channels, total),
+                                                          delta_bias=torch.rand(channels), delta_softplus=True)),
+        ("torch_chunk_gated_delta_rule", None): (*gated, dict(use_qk_l2norm_in_kernel=True)),
+    }  # fmt: skip
+
+
+@on_every_rank
+def run_mixer_layouts():
+    """Each dispatcher's output on this rank's rows against its transformers function's on
+    the same rows in one process: contiguous wherever that one is (what a mixer's own
+    .view() of it needs), else contiguous or strided alike; for contiguous pieces (uneven,
+    of one Mamba2 chunk, empty), zigzag pieces and packed documents."""
+    import importlib
+
+    import seqpar_kernels as sp
+    from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS
+    from seqpar_kernels.parallel.parallelism import SequenceParallelism
+    from seqpar_kernels.parallel.training import SequenceShard
+
+    groups = {"group": timeout_group()}
+    generator = torch.Generator().manual_seed(0)
+    shardings = []
+    for layout, total in (("contiguous", 13), ("balanced", 14), ("contiguous", 2)):  # 2 tokens: an empty piece
+        parallelism = SequenceParallelism.resolve("test", "ring", layout, **groups)
+        shard = SequenceShard(parallelism, parallelism.piece_lengths(total), None, False)
+        shardings.append((f"dense {layout} {total}", shard, total, 2))
+    for layout in ("contiguous", "balanced"):
+        parallelism = SequenceParallelism.resolve("test", "ring", layout, **groups)
+        plan = sp.varlen_plan([0, 1, 9, 16], layout=layout, **groups)
+        shardings.append((f"packed {layout}", SequenceShard(parallelism, plan.seq_lens, plan, False), 16, 1))
+    failures = []
+    for sharding, shard, total, batch in shardings:
+        for (name, variant), (family, inputs, dim, kwargs) in _mixing_calls(total, batch, generator).items():
+            function = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+            original = getattr(function, "seqpar_original", function)
+            local = [shard.take(x, dim) if x.dim() > dim and x.shape[dim] == total else x for x in inputs]
+            local_kwargs = {key: shard.take(value, dim) if key == "z" else value for key, value in kwargs.items()}
+            ours = HANDLED_FUNCTIONS[name]((shard.parallelism, shard, None), *local, **local_kwargs)
+            ours = ours[0] if isinstance(ours, tuple) else ours
+            if ours.shape[dim] == 0:  # no rows here: the reference has none to run
+                contiguous = True
+            else:
+                theirs = original(*local, **local_kwargs)
+                theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+                contiguous = theirs.is_contiguous()
+            if not ours.is_contiguous() and (contiguous or ours.stride() != theirs.stride()):
+                failures.append(f"{sharding} {name} {variant}: {tuple(ours.shape)} strides {ours.stride()}, where "
+                                f"transformers' is {'contiguous' if contiguous else theirs.stride()}")  # fmt: skip
+    return failures
+
+
+def test_mixer_outputs_are_laid_out_as_transformers_functions():
+    if not all(
+        hasattr(transformers, HYBRID_FAMILIES[family][0]) for family in ("lfm2", "bamba", "jamba", "qwen3_next")
+    ):
+        pytest.skip(f"transformers {transformers.__version__} lacks one of LFM2, Bamba, Jamba, Qwen3-Next")
+    failures = [failure for per_rank in pool_for(3).run(run_mixer_layouts) for failure in per_rank]
+    assert not failures, "\n".join(failures)

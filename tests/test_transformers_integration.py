@@ -85,9 +85,9 @@ def _family_model(family: str, dtype=torch.float32, seed=0, spec=None):
     settings)) on eager attention; sinks drawn at a scale that matters (the models
     initialise them near 0), state-space decays slow enough to matter."""
     config_class, model_class, settings = spec or FAMILIES[family]
+    sizes = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     config = getattr(transformers, config_class)(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256, use_cache=False, **settings,
+        vocab_size=VOCAB, max_position_embeddings=256, use_cache=False, **{**sizes, **settings}
     )  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)

@@ -30,7 +30,9 @@ def conv_runs(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | Non
         outputs.append(_convolve(inputs, weight, bias, activation)[:, inputs.shape[1] - run.length :])
     if not outputs:  # no rows: an empty output, still in x's graph
         return (x.narrow(1, 0, 0) * weight[:, 0].to(x.dtype)).to(x.dtype)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)).to(x.dtype)
+    if len(outputs) > 1:  # joined channels first, the layout causal_conv1d returns (no copy after)
+        outputs = [torch.cat([out.transpose(1, 2) for out in outputs], dim=2).transpose(1, 2)]
+    return outputs[0].to(x.dtype)
 
 
 def _convolve(inputs: torch.Tensor, weight: torch.Tensor, bias, activation: str | None) -> torch.Tensor:

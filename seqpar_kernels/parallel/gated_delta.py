@@ -26,7 +26,7 @@ import torch
 
 from seqpar_kernels.engine.gated_delta import corrected, gated_delta_runs, next_state
 from seqpar_kernels.parallel.recurrent import DTYPES
-from seqpar_kernels.parallel.state_passing import SequenceRuns
+from seqpar_kernels.parallel.state_passing import SequenceRuns, laid_out
 
 __all__ = ["gated_delta_rule"]
 
@@ -52,7 +52,8 @@ def gated_delta_rule(
     (x / sqrt(|x|^2 + 1e-6), as use_qk_l2norm_in_kernel).
     <where>: the module docstring's (group or grid, layout, seq_lens, varlen).
     Returns (batch, seqlen_local, Hv, dv) in q's dtype, computed in fp32 (fp64 for fp64
-    inputs). Differentiable in q, k, v, g and beta.
+    inputs), contiguous (as torch_chunk_gated_delta_rule returns it). Differentiable in
+    q, k, v, g and beta.
     return_final_states: also return every sequence's final state S (sequences, Hv, dk,
     dv) in the compute dtype, on every rank (sequences: the batch, or the packed
     documents): what a cache keeps for the tokens after it.
@@ -97,13 +98,13 @@ def gated_delta_rule(
                                            for run in piece):  # fmt: skip
         # Every run starts its document: no state crosses a rank.
         out, _ = gated_delta_runs(q, k, v, g, beta, runs.mine, transitions=False, **options)
-        return out.to(q.dtype)
+        return laid_out(out, q.dtype)
     out, summaries = gated_delta_runs(q, k, v, g, beta, runs.mine, transitions=any(continues), **options)
     gathered = runs.gather(summaries)
     zero = gathered.new_zeros(gathered.shape[1:-1] + (v.shape[3],))
     incoming = runs.incoming(gathered, next_state, zero)
     value_dim = v.shape[3]
-    out = runs.joined(corrected(out, runs.mine, incoming, continues, value_dim), gathered).to(q.dtype)
+    out = laid_out(runs.joined(corrected(out, runs.mine, incoming, continues, value_dim), gathered), q.dtype)
     if return_final_states:
         return out, runs.final_states(gathered, next_state, zero)
     return out

@@ -29,7 +29,7 @@ import torch
 
 from seqpar_kernels.engine.causal_conv import ACTIVATIONS, conv_runs, conv_tails, next_halo
 from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES
-from seqpar_kernels.parallel.state_passing import SequenceRuns
+from seqpar_kernels.parallel.state_passing import SequenceRuns, laid_out
 
 __all__ = ["causal_conv1d"]
 
@@ -62,8 +62,10 @@ def causal_conv1d(
     Returns (batch, seqlen_local, channels) in x's dtype: out[t] = bias + sum_i weight[:, i]
     x[t - kernel + 1 + i], inputs before the sequence's (or the document's) start taken as
     0, computed in the weight's dtype (transformers' causal_conv1d_fn on the whole
-    sequence), then the activation. Differentiable in x, weight and bias (each rank's
-    weight and bias gradients are its rows' share: all_reduce_gradients sums them).
+    sequence), then the activation; laid out channels first as causal_conv1d_fn returns
+    it (out.transpose(1, 2) is contiguous), whatever the pieces. Differentiable in x,
+    weight and bias (each rank's weight and bias gradients are its rows' share:
+    all_reduce_gradients sums them).
 
     return_final_states: also return every sequence's last kernel inputs (zeros before a
         shorter one's first), (sequences, kernel, channels): the state a cache keeps for
@@ -99,10 +101,12 @@ def causal_conv1d(
     kept = kernel if return_final_states else kernel - 1
     zero = x.new_zeros((x.shape[0], kept, x.shape[2]))
     if kept == 0:
-        return conv_runs(x, weight, bias, activation, runs.mine, [zero] * len(runs.mine))
+        return laid_out(conv_runs(x, weight, bias, activation, runs.mine, [zero] * len(runs.mine)), x.dtype,
+                        channels_first=True)  # fmt: skip
     gathered = runs.gather(conv_tails(x, runs.mine, kept + 1))
     halos = [halo[:, kept - (kernel - 1) :] for halo in runs.incoming(gathered, next_halo, zero)]
-    out = runs.joined(conv_runs(x, weight, bias, activation, runs.mine, halos), gathered)
+    out = laid_out(runs.joined(conv_runs(x, weight, bias, activation, runs.mine, halos), gathered), x.dtype,
+                   channels_first=True)  # fmt: skip
     if return_final_states:
         return out, runs.final_states(gathered, next_halo, zero)
     return out

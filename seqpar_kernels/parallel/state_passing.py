@@ -20,6 +20,7 @@ convolution of kernel K passes the last K - 1 inputs of each run instead.
     runs.gather(per_run)                               (mine, ...) -> (every run, ...), piece order
     runs.incoming(gathered, step, zero)                the state entering each of this rank's runs
     runs.final_states(gathered, step, zero)            every document's state after its last run
+    laid_out(out, dtype, channels_first=False)         an op's output as its transformers function lays it out
 
 gather is differentiable: its backward sums, for each run, the gradients every rank's
 composition gave its summary (the reverse all-to-all), so the recurrences' gradients are
@@ -203,6 +204,20 @@ class SequenceRuns:
                 entering[index] = state
             states[run.document] = step(state, gathered[offsets[piece] + index], run)
         return [entering[index] for index in range(len(self.mine))]
+
+
+def laid_out(out: torch.Tensor, dtype: torch.dtype, channels_first: bool = False) -> torch.Tensor:
+    """A mixer's output (batch, seqlen_local, ...) in dtype, laid out in memory as the
+    transformers function the op stands for returns it, whatever the runs, pieces or
+    kernels made it: contiguous (mamba2_chunk_scan, torch_chunk_gated_delta_rule), or
+    channels first, out.transpose(1, 2) contiguous (causal_conv1d_fn and
+    mamba_selective_scan return (batch, channels, seqlen)); the models .view() them.
+    One copy at most, none where out is laid out so already; with the cast when dtype
+    differs."""
+    if channels_first:
+        return laid_out(out.transpose(1, 2), dtype).transpose(1, 2)
+    # Tensor.to keeps a tensor of its dtype as it is, whatever memory_format asks.
+    return out.contiguous() if out.dtype == dtype else out.to(dtype, memory_format=torch.contiguous_format)
 
 
 class _Joined(torch.autograd.Function):

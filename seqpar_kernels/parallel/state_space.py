@@ -43,7 +43,7 @@ from seqpar_kernels.engine.state_space import (
     ssd_summaries,
 )
 from seqpar_kernels.parallel.checks import SUPPORTED_DTYPES
-from seqpar_kernels.parallel.state_passing import SequenceRuns
+from seqpar_kernels.parallel.state_passing import SequenceRuns, laid_out
 
 __all__ = ["ssd_scan", "selective_scan"]
 
@@ -90,9 +90,9 @@ def ssd_scan(
     head_dim, state_size) in the compute dtype, on every rank (sequences: the batch, or
     the packed documents): what a cache keeps for the tokens after it.
     Returns y (batch, seqlen_local, heads, head_dim) in x's dtype, computed in fp32 (fp64
-    for fp64 x): transformers' mamba2_chunk_scan on the whole sequence. Differentiable in
-    every tensor input (each rank's A, D and dt_bias gradients are its rows' share:
-    all_reduce_gradients sums them).
+    for fp64 x), contiguous: transformers' mamba2_chunk_scan on the whole sequence.
+    Differentiable in every tensor input (each rank's A, D and dt_bias gradients are its
+    rows' share: all_reduce_gradients sums them).
 
     Each run's summary travels: batch x heads x (1 + head_dim x state_size) elements."""
     describe = "ssd_scan"
@@ -138,7 +138,8 @@ def ssd_scan(
     y, finals = y if return_final_states else (y, None)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x_f
-    return (y.to(x.dtype), finals) if return_final_states else y.to(x.dtype)
+    y = laid_out(y, x.dtype)
+    return (y, finals) if return_final_states else y
 
 
 def selective_scan(
@@ -179,7 +180,8 @@ def selective_scan(
     return_final_states: also return every sequence's final state (sequences, channels,
     state_size) in the compute dtype, on every rank (ssd_scan's).
     Returns (batch, seqlen_local, channels) in u's dtype, computed in fp32 (fp64 for fp64
-    u): transformers' mamba_selective_scan on the whole sequence. Differentiable in every
+    u), laid out channels first (transpose(1, 2) contiguous): transformers'
+    mamba_selective_scan on the whole sequence, as it returns it. Differentiable in every
     tensor input (each rank's A, D and delta_bias gradients are its rows' share:
     all_reduce_gradients sums them).
 
@@ -222,7 +224,8 @@ def selective_scan(
         y = y + D.to(dtype) * u_f
     if z is not None:
         y = y * F.silu(z.to(dtype))
-    return (y.to(u.dtype), finals) if return_final_states else y.to(u.dtype)
+    y = laid_out(y, u.dtype, channels_first=True)
+    return (y, finals) if return_final_states else y
 
 
 def _scan_runs(runs: SequenceRuns, from_zero, summaries, next_state, shares, zero, *, summary_shape, empty,

@@ -80,15 +80,40 @@ if [ ${#missing[@]} -gt 0 ]; then
   pip_install "${missing[*]}" -q "${missing[@]}" || say "missing ${missing[*]}: the build or some tests may fail"
 fi
 
-# An optional dependency of an integration: the newest release in the environment for its
+# The installed release of a package, or nothing; read from its metadata.
+installed_version() {
+  "$PYTHON" - "$1" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    print(version(sys.argv[1]))
+except PackageNotFoundError:
+    pass
+PY
+}
+
+# An integration's library at the release its tests were last run against (NAME==TESTED),
+# so that the test command says the same thing on every day, whatever the library
+# released since: installed where it is missing or another release (a newer one is taken
+# by moving its pin here once the tests pass with it). Offline, the release there is kept.
+tested_release() {
+  local name=$1 tested=$2
+  local have
+  have=$(installed_version "$name")
+  if [ "$have" != "$tested" ]; then
+    pip_install "$name==$tested (optional: the integration's tests; ${have:-none} installed)" -q "$name==$tested" ||
+      say "no $name $tested: its tests run against ${have:-nothing (they skip)}"
+  fi
+}
+
+# An optional dependency of an integration: the tested release in the environment for its
 # tests, and the oldest supported one in build/NAME-VERSION, which its tests put first on
 # PYTHONPATH (with the pins given after the version beside it). Skipped offline.
 optional_dependency() {
-  local name=$1 oldest=$2
-  shift 2
-  if [ -n "$(missing_packages "$name:$name")" ]; then
-    pip_install "$name (optional: the integration's tests)" -q "$name>=$oldest" || say "no $name: its tests will skip"
-  fi
+  local name=$1 tested=$2 oldest=$3
+  shift 3
+  tested_release "$name" "$tested"
   local oldest_dir="build/$name-$oldest"
   # The directory records its pins: a change of them installs it again.
   if [ ! -d "$oldest_dir/$name" ] || [ "$(cat "$oldest_dir/.pins" 2>/dev/null)" != "$*" ]; then
@@ -108,17 +133,15 @@ optional_dependency() {
 }
 # transformers' Trainer imports datasets where it is installed: the releases of its day
 # (datasets 5 needs a newer huggingface_hub than transformers 4.56 takes).
-optional_dependency transformers 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1" \
+optional_dependency transformers 5.25.0 4.56.2 "huggingface_hub==0.36.0" "tokenizers==0.22.1" \
   "datasets==4.4.1" "dill==0.4.0" "multiprocess==0.70.18" "fsspec==2025.10.0" \
   "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" "sniffio==1.3.1"
-optional_dependency diffusers 0.35.2
+optional_dependency diffusers 0.42.1 0.35.2
 # TRL (the Trainer mixin's DPOTrainer and GRPOTrainer): 1.15.0 is the first release whose
 # trainers read per-token log-probs from the model's fused LM head (add_fused_lm_head).
-optional_dependency trl 1.15.0
+optional_dependency trl 1.16.0 1.15.0
 # The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
-if [ -n "$(missing_packages accelerate:accelerate)" ]; then
-  pip_install "accelerate (optional: the Trainer's tests)" -q "accelerate>=1.0" || say "no accelerate: the Trainer's tests will skip"
-fi
+tested_release accelerate 1.16.0
 
 # The build needs no index (no build isolation, no dependencies): --no-index keeps pip
 # from asking one anyway.

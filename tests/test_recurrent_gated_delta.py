@@ -91,7 +91,7 @@ def test_engine_is_transformers_chunked_and_recurrent_form(length, key_heads, va
 
     ours = outputs_and_gradients(chunk_gated_delta_rule, use_qk_l2norm=use_qk_l2norm)
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
-    # By name: transformers 5.25 on holds them as kernels' Func modules, which have no __name__.
+    # By name: with kernels installed, transformers 5.25 on holds them as Func modules, without __name__.
     for form in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         with _Float64():
             theirs = outputs_and_gradients(getattr(modeling, form), output_final_state=True,

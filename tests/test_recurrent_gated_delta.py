@@ -91,12 +91,14 @@ def test_engine_is_transformers_chunked_and_recurrent_form(length, key_heads, va
 
     ours = outputs_and_gradients(chunk_gated_delta_rule, use_qk_l2norm=use_qk_l2norm)
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
-    for reference in (modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule):
+    # By name: with kernels installed, transformers 5.25 on holds them as Func modules, without __name__.
+    for form in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         with _Float64():
-            theirs = outputs_and_gradients(reference, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+            theirs = outputs_and_gradients(getattr(modeling, form), output_final_state=True,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm)  # fmt: skip
         for name, mine, expected in zip(names, ours, theirs):
             assert mine.dtype == torch.float64
-            torch.testing.assert_close(mine, expected, atol=1e-10, rtol=0, msg=f"{reference.__name__}: {name}")
+            torch.testing.assert_close(mine, expected, atol=1e-10, rtol=0, msg=f"{form}: {name}")
     # And the transcription the sharded tests use agrees.
     out, final = recurrence(*inputs, use_qk_l2norm=use_qk_l2norm, initial_state=initial)
     torch.testing.assert_close(ours[0], out, atol=1e-10, rtol=0)

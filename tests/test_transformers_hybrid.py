@@ -197,6 +197,32 @@ def test_mixers_run_their_original_outside_an_applied_model():
         torch.testing.assert_close(first, again, rtol=0, atol=0)
 
 
+def test_a_mixer_that_bypasses_the_dispatchers_raises():
+    """A mixer whose sequence mixing does not reach a dispatcher (transformers' own
+    functions back in place: what kernels' kernelize does to a wrapper) raises, naming
+    it, instead of mixing this rank's tokens only; with the dispatchers back it runs."""
+    import importlib
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    for family in _here():
+        model = integration._family_model(family, spec=HYBRID_FAMILIES[family])
+        sp_transformers.apply(model, "ring")
+        modeling = importlib.import_module(type(model).__module__)
+        dispatchers = {name: value for name, value in vars(modeling).items() if hasattr(value, "seqpar_original")}
+        assert dispatchers, f"{family}: no dispatcher in {modeling.__name__}"
+        ids = torch.randint(0, integration.VOCAB, (1, 9))
+        try:
+            for name, dispatcher in dispatchers.items():
+                setattr(modeling, name, dispatcher.seqpar_original)
+            problem = raises(lambda: model(input_ids=ids), "ran without calling a function the package dispatches")
+        finally:
+            for name, dispatcher in dispatchers.items():
+                setattr(modeling, name, dispatcher)
+        assert problem is None, f"{family}: {problem}"
+        assert torch.isfinite(model(input_ids=ids).logits).all(), family
+
+
 # The mixing functions a dispatcher stands for, each called as transformers' mixers call it:
 # (modeling module holding it, the reference's inputs (the whole sequence), the sequence's
 # dim in them, keyword arguments). Odd head counts and sizes; the gated delta rule with

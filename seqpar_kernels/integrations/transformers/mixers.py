@@ -6,16 +6,21 @@ of Bamba, Falcon-H1, GraniteMoeHybrid, Nemotron-H and Zamba2, the Mamba mixers o
 Zamba and Mamba, LFM2's short convolution) call a few functions of their modeling module
 by name: the convolution (causal_conv1d_fn), the gated delta rule
 (torch_chunk_gated_delta_rule), the Mamba2 and Mamba scans (mamba2_chunk_scan,
-mamba_selective_scan). install() finds the model's mixers by those names, replaces the
-functions in their modeling modules by dispatchers, and hooks each mixer so that, while
-it runs, the dispatchers run the package's sequence-parallel op on this rank's tokens
-(the SequenceShard's layout and documents) instead; outside a hooked mixer they call the
-original. The fused kernels' entry points (mamba2_split_conv1d_scan_combined,
-mamba_inner_fn) return None there, which sends the mixer down its unfused path, and the
-single-token decode functions raise (a KV cache is not sequence-parallel).
+mamba_selective_scan), directly or through a wrapper that reads and updates the cache
+(causal_conv1d_forward, mamba_scan_forward, mamba2_scan_forward: transformers 5.25 on).
+install() finds the model's mixers by those names, replaces the mixing functions in their
+modeling modules by dispatchers, and hooks each mixer so that, while it runs, the
+dispatchers run the package's sequence-parallel op on this rank's tokens (the
+SequenceShard's layout and documents) instead; outside a hooked mixer they call the
+original. The wrappers run as they are: the functions they call are the dispatchers. The
+fused kernels' entry points (mamba2_split_conv1d_scan_combined, mamba_inner_fn) return
+None there, which sends the mixer down its unfused path, and the single-token decode
+functions raise outside a sequence-parallel generate (a KV cache is not
+sequence-parallel).
 
 A module whose forward calls sequence-mixing functions the package does not run (Kimi's
-delta attention, ...) makes install() raise, naming it.
+delta attention, ...) makes install() raise, naming it; a hooked mixer that runs without
+calling a dispatcher (a wrapper replaced, by kernels' kernelize say) raises.
 """
 
 from __future__ import annotations
@@ -107,6 +112,13 @@ HANDLED_FUNCTIONS = {
     "causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _gated_delta, "mamba2_chunk_scan": _ssd,
     "mamba_selective_scan": _selective,
 }  # fmt: skip
+# transformers' wrappers that read and update a mixer's cache, and the mixing functions
+# each calls (which dispatch); the wrapper itself runs as it is.
+WRAPPER_FUNCTIONS = {
+    "causal_conv1d_forward": ("causal_conv1d_fn", "causal_conv1d_update"),
+    "mamba_scan_forward": ("mamba_selective_scan", "mamba_selective_state_update"),
+    "mamba2_scan_forward": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+}  # fmt: skip
 # Fused kernels' entry points: None makes the mixer take its unfused path.
 FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 # One token at a time from a cache (generation): not sequence-parallel.
@@ -114,19 +126,30 @@ DECODE_FUNCTIONS = (
     "causal_conv1d_update", "mamba2_selective_state_update", "mamba_selective_state_update",
     "torch_recurrent_gated_delta_rule",
 )  # fmt: skip
-# Every sequence-mixing function of transformers' mixers known here; those not handled
-# above make install() raise (Kimi's delta attention, RecurrentGemma's scan, ...).
-MIXING_FUNCTIONS = (
-    "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan",
-    *FUSED_FUNCTIONS, *DECODE_FUNCTIONS, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "_rnn_scan",
-)  # fmt: skip
+# The functions replaced by dispatchers.
 _RUNS = (*HANDLED_FUNCTIONS, *FUSED_FUNCTIONS, *DECODE_FUNCTIONS)
+# Every sequence-mixing function of transformers' mixers known here; those not run above
+# make install() raise (Kimi's delta attention, RecurrentGemma's scan, ...).
+MIXING_FUNCTIONS = (
+    *_RUNS, *WRAPPER_FUNCTIONS, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "_rnn_scan",
+)  # fmt: skip
 
-# The mixers running now on this thread: (parallelism, shard, module), innermost last.
+# The mixers running now on this thread, innermost last.
 _running = threading.local()
 
 
-def _stack() -> list:
+class _Running:
+    """A hooked mixer running now: the handlers' context (parallelism, shard, module), and
+    whether it has called a dispatcher yet."""
+
+    __slots__ = ("context", "dispatched")
+
+    def __init__(self, context: tuple):
+        self.context = context
+        self.dispatched = False
+
+
+def _stack() -> list[_Running]:
     if not hasattr(_running, "stack"):
         _running.stack = []
     return _running.stack
@@ -137,8 +160,9 @@ def _dispatcher(name: str, original):
 
     def dispatch(*args, **kwargs):
         stack = _stack()
-        if not stack or stack[-1] is None:
+        if not stack:
             return original(*args, **kwargs)
+        stack[-1].dispatched = True
         if name in FUSED_FUNCTIONS:
             return None
         if name in DECODE_FUNCTIONS:
@@ -150,7 +174,7 @@ def _dispatcher(name: str, original):
             )
         if _prefilling() is None:
             kwargs = _without_cache(name, kwargs)
-        return HANDLED_FUNCTIONS[name](stack[-1], *args, **kwargs)
+        return HANDLED_FUNCTIONS[name](stack[-1].context, *args, **kwargs)
 
     dispatch.seqpar_original = original
     dispatch.__name__ = dispatch.__qualname__ = name
@@ -170,10 +194,12 @@ def _without_cache(name: str, kwargs: dict) -> dict:
 
 
 def _mixing_names(module: torch.nn.Module) -> set[str]:
-    """The sequence-mixing function names the module's forward calls."""
+    """The sequence-mixing function names the module's forward calls, a wrapper's standing
+    for the functions it calls."""
     forward = inspect.unwrap(type(module).forward)
     code = getattr(forward, "__code__", None)
-    return set(code.co_names) & set(MIXING_FUNCTIONS) if code is not None else set()
+    names = set(code.co_names) & set(MIXING_FUNCTIONS) if code is not None else set()
+    return {called for name in names for called in WRAPPER_FUNCTIONS.get(name, (name,))}
 
 
 def mixers_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -247,7 +273,7 @@ def _entering(parallelism: SequenceParallelism, name: str, latest: _LatestShard)
     def enter(module, args, kwargs):
         shard = kwargs.get("sequence_shard", latest.shard)
         # Pushed first: the leaving hook runs even when this one raises.
-        _stack().append((parallelism, shard if isinstance(shard, SequenceShard) else None, module))
+        _stack().append(_Running((parallelism, shard if isinstance(shard, SequenceShard) else None, module)))
         cached = [key for key in ("cache", "cache_params", "past_key_values") if kwargs.get(key) is not None]
         generating = running_step()
         if cached and generating is None:
@@ -268,4 +294,11 @@ def _entering(parallelism: SequenceParallelism, name: str, latest: _LatestShard)
 
 
 def _leaving(module, args, output):
-    _stack().pop()
+    running = _stack().pop()
+    # None: the mixer or its entering hook raised (this hook runs then too).
+    if output is not None and not running.dispatched:
+        raise ValueError(
+            f"{type(module).__name__}: ran without calling a function the package dispatches ({sorted(_RUNS)}), so "
+            "its sequence mixing saw this rank's tokens only: its wrappers were replaced (kernels' kernelize?); "
+            "apply() runs transformers' own mixing functions"
+        )

@@ -68,7 +68,8 @@ def _reference_loss(model, batches):
 def run_mesh_case(case):
     """Three SGD steps of a tiny Llama on the (dp, cp) mesh as `case` says, against one
     process: failures (empty when every step's loss and every parameter match), and the
-    first step's mean of the replicas' means against the one-process loss."""
+    relative error of the LM head's first gradient from a mean of the replicas' means
+    (wrapper "none" on the (dp, cp) mesh; else None)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -77,20 +78,22 @@ def run_mesh_case(case):
     import seqpar_kernels.integrations.transformers as sp_transformers
     from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 
-    mesh = _mesh((2, 2), ("dp", "cp"))
+    mesh = _mesh(*case.get("mesh", ((2, 2), ("dp", "cp"))))
     mode, layout, wrapper = case["mode"], case["layout"], case["wrapper"]
-    dims = dict(mesh=mesh, sequence_dims="cp", data_dims="dp")
-    batches = [_packed(lengths, seed=index + 1) for index, lengths in enumerate(REPLICA_DOCUMENTS)]
+    sequence_dims, data_dims = case.get("sequence_dims", "cp"), case.get("data_dims", "dp")
+    dims = dict(mesh=mesh, sequence_dims=sequence_dims, data_dims=data_dims)
     reference = _model(_config())
     model = copy.deepcopy(reference)
     initial = [parameter.detach().clone() for parameter in reference.parameters()]
     sp = sp_transformers.apply(model, mode, layout=layout, **dims)
+    batches = [_packed(lengths, seed=index + 1) for index, lengths in enumerate(REPLICA_DOCUMENTS[: sp.data_size])]
     local = sp_transformers.shard_batch(batches[sp.data_rank], mode=mode, layout=layout, **dims)
     shift_labels = local.pop("shift_labels")
 
     wrapped, scale = model, 1
     if wrapper in ("fsdp_data_sequence", "fsdp_data"):
-        wrapper_mesh = sp.data_parallel_mesh(shard_sequence=wrapper == "fsdp_data_sequence")
+        wrapper_mesh = sp.data_parallel_mesh(shard_sequence=wrapper == "fsdp_data_sequence",
+                                             replicate_dims=case.get("replicate_dims", ()))  # fmt: skip
         for layer in model.model.layers:
             fully_shard(layer, mesh=wrapper_mesh)
         wrapped, scale = fully_shard(model, mesh=wrapper_mesh), wrapper_mesh.size()
@@ -99,8 +102,8 @@ def run_mesh_case(case):
         wrapped = DistributedDataParallel(model, process_group=wrapper_mesh.get_group())
         scale = wrapper_mesh.size()
     # What all_reduce_gradients sums over: the dims no wrapper sums over.
-    left = {"none": dims, "ddp": dict(mesh=mesh, sequence_dims="cp"), "fsdp_data": dict(mesh=mesh, sequence_dims="cp"),
-            "fsdp_data_sequence": None}[wrapper]  # fmt: skip
+    left = {"none": dims, "ddp": dict(mesh=mesh, sequence_dims=sequence_dims),
+            "fsdp_data": dict(mesh=mesh, sequence_dims=sequence_dims), "fsdp_data_sequence": None}[wrapper]  # fmt: skip
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     no_logits = torch.empty(0, dtype=torch.long)
     failures, mean_of_means = [], None
@@ -121,7 +124,7 @@ def run_mesh_case(case):
         error = _relative_error(loss.detach(), expected.detach())
         if not error <= FP32_LOSS_RTOL:
             failures.append(f"step {step}: loss {loss.item():.7f} vs {expected.item():.7f} (rel {error:.2e})")
-        if step == 0 and wrapper == "none":
+        if step == 0 and wrapper == "none" and "mesh" not in case:
             # The LM head's gradient of each replica's own mean (its tokens counted over the sequence dim
             # alone), averaged over the replicas, as DDP would average it.
             own = sp_transformers.causal_lm_loss(model, captured[0], shift_labels, mesh=mesh, sequence_dims="cp")
@@ -145,15 +148,28 @@ MESH_CASES = [
     dict(mode="ring", layout="balanced", wrapper="ddp"),
     dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence"),
     dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data"),
+    # HSDP: replicated over dp_replicate, sharded over dp_shard x cp (dp_shard of size 1).
+    dict(
+        mode="ring",
+        layout="balanced",
+        wrapper="fsdp_data_sequence",
+        mesh=((2, 1, 2), ("dp_replicate", "dp_shard", "cp")),
+        data_dims=("dp_replicate", "dp_shard"),
+        replicate_dims=("dp_replicate",),
+    ),
+    # USP's pair named by the user, one data replica (a dim of size 1).
+    dict(mode="usp", layout="balanced", wrapper="none", mesh=((1, 2, 2), ("dp", "u", "r")), sequence_dims=("u", "r")),
 ]
 
 
-@pytest.mark.parametrize("case", MESH_CASES, ids=lambda case: f"{case['mode']}-{case['wrapper']}")
+@pytest.mark.parametrize(
+    "case", MESH_CASES, ids=lambda case: "-".join([case["mode"], case["wrapper"], *case.get("replicate_dims", ())])
+)
 def test_data_times_sequence_matches_one_process(case):
     results = pool_for(4).run(run_mesh_case, case)
     failures = [failure for per_rank, _ in results for failure in per_rank]
     assert not failures, "\n".join(failures)
-    if case["wrapper"] == "none":
+    if case["wrapper"] == "none" and "mesh" not in case:
         # The replicas' token counts differ enough that a mean of their means misses by far more than the tolerance.
         assert all(mean_of_means > 100 * FP32_UPDATE_RTOL for _, mean_of_means in results), results
 

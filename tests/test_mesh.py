@@ -3,8 +3,10 @@ gloo ranks, each data replica reading its own packed batch (documents of other l
 another number of real tokens), a tiny Llama trained three SGD steps, against one process
 on the global batch (every replica's rows): the loss of every step and every parameter
 after the steps, fp32. Gradients summed by all_reduce_gradients over both dims, by DDP
-over the data dim, by FSDP2 (fully_shard) over data x sequence and over data alone; and
-the mesh's arguments that cannot work raise on every rank.
+over the data dim, by FSDP2 (fully_shard) over data x sequence (with activation
+checkpointing too) and over data alone, by HSDP; USP's pair of dims on a mesh of its own
+names; each replica's per-document log-prob sums; and the mesh's arguments that cannot
+work raise on every rank.
 
 The loss is the mean over every real token of the global batch: the test also computes
 the LM head's gradient of the mean of the replicas' means and checks that it is far from
@@ -65,6 +67,17 @@ def _reference_loss(model, batches):
     return sum(sums) / sum(counts)
 
 
+def _reference_document_logprobs(model, batch) -> torch.Tensor:
+    """Each packed document's sum of its targets' log-probabilities in one process:
+    (documents,) fp64."""
+    with torch.no_grad():
+        logits = model(**batch).logits[0].double()  # (S, vocab)
+    targets = torch.cat([batch["labels"][0, 1:], torch.tensor([-100])])
+    chosen = torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[:, None])[:, 0] * (targets != -100)
+    documents = torch.cumsum(batch["position_ids"][0] == 0, 0) - 1
+    return torch.zeros(int(documents[-1]) + 1, dtype=torch.float64).index_add(0, documents, chosen)
+
+
 def run_mesh_case(case):
     """Three SGD steps of a tiny Llama on the (dp, cp) mesh as `case` says, against one
     process: failures (empty when every step's loss and every parameter match), and the
@@ -86,6 +99,9 @@ def run_mesh_case(case):
     model = copy.deepcopy(reference)
     initial = [parameter.detach().clone() for parameter in reference.parameters()]
     sp = sp_transformers.apply(model, mode, layout=layout, **dims)
+    if case.get("checkpointing"):  # the layers run again in the backward, their collectives too
+        model.gradient_checkpointing_enable()
+        model.train()
     batches = [_packed(lengths, seed=index + 1) for index, lengths in enumerate(REPLICA_DOCUMENTS[: sp.data_size])]
     local = sp_transformers.shard_batch(batches[sp.data_rank], mode=mode, layout=layout, **dims)
     shift_labels = local.pop("shift_labels")
@@ -131,6 +147,12 @@ def run_mesh_case(case):
             (head,) = torch.autograd.grad(own, model.lm_head.weight)
             dist.all_reduce(head)  # the mesh is the world: every replica's every sequence rank
             mean_of_means = _relative_error(head / 2, reference.lm_head.weight.grad)
+            # Log-probs summed per document over the sequence dim alone: each replica has documents of its own.
+            logps = sp_transformers.causal_lm_logprobs(model, captured[0], shift_labels, per_sequence=True,
+                                                       sequence_shard=local["sequence_shard"])  # fmt: skip
+            error = _relative_error(logps, _reference_document_logprobs(reference, batches[sp.data_rank]))
+            if not error <= FP32_LOSS_RTOL:
+                failures.append(f"per-document log-probs: relative error {error:.2e}")
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -147,6 +169,7 @@ MESH_CASES = [
     dict(mode="ulysses", layout="contiguous", wrapper="none"),
     dict(mode="ring", layout="balanced", wrapper="ddp"),
     dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence"),
+    dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data_sequence", checkpointing=True),
     dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data"),
     # HSDP: replicated over dp_replicate, sharded over dp_shard x cp (dp_shard of size 1).
     dict(
@@ -162,9 +185,12 @@ MESH_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "case", MESH_CASES, ids=lambda case: "-".join([case["mode"], case["wrapper"], *case.get("replicate_dims", ())])
-)
+def _case_id(case) -> str:
+    extras = [*case.get("replicate_dims", ()), *(["checkpointing"] if case.get("checkpointing") else [])]
+    return "-".join([case["mode"], case["wrapper"], *extras])
+
+
+@pytest.mark.parametrize("case", MESH_CASES, ids=_case_id)
 def test_data_times_sequence_matches_one_process(case):
     results = pool_for(4).run(run_mesh_case, case)
     failures = [failure for per_rank, _ in results for failure in per_rank]

@@ -4,7 +4,8 @@ another number of real tokens), a tiny Llama trained three SGD steps, against on
 on the global batch (every replica's rows): the loss of every step and every parameter
 after the steps, fp32. Gradients summed by all_reduce_gradients over both dims, by DDP
 over the data dim, by FSDP2 (fully_shard) over data x sequence (with activation
-checkpointing too) and over data alone, by HSDP; USP's pair of dims on a mesh of its own
+checkpointing too, and around a tensor dim named by no argument) and over data alone,
+by HSDP; USP's pair of dims on a mesh of its own
 names; each replica's per-document log-prob sums; and the mesh's arguments that cannot
 work raise on every rank.
 
@@ -180,6 +181,8 @@ MESH_CASES = [
         data_dims=("dp_replicate", "dp_shard"),
         replicate_dims=("dp_replicate",),
     ),
+    # A tensor-parallel dim between data and sequence, named by no argument: FSDP2 over dp x cp around it.
+    dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence", mesh=((2, 1, 2), ("dp", "tp", "cp"))),
     # USP's pair named by the user, one data replica (a dim of size 1).
     dict(mode="usp", layout="balanced", wrapper="none", mesh=((1, 2, 2), ("dp", "u", "r")), sequence_dims=("u", "r")),
 ]
@@ -187,7 +190,8 @@ MESH_CASES = [
 
 def _case_id(case) -> str:
     extras = [*case.get("replicate_dims", ()), *(["checkpointing"] if case.get("checkpointing") else [])]
-    return "-".join([case["mode"], case["wrapper"], *extras])
+    mesh = ["x".join(case["mesh"][1])] if "mesh" in case else []
+    return "-".join([case["mode"], case["wrapper"], *extras, *mesh])
 
 
 @pytest.mark.parametrize("case", MESH_CASES, ids=_case_id)

@@ -2,9 +2,16 @@
 DeviceMesh, resolved here for every function that takes them.
 
     resolve_grid(describe, mesh, ulysses_group, ring_group)    USP's 2-D grid (a Grid)
+    resolve_mesh_dims(describe, mesh, sequence_dims, data_dims)   which dims of one mesh are
+                                                                the sequence's and the data's
     resolve_ranks(describe, group=..., mesh=..., ...)          a group's GroupInfo, or a Grid
     reduction_groups(describe, group=..., mesh=..., ...)       the groups to all-reduce over in
                                                                 turn so that every rank is summed
+
+One mesh for every parallelism: mesh= with sequence_dims= (one dim, or USP's (ulysses,
+ring) pair) and data_dims= (the data replicas' dims); the mesh's other dims (tensor,
+pipeline) are named by the user only and never reduced over: every reduction here runs
+over dims it names.
 
 Resolving is local (no communication): a program passes the same kind of argument on every
 rank, so every rank raises alike. That the groups really form a grid is checked by the
@@ -14,6 +21,7 @@ argument checks' gathers (parallel/checks.py checked_on_grid).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +41,10 @@ class Grid:
     ring_group: dist.ProcessGroup
     ulysses: GroupInfo
     ring: GroupInfo
+
+    @classmethod
+    def of(cls, ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup) -> Grid:
+        return cls(ulysses_group, ring_group, resolve_group(ulysses_group), resolve_group(ring_group))
 
     @property
     def piece(self) -> int:
@@ -54,6 +66,95 @@ class Grid:
         return usp_rows(per_piece, self.ulysses.world_size)
 
 
+@dataclass(frozen=True)
+class MeshDims:
+    """Which named dims of one DeviceMesh the sequence is split over and which hold
+    data replicas (other dims, tensor or pipeline, are neither: nothing here reduces
+    over them). sequence: (dim,) for one group, (ulysses dim, ring dim) for USP; data:
+    any number, in the user's order (e.g. ("dp_replicate", "dp_shard"))."""
+
+    mesh: DeviceMesh
+    sequence: tuple[str, ...]
+    data: tuple[str, ...]
+
+    def groups(self, names) -> list[tuple[dist.ProcessGroup, GroupInfo]]:
+        """(group, its GroupInfo) of each named dim, in the order given."""
+        return [(group, resolve_group(group)) for group in (self.mesh.get_group(name) for name in names)]
+
+    def sequence_ranks(self) -> GroupInfo | Grid:
+        """The sequence dim's GroupInfo, or USP's Grid of its (ulysses, ring) dims."""
+        if len(self.sequence) == 1:
+            return resolve_group(self.mesh.get_group(self.sequence[0]))
+        return Grid.of(*(self.mesh.get_group(name) for name in self.sequence))
+
+    @property
+    def data_size(self) -> int:
+        """How many data replicas there are: the product of the data dims' sizes."""
+        return prod(self.mesh.size(self._index(name)) for name in self.data)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data replica, in [0, data_size): its coordinates in the data dims,
+        row-major in the order data names them (which batch this rank reads)."""
+        index = 0
+        for name in self.data:
+            index = index * self.mesh.size(self._index(name)) + self.mesh.get_local_rank(name)
+        return index
+
+    def _index(self, name: str) -> int:
+        return self.mesh.mesh_dim_names.index(name)
+
+    def flattened(self, names: tuple[str, ...], label: str) -> DeviceMesh:
+        """A 1-D mesh over the named dims (their product, in the mesh's order): the dim
+        itself for one name, else the dims flattened under `label` (torch's
+        DeviceMesh._flatten, which torchtitan builds its meshes with: torch 2.14 has
+        no public way to flatten dims)."""
+        ordered = tuple(name for name in self.mesh.mesh_dim_names if name in names)
+        if len(ordered) == 1:
+            return self.mesh[ordered[0]]
+        return self.mesh[ordered]._flatten(label)
+
+
+def _dim_names(describe: str, argument: str, value, shapes: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"{describe}: {argument} must be a dim name or a tuple of them, got {value!r} ({shapes})")
+    return tuple(names)
+
+
+def resolve_mesh_dims(describe: str, mesh, sequence_dims, data_dims=()) -> MeshDims:
+    """The sequence's and the data's dims of `mesh`, checked once: ValueError naming the
+    mesh's dims for a mesh without named dims, a name it lacks, a name given twice, or
+    other than one or two sequence dims. Local: every rank passes the same arguments and
+    raises alike."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not isinstance(mesh, DeviceMesh) or not names:
+        shape = tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(
+            f"{describe}: sequence_dims= and data_dims= name dims of mesh=, a DeviceMesh with named dims "
+            f"(init_device_mesh(..., mesh_dim_names=...)), got {shape} with dims {names}"
+        )
+    shapes = f"mesh {tuple(mesh.shape)} with dims {tuple(names)}"
+    sequence = _dim_names(describe, "sequence_dims", sequence_dims, shapes)
+    data = _dim_names(describe, "data_dims", data_dims, shapes)
+    if len(sequence) not in (1, 2):
+        raise ValueError(
+            f"{describe}: sequence_dims names one dim (ulysses, ring) or USP's two (ulysses dim, ring dim), "
+            f"got {sequence} ({shapes})"
+        )
+    missing = [name for name in (*sequence, *data) if name not in names]
+    if missing:
+        raise ValueError(f"{describe}: the mesh has no dims {missing}; sequence_dims={sequence}, data_dims={data} "
+                         f"({shapes})")  # fmt: skip
+    repeated = sorted({name for name in (*sequence, *data) if (*sequence, *data).count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"{describe}: {repeated} named more than once in sequence_dims={sequence} and data_dims={data}: each "
+            f"dim is the sequence's, the data's, or neither ({shapes})"
+        )
+    return MeshDims(mesh, sequence, data)
+
+
 def resolve_grid(describe: str, mesh=None, ulysses_group=None, ring_group=None) -> Grid:
     """The groups from `mesh` (a 2-D DeviceMesh, dims found by name) or the two groups."""
     if mesh is not None:
@@ -72,7 +173,22 @@ def resolve_grid(describe: str, mesh=None, ulysses_group=None, ring_group=None) 
             f"{describe}: needs mesh= (a DeviceMesh with dims {MESH_DIM_NAMES}) or both ulysses_group= and "
             f"ring_group= (make_usp_groups), got ulysses_group={ulysses_group}, ring_group={ring_group}"
         )
-    return Grid(ulysses_group, ring_group, resolve_group(ulysses_group), resolve_group(ring_group))
+    return Grid.of(ulysses_group, ring_group)
+
+
+def mesh_dims_of(describe: str, *, group=None, mesh=None, ulysses_group=None, ring_group=None, sequence_dims=None,
+                 data_dims=()) -> MeshDims | None:  # fmt: skip
+    """The MeshDims of a call that names the dims of mesh= (sequence_dims=, and
+    data_dims=), checked (resolve_mesh_dims); None for a call that does not."""
+    if sequence_dims is None:
+        if data_dims:
+            raise ValueError(f"{describe}: data_dims={data_dims!r} needs sequence_dims= naming the sequence's dims of "
+                             "mesh=")  # fmt: skip
+        return None
+    if group is not None or ulysses_group is not None or ring_group is not None:
+        raise ValueError(f"{describe}: sequence_dims= names dims of mesh=; pass no group= or ulysses_group= and "
+                         "ring_group= with it")  # fmt: skip
+    return resolve_mesh_dims(describe, mesh, sequence_dims, data_dims)
 
 
 def is_grid_call(mesh=None, ulysses_group=None, ring_group=None) -> bool:
@@ -91,11 +207,18 @@ def resolve_ranks(describe: str, *, group=None, mesh=None, ulysses_group=None, r
 
 
 def reduction_groups(
-    describe: str, *, group=None, mesh=None, ulysses_group=None, ring_group=None, any_mesh: bool = False
-) -> list[tuple[dist.ProcessGroup | None, GroupInfo]]:
+    describe: str, *, group=None, mesh=None, ulysses_group=None, ring_group=None, sequence_dims=None, data_dims=(),
+    any_mesh: bool = False, over_data: bool = True,
+) -> list[tuple[dist.ProcessGroup | None, GroupInfo]]:  # fmt: skip
     """(group, its GroupInfo) for each group to reduce over in turn so that every rank is
-    summed: `group` (default: the world), or each dimension of the grid. any_mesh: `mesh`
-    may be a DeviceMesh of any shape and dim names (each of its dimensions in turn)."""
+    summed: `group` (default: the world), or each dimension of the grid; with
+    sequence_dims, each dim of `mesh` it names, then (over_data) each of data_dims.
+    any_mesh: `mesh` without sequence_dims may be a DeviceMesh of any shape and dim names
+    (each of its dimensions in turn)."""
+    dims = mesh_dims_of(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                        sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
+    if dims is not None:
+        return dims.groups(dims.sequence + (dims.data if over_data else ()))
     if any_mesh and mesh is not None:
         if group is not None or ulysses_group is not None or ring_group is not None:
             raise ValueError(f"{describe}: pass group= or mesh=, not both")

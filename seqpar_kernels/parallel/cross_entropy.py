@@ -18,11 +18,16 @@ returns is
                                                     over all ranks)
 
 the loss of one process holding everything (`F.cross_entropy(..., reduction="mean")`),
-with two small all-reduces (the count, then the sum) over the group or the mesh.
+with two small all-reduces (the count, then the sum) over the group or the mesh; with
+data replicas (mesh= with sequence_dims= and data_dims=) over every rank of data x
+sequence: the mean over every real token of the global batch, not a mean of the
+replicas' means (which differs when replicas hold different numbers of tokens).
 
 Gradient convention: the forward value is global, the gradient of each rank only its
-own share, d(local sum) / N. So the sum over the sequence-parallel ranks of their
-parameter gradients is the single-process gradient.
+own share, d(local sum) / N. So the sum over the ranks the count was reduced over
+(sequence, and data where named) of their parameter gradients is the single-process
+gradient of the global batch; DDP and FSDP average instead of summing, so under them the
+loss is scaled by their ranks for the backward.
 
 The chunked loss of this rank's tokens, its logits and gradients a chunk at a time, is
 the engine's (engine/cross_entropy.py); this module checks the arguments, counts and
@@ -179,6 +184,8 @@ def sequence_parallel_cross_entropy(
     mesh=None,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
+    sequence_dims=None,
+    data_dims=(),
     ignore_index: int = -100,
     chunk_size: int | None = None,
     logit_softcap: float = 0.0,
@@ -202,6 +209,10 @@ def sequence_parallel_cross_entropy(
         DeviceMesh (e.g. USP's 2-D ("ring", "ulysses") mesh): the sum and the count are
         reduced over every rank of it, one mesh dimension after the other; or
         ulysses_group and ring_group (USP's two groups, make_usp_groups'). One of these.
+        Or mesh= with sequence_dims= (the sequence's dim, or USP's (ulysses, ring) pair)
+        and data_dims= (the data replicas' dims): the mean over every real token of
+        every replica, the sum and the count reduced over exactly those dims (never over
+        the mesh's others: tensor, pipeline).
     ignore_index: the label of tokens that count for nothing.
     chunk_size: tokens whose logits are computed at once; None picks
         default_chunk_size(vocab) = 2**26 // vocab (at least 1), so that one chunk's
@@ -245,7 +256,7 @@ def sequence_parallel_cross_entropy(
     """
     describe = "sequence_parallel_cross_entropy"
     groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                              any_mesh=True)  # fmt: skip
+                              sequence_dims=sequence_dims, data_dims=data_dims, any_mesh=True)  # fmt: skip
     shapes = _shapes(("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                      ("shift_labels", shift_labels))  # fmt: skip
     transform = LogitTransform()
@@ -281,6 +292,8 @@ def sequence_parallel_logprobs(
     mesh=None,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
+    sequence_dims=None,
+    data_dims=(),
     ignore_index: int = -100,
     chunk_size: int | None = None,
     logit_softcap: float = 0.0,
@@ -328,8 +341,10 @@ def sequence_parallel_logprobs(
     small all-gather, and with sequence_ids one all-reduce of num_sequences values.
     """
     describe = "sequence_parallel_logprobs"
+    # Per-sequence sums over the sequence dims only: each data replica holds other sequences.
     groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                              any_mesh=True)  # fmt: skip
+                              sequence_dims=sequence_dims, data_dims=data_dims, any_mesh=True,
+                              over_data=False)  # fmt: skip
     shapes = _shapes(("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight), ("labels", labels),
                      ("sequence_ids", sequence_ids))  # fmt: skip
     transform = LogitTransform()
@@ -386,6 +401,8 @@ def sequence_parallel_cross_entropy_from_logits(
     mesh=None,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
+    sequence_dims=None,
+    data_dims=(),
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """The same loss as sequence_parallel_cross_entropy, from logits the caller has
@@ -406,7 +423,7 @@ def sequence_parallel_cross_entropy_from_logits(
     """
     describe = "sequence_parallel_cross_entropy_from_logits"
     groups = reduction_groups(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                              any_mesh=True)  # fmt: skip
+                              sequence_dims=sequence_dims, data_dims=data_dims, any_mesh=True)  # fmt: skip
     shapes = _shapes(("logits", logits), ("shift_labels", shift_labels))
 
     def local_checks():

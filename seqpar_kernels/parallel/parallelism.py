@@ -9,6 +9,14 @@
     parallelism.gather_ints(values, dev)   every rank's small ints, in piece order
     parallelism.agree(describe, value, d)  raises on every rank unless every rank's value is one
     parallelism.checked(describe, checks, d)  checks() on every rank: an error raises on every rank
+    parallelism.reduction_kwargs()         the ranks a loss's sum and count are reduced over
+    parallelism.data_rank, .data_size      which data replica this rank is, of how many
+    parallelism.data_parallel_mesh(...)    the mesh FSDP2 (fully_shard) or DDP runs over
+
+One mesh: resolve(..., mesh=mesh, sequence_dims="cp", data_dims=("dp_replicate",
+"dp_shard")) splits the sequence over the mesh's "cp" dim (USP: sequence_dims=(ulysses
+dim, ring dim)) and counts a loss over the data dims too; the mesh's other dims (tensor,
+pipeline) are never reduced over.
 
 Modes and layouts (the attention functions' names):
     "ulysses"  ulysses_attention over one group; layout "contiguous" only (Ulysses attends
@@ -35,8 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from seqpar_kernels.comm.grid import Grid, resolve_ranks
+from seqpar_kernels.comm.grid import Grid, MeshDims, mesh_dims_of, resolve_ranks
 from seqpar_kernels.engine.step_backends import STEP_BACKENDS
 from seqpar_kernels.groups import SINGLE_PROCESS, GroupInfo, all_gather_ints, group_from_name, resolve_group
 from seqpar_kernels.layouts import usp_piece_lengths, usp_piece_segments
@@ -78,23 +87,44 @@ class SequenceParallelism:
     group_names: (group,) for "ulysses", "ring" and "dsp" ("" without torch.distributed:
     one process); (ulysses_group, ring_group) for "usp".
     step_backend: what computes the ring's steps (ring_attention's argument); not part
-    of the comparison with a batch's sharding, which it does not change."""
+    of the comparison with a batch's sharding, which it does not change.
+    mesh_dims: the mesh and its sequence and data dims where the value was resolved from
+    mesh= with sequence_dims= (else None); neither is it part of the comparison: the
+    data dims do not change how a replica's batch is sharded."""
 
     mode: str
     layout: str
     group_names: tuple[str, ...]
     step_backend: str = field(default="auto", compare=False)
+    mesh_dims: MeshDims | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def resolve(
         cls, describe: str, mode, layout="contiguous", *, group=None, mesh=None, ulysses_group=None, ring_group=None,
-        step_backend="auto", modes=ATTENTION_MODES,
+        sequence_dims=None, data_dims=(), step_backend="auto", modes=ATTENTION_MODES,
     ) -> SequenceParallelism:  # fmt: skip
         """The value of a public entry's arguments (apply(), shard_batch(), the Trainer's):
         ValueError, alike on every rank, for a bad mode (one of `modes`), layout, step
-        backend or groups. Local: no communication."""
+        backend, groups, or dims of the mesh (comm.grid.resolve_mesh_dims). Local: no
+        communication.
+
+        group / ulysses_group + ring_group / mesh (USP's 2-D ("ring", "ulysses") mesh):
+        the sequence's ranks alone; or mesh= any DeviceMesh with named dims, with
+        sequence_dims (one dim name; "usp": (ulysses dim, ring dim)) and data_dims (the
+        names of the dims that hold data replicas, any number)."""
         check_options(describe, mode, layout, step_backend, modes)
-        ranks = resolve_ranks(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+        dims = mesh_dims_of(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                            sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
+        if dims is not None and (len(dims.sequence) == 2) != (mode == "usp"):
+            raise ValueError(
+                f"{describe}: mode={mode!r} splits the sequence over "
+                f"{'two dims, (ulysses dim, ring dim)' if mode == 'usp' else 'one dim'}, got "
+                f"sequence_dims={dims.sequence} (mesh {tuple(mesh.shape)} with dims {mesh.mesh_dim_names})"
+            )
+        if dims is not None:
+            ranks = dims.sequence_ranks()
+        else:
+            ranks = resolve_ranks(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
         if (mode == "usp") != isinstance(ranks, Grid):
             raise ValueError(
                 f"{describe}: mode='usp' runs on mesh= (or ulysses_group= and ring_group=), not group="
@@ -102,7 +132,7 @@ class SequenceParallelism:
                 f"{describe}: mode={mode!r} runs on group= (default: the world), not on a mesh"
             )  # fmt: skip
         names = ranks.group_names if isinstance(ranks, Grid) else (ranks.name,)
-        return cls(mode, layout, names, step_backend)
+        return cls(mode, layout, names, step_backend, dims)
 
     # -- the ranks ------------------------------------------------------------------
 
@@ -118,12 +148,60 @@ class SequenceParallelism:
             return {"ulysses_group": groups[0], "ring_group": groups[1]}
         return {"group": groups[0]}
 
+    def reduction_kwargs(self) -> dict:
+        """The ranks a loss's sum and token count are reduced over, as the loss functions
+        take them: the mesh's sequence and data dims (mesh_dims), else the groups."""
+        if self.mesh_dims is None:
+            return self.group_kwargs()
+        dims = self.mesh_dims
+        return {"mesh": dims.mesh, "sequence_dims": dims.sequence, "data_dims": dims.data}
+
+    @property
+    def data_size(self) -> int:
+        """How many data replicas read different batches (1 without data dims)."""
+        return 1 if self.mesh_dims is None else self.mesh_dims.data_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which of them this rank is, in [0, data_size): the index of the batch it reads
+        (its coordinates in data_dims, row-major in their order)."""
+        return 0 if self.mesh_dims is None else self.mesh_dims.data_rank
+
+    def data_parallel_mesh(self, *, shard_sequence: bool = True, replicate_dims=()) -> DeviceMesh:
+        """The DeviceMesh that FSDP2 (fully_shard(module, mesh=...)) or DDP
+        (process_group=mesh.get_group()) runs over: the data dims, and with
+        shard_sequence the sequence dims too (sequence ranks hold the same parameters,
+        so FSDP may shard across them: torchtitan's dp_shard_cp), flattened into one dim;
+        replicate_dims (some of data_dims): HSDP's replicated dims, flattened into a
+        first dim of a 2-D mesh (replicate, shard). The wrapper averages the gradients
+        over mesh.size() ranks where the loss's convention wants their sum: scale the
+        loss by mesh.size() for the backward. Needs mesh_dims (resolved from mesh= with
+        sequence_dims=)."""
+        dims = self.mesh_dims
+        if dims is None:
+            raise ValueError(
+                "data_parallel_mesh: this parallelism was not resolved from mesh= with sequence_dims= (and "
+                f"data_dims=), so it knows no data dims (groups {self.group_names})"
+            )
+        replicate = tuple(replicate_dims)
+        if any(name not in dims.data for name in replicate):
+            raise ValueError(f"data_parallel_mesh: replicate_dims={replicate} must be some of data_dims={dims.data}")
+        shard = tuple(name for name in dims.data if name not in replicate) + (dims.sequence if shard_sequence else ())
+        if not shard:
+            raise ValueError(f"data_parallel_mesh: nothing to shard over: data_dims={dims.data}, replicate_dims="
+                             f"{replicate}, shard_sequence={shard_sequence}")  # fmt: skip
+        shard_mesh = dims.flattened(shard, "_".join(shard))
+        if not replicate:
+            return shard_mesh
+        replicate_mesh = dims.flattened(replicate, "_".join(replicate))
+        return dims.mesh[(replicate_mesh.mesh_dim_names[0], shard_mesh.mesh_dim_names[0])]
+
     @property
     def ranks(self) -> GroupInfo | Grid:
         """The group's GroupInfo, or USP's Grid."""
         if self.mode == "usp":
             ulysses_group, ring_group = self.groups()
-            return Grid(ulysses_group, ring_group, resolve_group(ulysses_group), resolve_group(ring_group))
+            return Grid.of(ulysses_group, ring_group)
         return resolve_group(self.groups()[0])
 
     def _shape(self) -> tuple[int, int, int, int]:

@@ -6,6 +6,7 @@ ranks' gradient shares.
     SequenceShard                            how a batch was sharded (what the attention reads)
     document_starts(position_ids)            where a packed row's documents start
     all_reduce_gradients(parameters, ...)    each parameter's gradient summed over the ranks
+                                             (the mesh's sequence and data dims named)
 
 Modes and layouts: SequenceParallelism's (parallel/parallelism.py), the value a batch's
 sharding and the model's attention share.
@@ -22,6 +23,7 @@ from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from seqpar_kernels.comm.grid import reduction_groups
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
@@ -90,6 +92,8 @@ def shard_batch(
     mesh=None,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
+    sequence_dims=None,
+    data_dims=(),
     layout: str = "contiguous",
     ignore_index: int = -100,
 ) -> dict:
@@ -106,7 +110,9 @@ def shard_batch(
         cu_seq_lens_q/k, max_length_q/k, seq_idx (a flattening collator's description
                         of the full batch) are dropped: the varlen plan replaces them.
     mode, group / mesh / ulysses_group + ring_group, layout: as the module docstring
-        says; the same as the model's attention was given (apply()).
+        says; the same as the model's attention was given (apply()). Or mesh= with
+        sequence_dims= (and data_dims=): SequenceParallelism.resolve's; batch is then
+        this rank's data replica's (its data_rank's), split over the sequence dims.
     Returns a dict:
         input_ids       (batch, seqlen_local): this rank's tokens in the layout
         position_ids    (batch, seqlen_local): their global positions (positions within
@@ -126,8 +132,9 @@ def shard_batch(
     rank raises on every rank); a packed batch builds its varlen_plan here."""
     describe = "shard_batch"
     parallelism = SequenceParallelism.resolve(
-        describe, mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
-    )
+        describe, mode, layout, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+        sequence_dims=sequence_dims, data_dims=data_dims,
+    )  # fmt: skip
     unknown = sorted(set(batch) - set(_TOKEN_KEYS) - set(_FULL_BATCH_PACKING_KEYS))
     if unknown:
         raise ValueError(
@@ -204,20 +211,30 @@ def all_reduce_gradients(
     mesh=None,
     ulysses_group: dist.ProcessGroup | None = None,
     ring_group: dist.ProcessGroup | None = None,
+    sequence_dims=None,
+    data_dims=(),
 ) -> None:
-    """Sum every parameter's gradient over the sequence-parallel ranks, in place.
+    """Sum every parameter's gradient over the sequence-parallel ranks (and the data
+    replicas named), in place.
 
     Under sequence parallelism each rank's backward gives its tokens' share of every
     parameter's gradient (sequence_parallel_cross_entropy's convention); their sum is
     the gradient of the whole batch. parameters: a module or parameters; those that
     require grad take part, a missing .grad counting as zeros (so that every rank sends
-    the same buffers). group (default: the world), or mesh / ulysses_group + ring_group
-    (every rank of the grid). One all_reduce per group per bucket of gradients of one
-    dtype and device (up to 64 MiB, flattened into one copy at a time). Under DDP or FSDP over the same ranks, which
-    average, do not call this: multiply the loss by the number of ranks instead."""
+    the same buffers); a DTensor's gradient (FSDP2's shard) is summed shard by shard,
+    which is right where the ranks summed over hold the same shards (FSDP2 over the data
+    dims only: the sequence ranks of a replica do). group (default: the world), or mesh /
+    ulysses_group + ring_group (every rank of the grid); or mesh= with sequence_dims= and
+    data_dims=: the sum over exactly the dims named, never the mesh's others. Name the
+    data dims where no DDP or FSDP sums over them: under a wrapper over the data dims,
+    name the sequence dims alone; under FSDP over data x sequence, do not call this.
+    (Wrappers average: scale the loss by their ranks for the backward, as
+    SequenceParallelism.data_parallel_mesh says.) One all_reduce per dim per bucket of
+    gradients of one dtype and device (up to 64 MiB, flattened into one copy at a time)."""
     groups = [
         each for each, info in reduction_groups(
-            "all_reduce_gradients", group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group
+            "all_reduce_gradients", group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+            sequence_dims=sequence_dims, data_dims=data_dims,
         ) if info.world_size > 1
     ]  # fmt: skip
     if isinstance(parameters, torch.nn.Module):
@@ -230,16 +247,25 @@ def all_reduce_gradients(
     by_kind: dict[tuple, list[list[torch.nn.Parameter]]] = {}
     for parameter in parameters:
         buckets = by_kind.setdefault((parameter.dtype, parameter.device), [[]])
-        size = sum(p.numel() * p.element_size() for p in buckets[-1])
-        if buckets[-1] and size + parameter.numel() * parameter.element_size() > _BUCKET_BYTES:
+        size = sum(_local(p).numel() * p.element_size() for p in buckets[-1])
+        if buckets[-1] and size + _local(parameter).numel() * parameter.element_size() > _BUCKET_BYTES:
             buckets.append([])
         buckets[-1].append(parameter)
-    for bucket in (bucket for buckets in by_kind.values() for bucket in buckets):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        for reduce_group in groups:
-            dist.all_reduce(flat, group=reduce_group)
-        for parameter, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
-            parameter.grad = piece.view_as(parameter).clone() if parameter.grad is None else \
-                parameter.grad.copy_(piece.view_as(parameter))  # fmt: skip
-        del flat, grads  # before the next bucket's copy
+    with torch.no_grad():
+        for bucket in (bucket for buckets in by_kind.values() for bucket in buckets):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            shards = [_local(grad) for grad in grads]
+            flat = torch.cat([shard.reshape(-1) for shard in shards])
+            for reduce_group in groups:
+                dist.all_reduce(flat, group=reduce_group)
+            for parameter, grad, shard, piece in zip(bucket, grads, shards, flat.split([t.numel() for t in shards])):
+                shard.copy_(piece.view_as(shard))
+                if parameter.grad is None:
+                    parameter.grad = grad
+            del flat, grads, shards  # before the next bucket's copy
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of tensor: a DTensor's local shard (the same storage), else
+    the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -335,6 +335,8 @@ def apply(
     mesh=None,
     ulysses_group=None,
     ring_group=None,
+    sequence_dims=None,
+    data_dims=(),
     layout: str = "contiguous",
     step_backend: str = "auto",
 ) -> SequenceParallelism:
@@ -349,7 +351,10 @@ def apply(
         images and videos of shard_batch(..., model=model) (vision.install).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
-        from make_usp_groups).
+        from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
+        named dims, sequence_dims= the sequence's dim (USP: (ulysses dim, ring dim)),
+        data_dims= the data replicas' dims; causal_lm_loss then counts its tokens over
+        both, and the mesh's other dims are never reduced over.
     layout: "contiguous", or "balanced" (ring and usp: causal work balanced across the
         ring; shard_batch must be given the same).
     step_backend: "auto", "triton" or "aten": what computes the ring's steps (ring and
@@ -368,6 +373,8 @@ def apply(
         mesh=mesh,
         ulysses_group=ulysses_group,
         ring_group=ring_group,
+        sequence_dims=sequence_dims,
+        data_dims=data_dims,
         step_backend=step_backend,
     )
     if not isinstance(model, transformers.PreTrainedModel):

@@ -88,8 +88,8 @@ def _through_head(describe: str, model, hidden_states: torch.Tensor, function, l
     (the autocast dtype under autocast)."""
     weight, logit_softcap, logit_scale = head_of(model, describe)
     settings = getattr(model, SETTINGS_ATTRIBUTE, None)
-    if settings is not None and all(value is None for value in groups.values()):
-        groups = settings.group_kwargs()
+    if settings is not None and all(value in (None, ()) for value in groups.values()):
+        groups = settings.reduction_kwargs()
     options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **groups)
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
@@ -110,6 +110,8 @@ def causal_lm_loss(
     mesh=None,
     ulysses_group=None,
     ring_group=None,
+    sequence_dims=None,
+    data_dims=(),
     ignore_index: int = -100,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
@@ -122,14 +124,17 @@ def causal_lm_loss(
     hidden_states: (..., hidden), this rank's tokens' last hidden states (the base
         model's last_hidden_state), the head's dtype and device.
     shift_labels: shard_batch's "shift_labels", hidden_states' leading shape.
-    group / mesh / ulysses_group + ring_group: the ranks to reduce over; none given: the
-        groups apply() recorded on the model (the world for a model it did not set up).
+    group / mesh / ulysses_group + ring_group: the ranks to reduce over, or mesh= with
+        sequence_dims= and data_dims= (the mean over every real token of every data
+        replica); none given: what apply() recorded on the model (the world for a model
+        it did not set up).
     ignore_index, chunk_size: sequence_parallel_cross_entropy's.
     Returns the 0-dim fp32 mean over every rank's real tokens, the same on every rank;
     its backward gives this rank's share (all_reduce_gradients sums them). Under
     autocast the head's logits are computed in the autocast dtype, as its Linear would
     compute them. Raises ValueError for a head it cannot express (head_of)."""
-    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                  sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
     return _through_head("causal_lm_loss", model, hidden_states, sequence_parallel_cross_entropy, shift_labels, groups,
                          ignore_index=ignore_index, chunk_size=chunk_size)  # fmt: skip
 
@@ -143,6 +148,8 @@ def causal_lm_logprobs(
     mesh=None,
     ulysses_group=None,
     ring_group=None,
+    sequence_dims=None,
+    data_dims=(),
     temperature: float = 1.0,
     return_entropy: bool = False,
     ignore_index: int = -100,
@@ -161,7 +168,9 @@ def causal_lm_logprobs(
         # DPO: each sequence's sum over every rank's tokens, (B,), the same on every rank
         seq_logps = causal_lm_logprobs(model, hidden, batch["shift_labels"], per_sequence=True)
 
-    model, hidden_states, group / mesh / ulysses_group + ring_group: as causal_lm_loss.
+    model, hidden_states, group / mesh / ulysses_group + ring_group, sequence_dims,
+        data_dims: as causal_lm_loss (per-sequence sums over the sequence dims only:
+        each data replica holds other sequences).
     labels: shard_batch's "shift_labels" (ignore_index: prompt, padding, last token).
     temperature: the logits (after the model's own transform) are divided by it.
     return_entropy: also the entropy of each token's distribution.
@@ -174,7 +183,8 @@ def causal_lm_logprobs(
     Returns log_probs (labels' shape, fp32, 0 where the label is ignore_index), or
     (log_probs, entropy); differentiable (this rank's share, as causal_lm_loss's).
     Raises ValueError for a head it cannot express (head_of)."""
-    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                  sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
     options = dict(ignore_index=ignore_index, chunk_size=chunk_size, temperature=temperature,
                    return_entropy=return_entropy, statistics=statistics)  # fmt: skip
     if per_sequence:

@@ -156,6 +156,8 @@ def shard_batch(
     mesh=None,
     ulysses_group=None,
     ring_group=None,
+    sequence_dims=None,
+    data_dims=(),
     layout: str = "contiguous",
     ignore_index: int = -100,
     model=None,
@@ -185,7 +187,8 @@ def shard_batch(
     on every rank, for a batch whose pixels, grids and placeholder tokens disagree, an
     image crossing a packed document's end, a missing mm_token_type_ids, or ranks
     holding different images."""
-    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group)
+    groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
+                  sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
     present = [key for key in MULTIMODAL_KEYS if batch.get(key) is not None]
     position_ids = batch.get("position_ids")
     three_d = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3

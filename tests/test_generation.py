@@ -49,13 +49,13 @@ class _Streamer:
         pass
 
 
-def _generate(model, ids, mask, seed, cache=None, sample=False, streamer=None):
+def _generate(model, ids, mask, seed, cache=None, sample=False, streamer=None, new_tokens=NEW_TOKENS):
     torch.manual_seed(seed)
     options = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
     if streamer is not None:
         options["streamer"] = streamer
     # use_cache: the families' configs (built for training) say False.
-    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, cache=cache,
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=0, cache=cache,
                           use_cache=True, return_dict_in_generate=True, output_scores=True, **options)  # fmt: skip
 
 
@@ -105,13 +105,13 @@ def run_generate(cases):
             more = torch.randint(3, integration.VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(5))
             ids2 = torch.cat([theirs.sequences, more], 1)
             mask2 = torch.cat([mask, torch.ones(ids.shape[0], ids2.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-            ours2 = _generate(model, ids2, mask2, seed=12, cache=cache)
-            theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache)
+            # next_turn_tokens=1: the cache right after the turn's chunk, before decode steps even it out.
+            turn_tokens = case.get("next_turn_tokens", NEW_TOKENS)
+            ours2 = _generate(model, ids2, mask2, seed=12, cache=cache, new_tokens=turn_tokens)
+            theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache, new_tokens=turn_tokens)
             failures += _compare(f"{name} next turn", ours2, theirs2)
-            # A next turn's pieces are whole columns of the batch: up to batch - 1 slots past the share.
-            slack = max(1, ids.shape[0] - 1)
             failures += _within_share(f"{name} after a next turn", ours2.cache, theirs2.sequences,
-                                      dist.get_world_size(), slack)  # fmt: skip
+                                      dist.get_world_size(), 1)  # fmt: skip
     return failures
 
 
@@ -214,12 +214,18 @@ def test_usp_grid():
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_rank_holds_at_most_its_share_of_the_cache(world_size):
-    """A left-padded batch of unequal prompts (19, 10 and 15 tokens): every rank's cache
-    within ceil(one process's slots / P) + 1 a layer, in every mode and layout."""
+    """A left-padded batch of unequal prompts (19, 10, 15, 17 and 12 tokens) in every mode
+    and layout, and an unpadded batch of 5 (where the share has no padding to spare):
+    every rank's cache within ceil(one process's slots / P) + 1 a layer, after generate
+    and right after a next turn's chunk (computed in pieces of whole columns of the batch:
+    kept where computed, a rank would pass its share by up to batch - 1)."""
     usp = dict(ulysses=2 if world_size % 2 == 0 else 1)
-    cases = [_case(mode, layout=layout, batch=3, pads=(9, 4), **(usp if mode == "usp" else {}))
+    turn = dict(batch=5, next_turn=True, next_turn_tokens=1)
+    cases = [_case(mode, layout=layout, pads=(9, 4, 2, 7), **turn, **(usp if mode == "usp" else {}))
              for mode, layout in (("ring", "contiguous"), ("ring", "balanced"), ("ulysses", "contiguous"),
                                   ("usp", "contiguous"), ("usp", "balanced"))]  # fmt: skip
+    cases += [_case("ring", layout="contiguous", padded=False, **turn),
+              _case("usp", layout="balanced", padded=False, **turn, **usp)]  # fmt: skip
     failures = [failure for per_rank in pool_for(world_size).run(run_generate, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 

@@ -5,6 +5,7 @@
     parallelism.take(x, dim)               this rank's piece of a full sequence (local, a view)
     parallelism.split(x, dim)              the same, checked on every rank (its backward gathers)
     parallelism.gather(x, dim, total)      the full sequence from every rank's piece
+    parallelism.gather_consecutive(x, dim, lengths)  the same for pieces of any lengths, in order
     parallelism.attention(q, k, v, ...)    the mode's attention function on its groups
     parallelism.gather_ints(values, dev)   every rank's small ints, in piece order
     parallelism.agree(describe, value, d)  raises on every rank unless every rank's value is one
@@ -264,12 +265,20 @@ class SequenceParallelism:
         every rank (no checks: the pieces are piece_lengths(total)'s). Backward: this
         rank's piece of the gradient."""
         lengths = list(self.piece_lengths(total))
+        if self.zigzag and not isinstance(self.ranks, Grid):
+            return zigzag_gather_pieces(x, dim, self.groups()[0], self.ranks, lengths)
+        return self.gather_consecutive(x, dim, lengths, self.dense_layout)
+
+    def gather_consecutive(self, x: torch.Tensor, dim: int, lengths, layout: str = "contiguous") -> torch.Tensor:
+        """The whole along dim from every rank's x, on every rank, where piece p's x holds
+        lengths[p] rows and the pieces follow one another in piece order (layout
+        "contiguous"; "zigzag": USP's ring slots in the zigzag layout). Backward: this
+        rank's piece."""
+        lengths = list(lengths)
         ranks = self.ranks
         if isinstance(ranks, Grid):
             rows = ranks.rows(lengths)
-            return usp_gather_pieces(x, dim, ranks, self.dense_layout, rows[ranks.ring.rank], [sum(r) for r in rows])
-        if self.zigzag:
-            return zigzag_gather_pieces(x, dim, self.groups()[0], ranks, lengths)
+            return usp_gather_pieces(x, dim, ranks, layout, rows[ranks.ring.rank], [sum(r) for r in rows])
         return gather_sequence(x, dim, self.groups()[0], sizes=lengths)
 
     # -- attention ------------------------------------------------------------------

@@ -38,6 +38,7 @@ import transformers
 from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from seqpar_kernels.layouts import tensor_split_sizes
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import SequenceShard
 from seqpar_kernels.parallel.varlen import varlen_plan
@@ -91,8 +92,11 @@ class ShardedLayer(CacheLayerMixin):
             self._append(key_states, value_states)
             return key_states, value_states
         if step.kind == "chunk":
-            # This rank's piece (B, kv_heads, C_r, D): its slots are row 0's C_r tokens, then row 1's, ...
-            self._append(*(x.transpose(0, 1).flatten(1, 2).unsqueeze(0) for x in (key_states, value_states)))
+            # Every rank's piece (B, kv_heads, C_p, D) -> the chunk's (B, kv_heads, N, D): this rank
+            # keeps the tokens step.kept_rows / kept_columns name (its share), whoever computed them.
+            chunk = (self.cache.parallelism.gather_consecutive(x, 2, step.chunk_seq_lens)
+                     for x in (key_states, value_states))  # fmt: skip
+            self._append(*(x[step.kept_rows, :, step.kept_columns].transpose(0, 1).unsqueeze(0) for x in chunk))
             return key_states, value_states
         if step.kept_rows.numel():
             self._append(*(x[step.kept_rows, :, -1].transpose(0, 1).unsqueeze(0) for x in (key_states, value_states)))
@@ -173,7 +177,8 @@ class Step:
                   tokens included, as the attention reads it (batch, width): each row's
                   slots, their positions, the count of each row's slots; chunk: the
                   cache before the chunk, the same way
-    kept_rows     decode: the rows whose new key and value this rank keeps
+    kept_rows, kept_columns   decode: the rows whose new key and value this rank
+                  keeps; chunk: the (row, column) of each chunk token it keeps
     query_positions  decode and chunk: (batch, new tokens here) each new token's position
     last_local, last_rows  prefill and chunk: the local rows of the sequences' last
                   tokens held here, and their sequences (whose next-token logits this
@@ -188,6 +193,7 @@ class Step:
     cache_positions: torch.Tensor | None = None
     cache_lengths: torch.Tensor | None = None
     kept_rows: torch.Tensor | None = None
+    kept_columns: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     last_local: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None
@@ -210,8 +216,8 @@ class ShardedCache(Cache):
 
     Memory: every rank holds at most ceil(batch x seen / P) + 1 slots a layer (share()),
     where batch x seen is one process's cache (transformers' (batch, kv_heads, seen,
-    head_dim), left padding included); a next turn of C tokens a sequence may add up to
-    batch - 1 more (its pieces are whole columns)."""
+    head_dim), left padding included), after a next turn too: each new token is kept by
+    the rank then holding the fewest, whichever rank computed it."""
 
     def __init__(self, parallelism: SequenceParallelism, config):
         self.parallelism = parallelism
@@ -265,24 +271,27 @@ class ShardedCache(Cache):
         self.step = Step("prefill", new_columns=padded)
 
     def begin_chunk(self, new_tokens: int) -> Step:
-        """A next turn of new_tokens tokens a row over the cache: the columns of piece p
-        of a split over the pieces are rank p's (kept in its cache); the split gives the
-        least loaded ranks the most columns."""
+        """A next turn of new_tokens tokens a row over the cache: piece p of a
+        torch.tensor_split of the columns is rank p's to compute; each token's keys and
+        values are kept by the rank then holding the fewest tokens (a decode step's rule,
+        token by token), so that every rank stays within its share."""
         parallelism = self.parallelism
         batch = self.real_lengths.shape[0]
-        sizes = _fill_columns(self.loads, new_tokens, batch)
+        sizes = tensor_split_sizes(new_tokens, parallelism.pieces)
         piece = parallelism.piece
         offset, local = sum(sizes[:piece]), sizes[piece]
         device = self.real_lengths.device
         index, cache_positions = self._by_row()
         query_positions = self.real_lengths[:, None] + offset + torch.arange(local, device=device)  # (B, C_r)
         cache_lengths = self.lengths.clone()
-        self._add(torch.arange(batch, device=device).repeat_interleave(local), query_positions.flatten())
+        kept = [(row, column) for column in range(new_tokens) for row in range(batch) if self._keeps()]
+        kept_rows, kept_columns = torch.tensor(kept, dtype=torch.int64, device=device).reshape(-1, 2).unbind(1)
+        self._add(kept_rows, self.real_lengths[kept_rows] + kept_columns)
         self.real_lengths = self.real_lengths + new_tokens
-        self.loads = [load + batch * size for load, size in zip(self.loads, sizes)]
         held = local > 0 and offset + local == new_tokens  # this rank holds the chunk's last token
         step = Step("chunk", index=index, cache_positions=cache_positions, cache_lengths=cache_lengths,
-                    query_positions=query_positions, chunk_seq_lens=sizes,
+                    kept_rows=kept_rows, kept_columns=kept_columns, query_positions=query_positions,
+                    chunk_seq_lens=sizes,
                     cache_seq_lens=parallelism.gather_ints([index.shape[1]], device),
                     last_local=torch.tensor([local - 1] if held else [], dtype=torch.int64, device=device),
                     last_rows=torch.arange(batch, device=device) if held else None,
@@ -296,12 +305,7 @@ class ShardedCache(Cache):
         if new_tokens != 1:
             raise ValueError(f"ShardedCache: decode steps of one token a sequence; got {new_tokens}")
         query_positions = self.real_lengths[:, None].clone()
-        kept = []
-        for row in range(query_positions.shape[0]):
-            rank = min(range(len(self.loads)), key=self.loads.__getitem__)
-            self.loads[rank] += 1
-            if rank == self.parallelism.piece:
-                kept.append(row)
+        kept = [row for row in range(query_positions.shape[0]) if self._keeps()]
         kept_rows = torch.tensor(kept, dtype=torch.int64, device=query_positions.device)
         self._add(kept_rows, query_positions[kept_rows, 0])
         self.real_lengths = self.real_lengths + 1
@@ -309,6 +313,13 @@ class ShardedCache(Cache):
         self.step = Step("decode", index=index, cache_positions=cache_positions, cache_lengths=self.lengths.clone(),
                          kept_rows=kept_rows, query_positions=query_positions, new_columns=1)  # fmt: skip
         return self.step
+
+    def _keeps(self) -> bool:
+        """Gives one new token to the rank holding the fewest (the lowest piece on a tie),
+        the same choice on every rank; whether it is this rank."""
+        rank = min(range(len(self.loads)), key=self.loads.__getitem__)
+        self.loads[rank] += 1
+        return rank == self.parallelism.piece
 
     def _add(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """New slots after the last: their rows and positions."""
@@ -328,17 +339,6 @@ class ShardedCache(Cache):
         index = torch.zeros((batch, width), dtype=torch.int64, device=device)
         index[exists] = order[(starts[:, None] + columns)[exists]]
         return index, torch.where(exists, self.positions[index] if self.slots else index, 0)
-
-
-def _fill_columns(loads: list[int], columns: int, batch: int) -> list[int]:
-    """Each rank's count of `columns` new columns of `batch` tokens each, in piece order:
-    one column at a time to the rank then holding the fewest tokens (`loads`, slots)."""
-    loads, sizes = list(loads), [0] * len(loads)
-    for _ in range(columns):
-        rank = min(range(len(loads)), key=loads.__getitem__)
-        loads[rank] += batch
-        sizes[rank] += 1
-    return sizes
 
 
 # ----------------------------------------------------------------------------------

@@ -303,7 +303,9 @@ def test_attention_stays_inside_documents(ranks, method):
 
 @runs_triton_on("cpu")
 def test_triton_step_kernels_keep_attention_inside_documents(ranks):
-    # The interpreter is slow: three fp32 cases and one bf16.
+    if ranks.world_size != 3:
+        pytest.skip("the interpreter is slow: one world size, whose ring has every kind of step")
+    # Three fp32 cases and one bf16.
     cases = [
         _case("ring-triton", "mixed", causal=True, layout="balanced"),
         _case("ring-triton", "lengths 1", causal=False, layout="contiguous", seed=1),

@@ -10,14 +10,13 @@ Ulysses sends. LattePipeline and WanPipeline run unchanged and give every rank t
 pipeline's frames. What the integration cannot run raises a ValueError on every rank.
 
 The single-process reference is the same model without apply(), run whole on each rank.
-Run against the installed diffusers; test_oldest_supported_diffusers reruns this file under
+Run against the installed diffusers; tests/test_oldest_releases.py reruns some of it under
 the oldest release the README promises, where the test set-up installed it.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -28,10 +27,9 @@ diffusers = pytest.importorskip("diffusers")
 
 from conftest import pool_for  # noqa: E402
 from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
-from optional_dependency import assert_never_imported, oldest_marker, run_under_oldest_release  # noqa: E402
+from optional_dependency import assert_never_imported  # noqa: E402
 from video_bytes import expected_bytes  # noqa: E402
 
-OLDEST_SUPPORTED = "0.35.2"
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 FP32_RTOL = 1e-5  # of the output's largest value; of each parameter's largest gradient
@@ -477,11 +475,3 @@ def test_example_matches_one_process():
 
 def test_core_package_never_imports_diffusers():
     assert_never_imported("diffusers")
-
-
-@pytest.mark.skipif(os.environ.get(oldest_marker("diffusers")) == "1", reason="already the oldest release")
-def test_oldest_supported_diffusers():
-    """This file's parity and error tests under the oldest supported release, installed
-    by scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI)."""
-    selection = "latte_and_wan and 3 or more_transformers or cannot_run or pipelines"  # one pool of 3 ranks
-    run_under_oldest_release("diffusers", OLDEST_SUPPORTED, __file__, selection)

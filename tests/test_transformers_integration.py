@@ -21,9 +21,7 @@ file under the oldest release the README promises, where the test set-up install
 from __future__ import annotations
 
 import copy
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import pool_for  # noqa: E402
 from on_ranks import on_every_rank, raises, timeout_group  # noqa: E402
-from optional_dependency import assert_never_imported, oldest_marker, run_under_oldest_release  # noqa: E402
-
-OLDEST_SUPPORTED = "4.56.2"
+from optional_dependency import assert_never_imported  # noqa: E402
 
 VOCAB = 96
 FP32_LOSS_RTOL = 1e-5
@@ -629,20 +625,3 @@ def test_apply_refuses_layers_that_mix_the_sequence_outside_the_attention():
 
 def test_core_package_never_imports_transformers():
     assert_never_imported("transformers")
-
-
-@pytest.mark.skipif(os.environ.get(oldest_marker("transformers")) == "1", reason="already the oldest release")
-def test_oldest_supported_transformers():
-    """This file's parity and error tests, and some of the Trainer's and the
-    vision-language models', under the oldest supported release, installed by
-    scripts/setup.sh into build/ (skipped where the set-up could not reach PyPI); the
-    families it lacks are skipped there with the reason. The other files' run in the same
-    session: they share its rank pools."""
-    selection = (
-        "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw or family or masks_are_read or head "
-        "or refuses or test_transformers_trainer and (P2-ring or replicas and packed or mixin) "
-        "or test_transformers_vision and (match_one_process and 2 or trainer)"
-    )
-    others = [str(Path(__file__).with_name(name)) for name in ("test_transformers_trainer.py",
-                                                               "test_transformers_vision.py")]  # fmt: skip
-    run_under_oldest_release("transformers", OLDEST_SUPPORTED, [__file__, *others], selection)

@@ -33,12 +33,10 @@ trl = pytest.importorskip("trl")
 
 from conftest import pool_for  # noqa: E402
 from on_ranks import raises  # noqa: E402
-from optional_dependency import oldest_marker, run_under_oldest_release  # noqa: E402
 from test_transformers_trainer import _as_torchrun_started  # noqa: E402
 
 from tools import reference as accuracy  # noqa: E402
 
-OLDEST_SUPPORTED = "1.15.0"
 SEED = 0
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
@@ -296,9 +294,3 @@ def test_example_matches_trl_in_one_process():
     for mine, theirs in zip(ours, reference):
         for name, value in theirs.items():
             assert abs(mine[name] - value) <= LOSS_RTOL * abs(value) + REWARD_ATOL, (name, mine, theirs)
-
-
-@pytest.mark.skipif(os.environ.get(oldest_marker("trl")) == "1", reason="this is the rerun")
-def test_under_the_oldest_supported_trl():
-    """The DPO test under TRL 1.15.0 (installed by scripts/setup.sh into build/)."""
-    run_under_oldest_release("trl", OLDEST_SUPPORTED, __file__, "test_dpo_matches")

@@ -158,11 +158,11 @@ def test_cpu_paths_take_any_layout(ranks, path, causal):
 
 
 @runs_triton_on("cpu")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_triton_ring_takes_any_layout(ranks, causal):
+def test_triton_ring_takes_any_layout(ranks):
+    # Causal only: its ring at 3 ranks runs the unmasked blocks of a full mask too.
     if ranks.world_size != 3:
         pytest.skip("the interpreter is slow: one world size, whose ring has every kind of step")
-    failures = _failures(ranks.run(run_layouts, "ring-triton", causal))
+    failures = _failures(ranks.run(run_layouts, "ring-triton", True))
     assert not failures, "\n".join(failures)
 
 

@@ -1,5 +1,5 @@
 """Inductor keeps every rank's collectives: torch.compile(fullgraph=True) with the
-default backend, forward and backward, equals eager on 2-4 gloo ranks.
+default backend, forward and backward, equals eager on 2 and 3 gloo ranks.
 
 Each rank compiles its own graph, and the graphs differ where the shapes do: with fewer
 heads than ranks, a rank without heads exchanges empty gradients. To inductor a custom
@@ -67,5 +67,7 @@ def run_compiled_and_eager():
 def test_inductor_matches_eager_with_any_head_split(ranks):
     if ranks.world_size == 1:
         pytest.skip("one rank exchanges nothing")
+    if ranks.world_size == 4:
+        pytest.skip("3 ranks hold every head split 4 does (fewer, more, not divisible) in less time")
     differences = ranks.run(run_compiled_and_eager)
     assert max(differences) <= 1e-5, differences

@@ -21,7 +21,7 @@ rounds, a sample is the slowest rank's time):
   ring             ... "ring", layout="balanced"
   usp              ... "usp", layout="balanced", on a 2-D DeviceMesh with Ulysses
                    degree 2 where the world size is even (else 1), as the example
-and a mode's step is the five lines of the README on this rank's share:
+and a mode's step is the five lines of docs/transformers.md on this rank's share:
   model.zero_grad(); local = shard_batch(batch, mode=, layout=, ...)
   hidden = model.model(**local).last_hidden_state
   loss = sequence_parallel_cross_entropy(hidden, model.lm_head.weight, local["shift_labels"], ...)

@@ -20,7 +20,7 @@ pass sizes, so that the argument checks' two small gathers are not timed.
 
 Bytes: comm_stats around one call (forward, or forward + backward), the ring's share
 counted apart (the ring's point-to-point sends; the rest is the Ulysses all-to-all),
-against the README's formulas per group (theory_bytes, by traffic.usp_bytes):
+against the formulas of docs/usp.md per group (theory_bytes, by traffic.usp_bytes):
 bytes_sent_ulysses_group, bytes_sent_ring_group on rank 0, volume_at_theory when both
 equal the formulas on every rank.
 
@@ -159,7 +159,7 @@ def position_on_grid(groups) -> tuple[int, int]:
 
 def theory_bytes(case: UspCase, grid: Grid, lengths: list[int], i: int, j: int) -> tuple[int, int]:
     """(Ulysses group, ring group) bytes the rank at (i, j) sends in one call (forward,
-    or forward + backward): traffic.usp_bytes, the README's formulas. lengths: every
+    or forward + backward): traffic.usp_bytes, the formulas of docs/usp.md. lengths: every
     piece's length, in piece order."""
     groups = usp_bytes(
         lengths, i, j, ulysses_size=grid.ulysses, batch=case.batch, num_heads=case.heads,

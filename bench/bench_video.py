@@ -29,7 +29,7 @@ Rows (bench "video"): one per mode of ours. The baseline is diffusers' context
 parallelism with the same method (DSP's: its Ulysses, the method DSP is measured
 against) where it ran, else the single process; the case label says which, and the
 detail gives every candidate's time and why diffusers' did not run. bytes_sent_ours is
-comm_stats on rank 0 and bytes_sent_theory the README's formula (tests/video_bytes.py:
+comm_stats on rank 0 and bytes_sent_theory the formula of docs/diffusers.md (tests/video_bytes.py:
 the model's calls, each by seqpar_kernels.traffic), volume_at_theory the two equal on
 every rank; the Latte rows' detail gives DSP's bytes over Ulysses'. check: the output
 (the same on every rank) against the single process's, within OUTPUT_RTOL of its

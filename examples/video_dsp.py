@@ -9,7 +9,7 @@ process; a training step's gradients (each rank's share, summed) equal to its gr
 Prints, per model and mode, the output's and the gradients' largest error (relative to
 their largest values) and the bytes each call sent (rank 0's, comm_stats), and exits
 non-zero if any error exceeds the tolerance. With a real pipeline the same one line
-does it (see the README's diffusers section):
+does it (see docs/diffusers.md):
 
     pipe = LattePipeline.from_pretrained("maxin-cn/Latte-1", torch_dtype=torch.float16).to(device)
     sp_diffusers.apply(pipe.transformer, "dsp")

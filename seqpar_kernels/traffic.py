@@ -17,7 +17,7 @@ formulas of what each collective sends, the one place they are written.
     prefill_attention_method   the method prefill_attention's "auto" takes: fewer bytes
 
 The formulas are pure arithmetic on lengths, heads and element sizes: the tests and
-the benchmarks compare comm_stats with them, and the README quotes them. Pieces follow
+the benchmarks compare comm_stats with them, and docs/ quotes them. Pieces follow
 torch.tensor_split (seqpar_kernels.layouts). Bytes are those one rank sends to other
 ranks, its own share excluded, as comm_stats counts them.
 """

@@ -5,7 +5,7 @@ and the ranks' gradient shares (summed by all_reduce_gradients) must be its grad
 under DSP, Ulysses, ring and USP, Wan under Ulysses, ring and USP, CogVideoX, HunyuanVideo
 (padded prompt), LTX-Video (text mask) and Flux (joint text-image attention), with frame and
 token counts no world size divides, and heads no world size divides (3). The bytes sent
-(comm_stats) must be the README's formulas, and DSP on Latte must send at most half of what
+(comm_stats) must be the formulas of docs/diffusers.md, and DSP on Latte must send at most half of what
 Ulysses sends. LattePipeline and WanPipeline run unchanged and give every rank the whole
 pipeline's frames. What the integration cannot run raises a ValueError on every rank.
 

@@ -1,6 +1,6 @@
-"""The README's examples are the files in examples/ as they are, and they run under
-torchrun: quickstart (2 ranks), usp (a 2 x 2 grid), varlen (4 ranks) and the transformers
-training example (3 ranks, where transformers is installed)."""
+"""The examples the README and the manual (docs/) show are the files in examples/ as they
+are, and they run under torchrun: quickstart (2 ranks), usp (a 2 x 2 grid), varlen (4
+ranks) and the transformers training example (3 ranks, where transformers is installed)."""
 
 import os
 import re
@@ -13,8 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def shown_python_blocks() -> list[str]:
+    """The Python blocks of the README and of every page of docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [block for page in pages for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def run_example(name: str, ranks: int) -> str:
@@ -32,8 +34,8 @@ def run_example(name: str, ranks: int) -> str:
 
 
 @pytest.mark.parametrize("name", ["quickstart.py", "usp.py", "varlen.py"])
-def test_readme_shows_the_example_as_it_is(name):
-    assert (ROOT / "examples" / name).read_text() in readme_python_blocks()
+def test_the_docs_show_the_example_as_it_is(name):
+    assert (ROOT / "examples" / name).read_text() in shown_python_blocks()
 
 
 def test_quickstart_runs_under_torchrun():

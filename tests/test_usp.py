@@ -80,7 +80,7 @@ def position(groups: dict) -> tuple[int, int, int, int]:
 
 
 def usp_piece(x, layout, i, j, ring_size, ulysses_size, lengths=None, dim=1):
-    """Piece i*U + j of the full sequence x (along dim), as the README defines the
+    """Piece i*U + j of the full sequence x (along dim), as docs/usp.md defines the
     layouts. contiguous: torch.tensor_split into R*U, or lengths[p] consecutive rows for
     piece p; zigzag: chunks i and 2R-1-i of tensor_split into 2R, then piece j of that
     slot's tensor_split into U."""

@@ -1,6 +1,6 @@
 """The bytes seqpar_kernels.integrations.diffusers sends per call of a transformer: what
 each rank sends in one forward, or in its backward, under each mode, the model's calls
-counted here and each call's bytes by seqpar_kernels.traffic's formulas (the README's).
+counted here and each call's bytes by seqpar_kernels.traffic's formulas (docs/ quotes them).
 Pure arithmetic on the model's shape (no torch.distributed): the tests compare
 comm_stats with it, the video benchmark reports it beside the measured bytes.
 

@@ -97,7 +97,7 @@ def ring_attention(
         plan's layout (plan.split makes them); attention stays inside each document
         (causal or not within it); a step whose K/V block shares no document with this
         rank's queries computes nothing. layout and seq_lens then come from the plan.
-    step_backend: what computes each step: "triton", "aten" or "auto" (the README).
+    step_backend: what computes each step: "triton", "aten" or "auto" (docs/ring.md).
     window_size: (left, right), flash-attention's sliding window: the query at position i
         sees the keys at positions i - left ..= i + right (-1: no bound on that side;
         causal also bounds them by i). Positions in the whole sequence (in the document

@@ -242,7 +242,7 @@ def ulysses_attention(
     seq_lens: every rank's seqlen_local. If None they are exchanged, in the one small
         collective that also makes a bad input on any rank raise on every rank; under
         torch.compile they are assumed equal. Passing them skips that collective (see
-        the README on bad inputs).
+        docs/api.md on bad inputs).
     varlen: a VarlenPlan (varlen_plan(cu_seqlens, group=group)) for packed documents:
         q, k, v are (1, plan.seq_lens[rank], heads, headdim), this rank's tokens in the
         plan's layout (plan.split makes them); attention stays inside each document

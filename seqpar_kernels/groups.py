@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,12 @@ class GroupInfo:
     name: str
     rank: int
     world_size: int
+    # The group itself where it was resolved from one: torch.compile traces reading it,
+    # not a lookup by name (a pybind call, which breaks the graph).
+    group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+
+    def process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else group_from_name(self.name)
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> GroupInfo:
@@ -24,7 +30,7 @@ def resolve_group(group: dist.ProcessGroup | None) -> GroupInfo:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return GroupInfo(SINGLE_PROCESS, 0, 1)
     group = group if group is not None else dist.group.WORLD
-    return GroupInfo(group.group_name, dist.get_rank(group), dist.get_world_size(group))
+    return GroupInfo(group.group_name, dist.get_rank(group), dist.get_world_size(group), group)
 
 
 def group_from_name(name: str) -> dist.ProcessGroup:

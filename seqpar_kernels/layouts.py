@@ -22,7 +22,6 @@ A slot's or a piece's rows are always its global ranges in increasing order ("se
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
@@ -171,13 +170,26 @@ class Run:
     document: int
 
 
+def last_at_or_before(bounds: Sequence[int], position: int) -> int:
+    """The index of the last of the increasing `bounds` at or before `position`
+    (bisect_right - 1), in Python: torch.compile traces it, not the C bisect."""
+    low, high = 0, len(bounds)
+    while low < high:
+        middle = (low + high) // 2
+        if bounds[middle] <= position:
+            low = middle + 1
+        else:
+            high = middle
+    return low - 1
+
+
 def document_runs(segments, cu_seqlens: Sequence[int]) -> tuple[Run, ...]:
     """The runs of a holder of `segments` ((start, length) global ranges, increasing)
     of a sequence whose documents are bounded by `cu_seqlens`."""
     runs, local = [], 0
     for start, length in segments:
         position, end = start, start + length
-        document = bisect.bisect_right(cu_seqlens, position) - 1
+        document = last_at_or_before(cu_seqlens, position)
         while position < end:
             stop = min(end, cu_seqlens[document + 1])
             runs.append(Run(local, position, stop - position, document))

@@ -137,9 +137,22 @@ class SequenceParallelism:
 
     # -- the ranks ------------------------------------------------------------------
 
+    def __post_init__(self):
+        # The groups are looked up by name once, here: under torch.compile a lookup by
+        # name (a pybind call) would break the graph at every attention layer.
+        groups = tuple(None if name == SINGLE_PROCESS else group_from_name(name) for name in self.group_names)
+        object.__setattr__(self, "process_groups", groups)
+
+    def __deepcopy__(self, memo) -> SequenceParallelism:
+        return self  # an immutable value over this process's groups (a copied model shares them)
+
+    def __reduce__(self):
+        # Pickled by its fields; the groups are looked up again by name where it is loaded.
+        return type(self), (self.mode, self.layout, self.group_names, self.step_backend, self.mesh_dims)
+
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """The process groups (None: the single process)."""
-        return tuple(None if name == SINGLE_PROCESS else group_from_name(name) for name in self.group_names)
+        return self.process_groups
 
     def group_kwargs(self) -> dict:
         """The groups as the package's functions take them (group=, or ulysses_group= and

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from seqpar_kernels.comm.grid import Grid, resolve_ranks
-from seqpar_kernels.groups import GroupInfo, all_gather_ints, group_from_name
+from seqpar_kernels.groups import GroupInfo, all_gather_ints
 from seqpar_kernels.layouts import (
     Run,
     dense_slot_segments,
@@ -154,11 +154,11 @@ class SequenceRuns:
             per_run = per_run.detach().requires_grad_()
         if isinstance(self.ranks, Grid):
             rows = self.ranks.rows(counts)
-            slot = _gather_summed(per_run, group_from_name(self.ranks.ulysses.name), rows[self.ranks.ring.rank])
-            return _gather_summed(slot, group_from_name(self.ranks.ring.name), [sum(row) for row in rows])
+            slot = _gather_summed(per_run, self.ranks.ulysses_group, rows[self.ranks.ring.rank])
+            return _gather_summed(slot, self.ranks.ring_group, [sum(row) for row in rows])
         if self.ranks.world_size == 1:
             return per_run
-        return _gather_summed(per_run, group_from_name(self.ranks.name), counts)
+        return _gather_summed(per_run, self.ranks.process_group(), counts)
 
     def final_states(self, gathered: torch.Tensor, step: Callable, zero: torch.Tensor) -> torch.Tensor:
         """Every document's state after its last run, on every rank: (documents x batch,

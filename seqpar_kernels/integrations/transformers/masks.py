@@ -81,6 +81,8 @@ _PACKING_LEAVES = ("packed_sequence_mask_function.<locals>.inner_mask",)
 # remap positions to the documents'), as sequence-parallel attention does.
 CHUNKS_FROM_DOCUMENT_START = hasattr(masking_utils, "remap_positions_for_packed_sequence")
 
+_CHANGED_CONVENTION = "this transformers release changed its convention"
+
 # (function code, its pattern) pairs already checked on the probe grid.
 _verified: set = set()
 
@@ -89,8 +91,9 @@ def _verify(function, pattern: LayerMask, device) -> None:
     """Evaluate transformers' mask function on a grid of positions and raise unless it
     allows exactly what `pattern` does: a release that changed a convention raises
     instead of attending otherwise. Once per process for each function and pattern."""
+    compiling = torch.compiler.is_compiling()
     key = (function.__code__, pattern)
-    if key in _verified:
+    if not compiling and key in _verified:
         return
     left, right = pattern.window
     extent = max(left + 1, right + 1, pattern.chunk_size or 0, 1)
@@ -102,17 +105,32 @@ def _verify(function, pattern: LayerMask, device) -> None:
     columns = torch.arange(size, device=device)[None, None, None, :]
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
     allowed = function(zero, zero, rows, columns)
-    if not bool((allowed == pattern.allows(rows, columns)).all()):
+    agrees = (allowed == pattern.allows(rows, columns)).all()
+    if compiling:
+        # A check inside the graph (a host read would break it): it raises when the graph
+        # runs, with a message the graph can hold as a constant.
+        torch._assert_async(agrees, "sequence-parallel attention: a mask function is not what it is read as: "
+                            + _CHANGED_CONVENTION)  # fmt: skip
+        return
+    if not bool(agrees):
         raise ValueError(
-            f"sequence-parallel attention: transformers' {function.__qualname__} does not allow what it is read as "
-            f"({pattern}): this transformers release changed its convention"
+            f"sequence-parallel attention: transformers' {function.__qualname__} does not allow what it is read "
+            f"as ({pattern}): {_CHANGED_CONVENTION}"
         )
     _verified.add(key)
 
 
+def qualified_name(function) -> str:
+    """A function's __qualname__, read from its code object where Python has it there
+    (3.11+): torch.compile traces that as a constant, the function's own attribute not."""
+    code = getattr(function, "__code__", None)
+    name = getattr(code, "co_qualname", None)
+    return name if name is not None else getattr(function, "__qualname__", "")
+
+
 def _pattern_of(mask_function, device) -> LayerMask:
     """The LayerMask of a mask function transformers composed, or ValueError."""
-    qualname = getattr(mask_function, "__qualname__", "")
+    qualname = qualified_name(mask_function)
     if qualname in _LEAF_PATTERNS:
         pattern = _LEAF_PATTERNS[qualname](_closure(mask_function))
         _verify(mask_function, pattern, device)
@@ -141,12 +159,16 @@ def layer_mask(mask_function=masking_utils.causal_mask_function, attention_mask=
     """The mask function registered for our implementations: transformers calls it once
     per forward and layer type, before the layers. Returns the LayerMask the model then
     hands to the layers of that type; raises for what it would have to drop."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError(
+    if attention_mask is not None and attention_mask.dim() == 2:
+        message = (
             f"sequence-parallel attention: the attention mask {tuple(attention_mask.shape)} pads some tokens; "
             "padding cannot be expressed across ranks: shard the batch with shard_batch, which folds right "
             "padding into shift_labels (exact for causal models)"
         )
+        if torch.compiler.is_compiling():
+            torch._assert_async(attention_mask.all(), message)  # in the graph: raises when it runs
+        elif not bool(attention_mask.all()):
+            raise ValueError(message)
     # The device of the call (transformers 5 passes it; 4.56 the cache positions'), where
     # the mask function's own tensors (chunks' left padding) live.
     device = kwargs.get("device")

@@ -33,7 +33,7 @@ trl = pytest.importorskip("trl")
 
 from conftest import pool_for  # noqa: E402
 from on_ranks import raises  # noqa: E402
-from test_transformers_trainer import _as_torchrun_started  # noqa: E402
+from test_transformers_trainer import _as_torchrun_started, moe_model  # noqa: E402
 
 from tools import reference as accuracy  # noqa: E402
 
@@ -76,6 +76,8 @@ def _model_directory(kind: str) -> str:
                   eos_token_id=1, bos_token_id=None, use_cache=False)  # fmt: skip
     if kind == "sliding-window":
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1))
+    elif kind == "qwen3_moe":
+        model = moe_model(kind, common["vocab_size"], pad_token_id=0, eos_token_id=1, bos_token_id=None)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, head_dim=16))
     path = os.path.join(_MODELS.name, kind)
@@ -231,6 +233,12 @@ def test_dpo_matches_trl_in_one_process():
     with a sliding-window layer."""
     _check(2, dict(trainer="dpo", mode="ring", layout="balanced", model="sliding-window",
                    args=dict(gradient_accumulation_steps=2)))  # fmt: skip
+
+
+def test_dpo_with_a_moe_router_loss_matches_trl_in_one_process():
+    """DPO of a Qwen3-MoE model with its router load-balancing loss (TRL's
+    router_aux_loss_coef, the config's 0.5: TRL logs aux_loss), Ulysses on 2 ranks."""
+    _check(2, dict(trainer="dpo", mode="ulysses", model="qwen3_moe"))
 
 
 def test_grpo_matches_trl_in_one_process():

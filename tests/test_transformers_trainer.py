@@ -57,10 +57,29 @@ def _as_torchrun_started() -> None:
                       OMP_NUM_THREADS="1")  # fmt: skip
 
 
+MOE_MODELS = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def moe_model(kind: str, vocab: int, **extra):
+    """A small random mixture-of-experts model of a family in MOE_MODELS (4 experts, top
+    2) trained with its router load-balancing loss (output_router_logits=True,
+    router_aux_loss_coef 0.5)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    experts = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32)}
+    config = AutoConfig.for_model(kind, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=512, use_cache=False, output_router_logits=True,
+                                  router_aux_loss_coef=0.5, num_experts_per_tok=2,
+                                  **experts.get(kind, dict(num_experts=4)), **extra)  # fmt: skip
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def _model(kind: str = "llama"):
     """A small random model: Llama, or (kind "sliding-window") Qwen2 whose first layer
     attends within a window of 8 tokens, or (kind "hybrid") LFM2: short convolutions
-    between attention layers."""
+    between attention layers, or a mixture-of-experts model of MOE_MODELS."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(SEED)
@@ -71,6 +90,8 @@ def _model(kind: str = "llama"):
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                           layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
                                           use_cache=False))  # fmt: skip
+    if kind in MOE_MODELS:
+        return moe_model(kind, VOCAB)
     if kind == "sliding-window":
         return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -7,6 +7,7 @@ DeviceMesh, resolved here for every function that takes them.
     resolve_ranks(describe, group=..., mesh=..., ...)          a group's GroupInfo, or a Grid
     reduction_groups(describe, group=..., mesh=..., ...)       the groups to all-reduce over in
                                                                 turn so that every rank is summed
+    all_reduce_sum(values, groups)                             values summed over those groups, in place
 
 One mesh for every parallelism: mesh= with sequence_dims= (one dim, or USP's (ulysses,
 ring) pair) and data_dims= (the data replicas' dims); the mesh's other dims (tensor,
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -229,3 +231,13 @@ def reduction_groups(
     if isinstance(ranks, Grid):
         return [(ranks.ulysses_group, ranks.ulysses), (ranks.ring_group, ranks.ring)]
     return [(group, ranks)]
+
+
+def all_reduce_sum(values: torch.Tensor, groups) -> torch.Tensor:
+    """values summed over every rank of the groups (over each group in turn), in place.
+    Every rank gets the same bytes: each group's all-reduce hands all its members one
+    result, and the ranks of a later group hold equal inputs from the earlier ones."""
+    for group, info in groups:
+        if info.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    return values

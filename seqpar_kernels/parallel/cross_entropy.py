@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar_kernels.comm.grid import reduction_groups
+from seqpar_kernels.comm.grid import all_reduce_sum, reduction_groups
 from seqpar_kernels.engine.cross_entropy import (
     STATISTICS,
     ChunkedCrossEntropy,
@@ -71,16 +71,6 @@ def check_logit_transform(logit_softcap, logit_scale, shapes: str) -> LogitTrans
 # ----------------------------------------------------------------------------------
 # The groups the sum and the count are reduced over
 # ----------------------------------------------------------------------------------
-
-
-def _all_reduce_sum(values: torch.Tensor, groups) -> torch.Tensor:
-    """values summed over every rank of the groups (over each group in turn), in place.
-    Every rank gets the same bytes: each group's all-reduce hands all its members one
-    result, and the ranks of a later group hold equal inputs from the earlier ones."""
-    for group, info in groups:
-        if info.world_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-    return values
 
 
 def _check_labels(shift_labels, expected_shape, describe_shapes: str, name: str = "shift_labels") -> None:
@@ -162,7 +152,7 @@ def _global_count(labels: torch.Tensor, ignore_index: int, groups) -> torch.Tens
     """The tokens whose label is not ignore_index, over every rank: fp64 (exact below
     2**53), shape (1,), on the labels' device."""
     count = (labels != ignore_index).sum(dtype=torch.float64).reshape(1)
-    return _all_reduce_sum(count, groups)
+    return all_reduce_sum(count, groups)
 
 
 def _global_loss(share: torch.Tensor, local_sum: torch.Tensor, count: torch.Tensor, groups) -> torch.Tensor:
@@ -170,7 +160,7 @@ def _global_loss(share: torch.Tensor, local_sum: torch.Tensor, count: torch.Tens
     on every rank, whose gradient flows through this rank's `share` alone: share -
     share.detach() is exactly 0, so the value is the global one on every rank while
     d loss / d share = 1."""
-    total = _all_reduce_sum(local_sum.detach().reshape(1).clone(), groups)
+    total = all_reduce_sum(local_sum.detach().reshape(1).clone(), groups)
     value = (total / count.clamp(min=1)).float().reshape(())
     return value + (share - share.detach())
 
@@ -389,7 +379,7 @@ def _sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor, num_sequenc
     through this rank's tokens alone (as _global_loss's)."""
     share = values.new_zeros(values.shape[0], num_sequences).index_add(1, sequence_ids, values)
     local = values.detach().double().new_zeros(values.shape[0], num_sequences)
-    total = _all_reduce_sum(local.index_add_(1, sequence_ids, values.detach().double()), groups).float()
+    total = all_reduce_sum(local.index_add_(1, sequence_ids, values.detach().double()), groups).float()
     return total + (share - share.detach())
 
 

@@ -21,7 +21,8 @@ Modules:
                 the package's AttentionMask (LayerMask)
     causal_lm   causal_lm_loss: the loss of the model's own head (tied embeddings,
                 final logit softcapping, logit scales), fused and chunked;
-                causal_lm_logprobs: its tokens' log-probabilities and entropies
+                causal_lm_logprobs: its tokens' log-probabilities and entropies;
+                router_aux_loss: a mixture-of-experts model's router loss (router.py)
     trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
                 imported on first use)
     loss        the loss computed inside the model's forward (where DDP and FSDP need it)
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 # attention first: it raises the ImportError that names the missing dependency.
 from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, apply, register
-from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_logprobs, causal_lm_loss
+from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_logprobs, causal_lm_loss, router_aux_loss
 from seqpar_kernels.integrations.transformers.masks import LayerMask
 from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
 from seqpar_kernels.integrations.transformers.vision import shard_batch
@@ -57,6 +58,7 @@ __all__ = [
     "shard_batch",
     "causal_lm_loss",
     "causal_lm_logprobs",
+    "router_aux_loss",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
     "sequence_parallel_logprobs",

@@ -55,6 +55,7 @@ from seqpar_kernels.integrations.transformers.generation import install as insta
 from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
+from seqpar_kernels.integrations.transformers.router import router_loss_of
 from seqpar_kernels.integrations.transformers.vision import install as install_vision
 from seqpar_kernels.integrations.transformers.vision import vision_language_base
 from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
@@ -364,7 +365,9 @@ def apply(
     that cannot switch (its attention does not dispatch through AttentionInterface),
     that has sub-models other than a vision-language model's, or whose
     config.layer_types name layers other than ATTENTION_LAYER_TYPES (linear attention,
-    convolutions, compressed attention: they would mix this rank's tokens only)."""
+    convolutions, compressed attention: they would mix this rank's tokens only), and
+    for a mixture-of-experts model with output_router_logits=True whose router loss
+    router.py cannot compute."""
     settings = SequenceParallelism.resolve(
         "apply",
         mode,
@@ -383,6 +386,7 @@ def apply(
     # A vision-language model's vision tower keeps its own attention: each rank encodes whole frames.
     language = model if vision_language is None else vision_language.language_model
     mixers = _check_layers(model)
+    router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
     register()
     name = IMPLEMENTATIONS[mode]
     language.set_attn_implementation(name)

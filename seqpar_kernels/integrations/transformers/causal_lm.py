@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from seqpar_kernels.comm.grid import reduction_groups
 from seqpar_kernels.integrations.transformers.attention import SETTINGS_ATTRIBUTE
+from seqpar_kernels.integrations.transformers.router import load_balancing_loss, router_loss_of
 from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy, sequence_parallel_logprobs
 from seqpar_kernels.parallel.training import SequenceShard
 
-__all__ = ["causal_lm_loss", "causal_lm_logprobs", "head_of", "IGNORE_INDEX", "LOGIT_SCALES"]
+__all__ = ["causal_lm_loss", "causal_lm_logprobs", "router_aux_loss", "head_of", "IGNORE_INDEX", "LOGIT_SCALES"]
 
 # transformers' label of a token without a target (its loss functions' ignore_index).
 IGNORE_INDEX = -100
@@ -80,6 +82,14 @@ def head_of(model, describe: str = "causal_lm_loss") -> tuple[torch.Tensor, floa
     return head.weight, float(softcap), scale
 
 
+def _groups_of(model, groups: dict) -> dict:
+    """groups, or where none is given the reduction groups apply() recorded on model."""
+    settings = getattr(model, SETTINGS_ATTRIBUTE, None)
+    if settings is not None and all(value in (None, ()) for value in groups.values()):
+        return settings.reduction_kwargs()
+    return groups
+
+
 def _through_head(describe: str, model, hidden_states: torch.Tensor, function, labels: torch.Tensor, groups: dict,
                   **options):  # fmt: skip
     """function(hidden_states, head weight, labels, **options) with the model's head:
@@ -87,10 +97,7 @@ def _through_head(describe: str, model, hidden_states: torch.Tensor, function, l
     the model where none is given, and the dtype its Linear would compute the logits in
     (the autocast dtype under autocast)."""
     weight, logit_softcap, logit_scale = head_of(model, describe)
-    settings = getattr(model, SETTINGS_ATTRIBUTE, None)
-    if settings is not None and all(value in (None, ()) for value in groups.values()):
-        groups = settings.reduction_kwargs()
-    options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **groups)
+    options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **_groups_of(model, groups))
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -217,3 +224,55 @@ def _sequence_ids(hidden_states, labels, sequence_shard: SequenceShard | None) -
             f"({tuple(local.shape)})"
         )
     return {"sequence_ids": local, "num_sequences": len(lengths)}
+
+
+def router_aux_loss(
+    model,
+    router_logits,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    sequence_shard: SequenceShard | None = None,
+    group=None,
+    mesh=None,
+    ulysses_group=None,
+    ring_group=None,
+    sequence_dims=None,
+    data_dims=(),
+) -> torch.Tensor:
+    """What a mixture-of-experts model's forward adds to its loss with
+    output_router_logits=True, router_aux_loss_coef x its router load-balancing loss,
+    over every rank's tokens (router.py: a product of two means over the tokens, so the
+    ranks' sums are reduced before it).
+
+        outputs = model.model(**batch, output_router_logits=True)   # batch: shard_batch's
+        loss = causal_lm_loss(model, outputs.last_hidden_state, shift_labels) + router_aux_loss(
+            model, outputs, attention_mask=full_batch["attention_mask"], sequence_shard=batch["sequence_shard"])
+
+    model: the transformers MoE causal LM (a family of router.ROUTER_LOSS_FAMILIES).
+    router_logits: the base model's output (its router_logits), or that tuple of one
+        (batch x seqlen_local, num_experts) tensor per MoE layer.
+    attention_mask: the full batch's (batch, seqlen) mask, as given to shard_batch: the
+        tokens the model's forward counts; None: every token (packed documents).
+    sequence_shard: the sharded batch's "sequence_shard" (which tokens are this rank's);
+        needed with attention_mask.
+    group / mesh / ulysses_group + ring_group, sequence_dims, data_dims: causal_lm_loss's
+        (with data_dims the loss of every replica's tokens together, as one process
+        holding the global batch computes it).
+    Returns a 0-dim fp32 tensor, the same on every rank; its backward gives this rank's
+    share (all_reduce_gradients sums them), as causal_lm_loss's. Raises ValueError for a
+    model without a router loss this package knows."""
+    describe = "router_aux_loss"
+    loss = router_loss_of(model, describe, required=True)
+    logits = getattr(router_logits, "router_logits", router_logits)
+    routed = None
+    if attention_mask is not None:
+        if not isinstance(sequence_shard, SequenceShard):
+            raise ValueError(
+                f"{describe}: attention_mask {tuple(attention_mask.shape)} (the full batch's) needs sequence_shard= "
+                f"(shard_batch's), got {type(sequence_shard).__name__}"
+            )
+        routed = sequence_shard.take(attention_mask, 1).reshape(-1)
+    groups = reduction_groups(describe, any_mesh=True, **_groups_of(model, dict(
+        group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group, sequence_dims=sequence_dims,
+        data_dims=data_dims)))  # fmt: skip
+    return loss.coefficient * load_balancing_loss(logits, routed, loss.num_experts, loss.top_k, groups)

@@ -47,6 +47,7 @@ __all__ = [
     "unsupported_options",
     "batch_checksum",
     "uses_fused_head",
+    "is_dpo",
     "generate_in_eval_mode",
     "as_replicas",
 ]
@@ -68,6 +69,11 @@ def batch_checksum(batch) -> torch.Tensor:
             term = (flat * weights).sum() + flat.numel()
             total = term if total is None else total + term
     return total
+
+
+def is_dpo(trainer) -> bool:
+    """Whether the trainer is TRL's DPOTrainer (or a subclass)."""
+    return any(cls.__module__.startswith("trl.") and cls.__name__ == "DPOTrainer" for cls in type(trainer).__mro__)
 
 
 def uses_fused_head(trainer) -> bool:
@@ -93,7 +99,8 @@ def _unflush(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 def install_fused_head(model, parallelism: SequenceParallelism, temperature: float = 1.0,
-                       statistics: tuple[str, ...] = (), autocast=contextlib.nullcontext) -> None:  # fmt: skip
+                       statistics: tuple[str, ...] = (), autocast=contextlib.nullcontext,
+                       router_loss=None) -> None:  # fmt: skip
     """Replace model.forward (TRL's fused-head forward, add_fused_lm_head's) with one whose
     fused_lm_head=True path is sequence-parallel; without it, the forward it replaces.
 
@@ -104,9 +111,13 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
     differentiable, 0 where the next label is -100; the statistics asked for; label_mask;
     loss (the mean negative log-likelihood over the real labels, or over
     num_items_in_batch). The model and its head run inside autocast() (the accelerator's:
-    under mixed precision accelerate wraps the forward this one replaces in it). Raises
-    ValueError (on every rank) for shift_labels, inputs other than _MODEL_INPUTS, and
-    ranks of a group holding different batches."""
+    under mixed precision accelerate wraps the forward this one replaces in it). With
+    output_router_logits=True (TRL's MoE load-balancing loss): aux_loss =
+    router_loss(the base model's router_logits, this rank's (tokens,) 0/1 of the tokens
+    counted), added to loss times the config's router_aux_loss_coef. Raises
+    ValueError (on every rank) for shift_labels, inputs other than _MODEL_INPUTS,
+    output_router_logits without router_loss, and ranks of a group holding different
+    batches."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     original = model.forward
@@ -119,6 +130,9 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
                             **kwargs)  # fmt: skip
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
+        with_router = bool(kwargs.pop("output_router_logits", False))
+        if with_router and router_loss is None:
+            raise ValueError(f"{describe}: output_router_logits=True, but no router loss was set up for this model")
         unknown = sorted(key for key, value in kwargs.items() if key not in _MODEL_INPUTS and value is not None)
         if args or unknown or shift_labels is not None or labels is None:
             raise ValueError(
@@ -146,7 +160,9 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
         local_labels = local.pop("shift_labels")
         shard = local["sequence_shard"]
         with autocast():
-            hidden = model.base_model(**local, use_cache=False).last_hidden_state
+            outputs = model.base_model(**local, use_cache=False, **({"output_router_logits": True} if with_router
+                                                                     else {}))  # fmt: skip
+            hidden = outputs.last_hidden_state
             log_probs, entropy, *extra = causal_lm_logprobs(
                 model, hidden, local_labels, temperature=temperature, return_entropy=True, statistics=statistics,
                 **parallelism.group_kwargs(),
@@ -166,7 +182,11 @@ def install_fused_head(model, parallelism: SequenceParallelism, temperature: flo
             values = full(values.float())
             per_token[name] = values.bool() if name == "is_top1" else values
         count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / count, label_mask=label_mask, **per_token)
+        loss, aux_loss = -per_token["log_probs"].sum() / count, None
+        if with_router:
+            aux_loss = router_loss(outputs.router_logits, shard.take(mask, 1).reshape(-1))
+            loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
 
     model.forward = forward
 
@@ -277,7 +297,8 @@ def unsupported_options(args, trainer=None) -> list[str]:
     }  # fmt: skip
     if trainer is not None:
         options.update({
-            "a MoE router auxiliary loss (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False),
+            "a MoE router auxiliary loss under GRPO (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False)
+            and not is_dpo(trainer),
             "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm",
                                                                                              False),
             "a PEFT model": hasattr(trainer.model, "peft_config"),

@@ -38,6 +38,12 @@ one-process gradient, whole before the Trainer clips it. The value this rank ret
 (what the Trainer logs, averaged over the world) is replicas x (its group's loss sum) /
 D: the world's average is the one-process loss.
 
+Router loss. A mixture-of-experts model with output_router_logits=True adds
+router_aux_loss_coef x its load-balancing loss (router.py), a product of two means over
+the tokens: its per-expert sums are all-reduced over the world (every replica's
+micro-batch, the one-process Trainer's batch), the value added on every rank and its
+gradient (this rank's share) scaled by the world size, as DDP and FSDP average.
+
 Evaluation. Every rank returns the batch's loss over every replica's tokens (one small
 all-reduce), and the losses the Trainer gathers count as the one-process Trainer's
 global batch counts them; eval_loss is the one-process one.
@@ -83,6 +89,7 @@ except ImportError as error:  # pragma: no cover - exercised only without them
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.comm.grid import reduction_groups
 from seqpar_kernels.groups import all_gather_ints, resolve_group
 from seqpar_kernels.integrations.transformers.attention import apply
 from seqpar_kernels.integrations.transformers.causal_lm import IGNORE_INDEX, causal_lm_loss, head_of
@@ -97,6 +104,7 @@ from seqpar_kernels.integrations.transformers.post_training import (
     unsupported_options,
     uses_fused_head,
 )
+from seqpar_kernels.integrations.transformers.router import load_balancing_loss, router_loss_of
 from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_options
 
@@ -105,6 +113,9 @@ __all__ = ["SequenceParallelTrainer", "SequenceParallelTrainerMixin"]
 # A batch sharded by get_batch_samples carries its token counts under this key (popped
 # before the model sees the batch).
 _COUNTS_KEY = "seqpar_token_counts"
+# The tokens a MoE model's router loss counts: a full batch's (B, S) 0/1 where samples were
+# dropped (_drop_samples_after), this rank's (B x S_local,) once sharded (popped likewise).
+_ROUTED_KEY = "seqpar_routed_tokens"
 # Saved tensors smaller than this stay on the device under offload_activations=True
 # (what a layer saves besides its checkpoint: rotary tables, norms' statistics).
 OFFLOAD_MIN_BYTES = 1 << 20
@@ -217,6 +228,7 @@ class SequenceParallelTrainerMixin:
         self._epochs: dict[str, _Epoch | None] = {}
         self._eval_rows = 1
         self._fused_head = False
+        self._router_loss = None
         if uses_fused_head(self):
             self._refuse(unsupported_options(kwargs.get("args")))
         super().__init__(*args, **kwargs)
@@ -263,6 +275,7 @@ class SequenceParallelTrainerMixin:
                 self.args.device, kv_heads, options["step_backend"],
             )  # fmt: skip
         self._apply_parallelism(inner)
+        self._router_loss = router_loss_of(inner, type(self).__name__)
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
 
@@ -284,8 +297,10 @@ class SequenceParallelTrainerMixin:
         temperature = float(getattr(self, "temperature", 1.0))
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)
                                                   else ())  # fmt: skip
-        install_fused_head(self.accelerator.unwrap_model(self.model), parallelism, temperature, statistics,
-                           self.accelerator.autocast)  # fmt: skip
+        model = self.accelerator.unwrap_model(self.model)
+        router_loss = self._dpo_router_loss(model) if getattr(self, "aux_loss_enabled", False) else None
+        install_fused_head(model, parallelism, temperature, statistics, self.accelerator.autocast,
+                           router_loss)  # fmt: skip
         reference = getattr(self, "ref_model", None)
         if reference is not None:
             reference = self.accelerator.unwrap_model(reference)
@@ -303,6 +318,20 @@ class SequenceParallelTrainerMixin:
             self.args.generation_batch_size = size
             set_seed(self.args.seed + self._replica)
             generate_in_eval_mode(self.accelerator.unwrap_model(self.model))
+
+    def _dpo_router_loss(self, model):
+        """DPO's router loss (TRL's output_router_logits) as TRL's one-process trainer
+        computes it, over every replica's batch: the value the same on every rank, its
+        gradient this rank's share scaled by the replicas (the fused head's caller
+        scales by the group's size, and DDP averages over the world)."""
+        spec = router_loss_of(model, type(self).__name__, required=True)
+        groups, replicas = reduction_groups(type(self).__name__), self._replicas  # the world
+
+        def router_loss(router_logits, routed):
+            aux = load_balancing_loss(router_logits, routed, spec.num_experts, spec.top_k, groups)
+            return aux.detach() + (aux - aux.detach()) * replicas
+
+        return router_loss
 
     def _as_replicas(self):
         """TRL's code sees one process per replica inside (post_training.as_replicas)."""
@@ -410,14 +439,18 @@ class SequenceParallelTrainerMixin:
         if labels is None:
             labels = batch["input_ids"]
         labels = labels.clone()
+        mask = batch.get("attention_mask")
+        routed = torch.ones_like(labels) if mask is None else mask.clone()  # a router loss counts real samples only
         positions = batch.get("position_ids")
         if labels.shape[0] > 1 or positions is None:
             labels[real:] = IGNORE_INDEX
+            routed[real:] = 0
         else:
             starts = torch.nonzero(positions[0] == 0).flatten().tolist()
             if real < len(starts):
                 labels[0, starts[real] :] = IGNORE_INDEX
-        return {**batch, "labels": labels}
+                routed[0, starts[real] :] = 0
+        return {**batch, "labels": labels, _ROUTED_KEY: routed}
 
     def _with_padding_dropped(self, batches, kind: str):
         """batches (an iterator), with the last batch's top-up samples ignored."""
@@ -434,8 +467,13 @@ class SequenceParallelTrainerMixin:
                 "give them (DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening)"
             )
         parallelism = self.sequence_parallel
-        return shard_batch(batch, mode=parallelism.mode, layout=parallelism.layout, ignore_index=IGNORE_INDEX,
-                           model=self.accelerator.unwrap_model(self.model), **parallelism.group_kwargs())  # fmt: skip
+        routed = batch.get(_ROUTED_KEY, batch.get("attention_mask"))
+        batch = {key: value for key, value in batch.items() if key != _ROUTED_KEY}
+        local = shard_batch(batch, mode=parallelism.mode, layout=parallelism.layout, ignore_index=IGNORE_INDEX,
+                            model=self.accelerator.unwrap_model(self.model), **parallelism.group_kwargs())  # fmt: skip
+        if self._router_loss is not None and routed is not None:
+            local[_ROUTED_KEY] = local["sequence_shard"].take(routed, 1).reshape(-1)
+        return local
 
     @staticmethod
     def _gather_rows(row: torch.Tensor) -> list[list[int]]:
@@ -516,6 +554,7 @@ class SequenceParallelTrainerMixin:
                 self._eval_rows = self._one_process_rows(real)
             [local], _ = self._shard_and_count([inputs])
         group_tokens, all_tokens = local.pop(_COUNTS_KEY)
+        routed = local.pop(_ROUTED_KEY, None)
         shift_labels = local.pop("shift_labels")
         inner = self.accelerator.unwrap_model(model)  # inside DDP, FSDP, torch.compile
         no_logits = torch.empty(0, dtype=torch.long, device=shift_labels.device)
@@ -544,11 +583,23 @@ class SequenceParallelTrainerMixin:
                 dist.all_reduce(group_sum)
                 group_sum = group_sum / self._group_size
             loss = (group_sum / max(all_tokens, 1.0)).float()
+        if self._router_loss is not None:
+            loss = loss + self._router_term(outputs["model"].router_logits, routed, training)
         if return_outputs:
             result = outputs["model"]
             result["loss"] = loss
             return loss, result
         return loss
+
+    def _router_term(self, router_logits, routed: torch.Tensor | None, training: bool) -> torch.Tensor:
+        """router_aux_loss_coef x the router loss of the step's micro-batch of every
+        replica (the one-process Trainer's batch), as the model's forward adds it; its
+        gradient (this rank's share) scaled by the world size, which DDP and FSDP
+        average over."""
+        spec = self._router_loss
+        groups = reduction_groups(type(self).__name__)  # the world
+        term = spec.coefficient * load_balancing_loss(router_logits, routed, spec.num_experts, spec.top_k, groups)
+        return term.detach() + (term - term.detach()) * self._world_size if training else term.detach()
 
     def _post_training_loss(self, model, inputs, return_outputs, num_items_in_batch, training: bool):
         """TRL's own loss over the sequence-parallel fused head, the same on every rank of

@@ -280,6 +280,5 @@ def unsupported_options(args, trainer=None) -> list[str]:
             "a MoE router auxiliary loss (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False),
             "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm",
                                                                                              False),
-            "a PEFT model": hasattr(trainer.model, "peft_config"),
         })  # fmt: skip
     return [name for name, present in options.items() if present]

@@ -12,8 +12,8 @@ process (the pool of one rank, no sequence parallelism) gives the references:
   test_generation's tolerance);
 - SequenceParallelTrainer(model=peft_model) against the plain Trainer (3 SGD steps:
   test_transformers_trainer's comparison), and the adapter its save_model writes;
-- TRL's DPOTrainer with peft_config through the mixin (the reference: the model with its
-  adapter disabled, as TRL computes it) against TRL's trainer;
+- TRL's DPOTrainer and GRPOTrainer with peft_config through the mixin (the reference:
+  the model with its adapter disabled, as TRL computes it) against TRL's trainer;
 - prompt tuning refused, naming why.
 And in the test's process: the LM head under PEFT (modules_to_save, an adapter on it),
 adaption prompts refused.
@@ -158,30 +158,37 @@ def _trainer_run(sequence_parallel: bool) -> dict:
     return {"log": trainer.state.log_history, "eval": metrics, "weights": weights, "files": files, "adapter": adapter}
 
 
-def _dpo_run(sequence_parallel: bool, path: str) -> dict:
-    """TRL's DPOTrainer with peft_config (no reference model: TRL disables the adapter),
-    with the mixin or alone: its log and trainable weights."""
+def _trl_run(kind: str, sequence_parallel: bool, path: str) -> dict:
+    """TRL's DPOTrainer or GRPOTrainer (KL to the reference) with peft_config (no
+    reference model: TRL disables the adapter), with the mixin or alone: its log and
+    trainable weights."""
     from peft import LoraConfig
-    from test_transformers_post_training import _example, _preference_data
+    from test_transformers_post_training import _example, _preference_data, _prompts, vowel_reward
     from transformers import AutoModelForCausalLM
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
     from seqpar_kernels.integrations.transformers import SequenceParallelTrainerMixin
 
-    class SequenceParallelDPOTrainer(SequenceParallelTrainerMixin, DPOTrainer):
+    base = DPOTrainer if kind == "dpo" else GRPOTrainer
+
+    class SequenceParallel(SequenceParallelTrainerMixin, base):
         pass
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     with tempfile.TemporaryDirectory() as directory:
-        args = DPOConfig(beta=0.1, output_dir=directory, per_device_train_batch_size=2, max_steps=STEPS, optim="sgd",
-                         learning_rate=LR, max_grad_norm=1.0, logging_steps=1, seed=0, report_to="none",
-                         save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False)  # fmt: skip
-        common = dict(model=model, args=args, train_dataset=_preference_data(), processing_class=_example()
-                      .character_tokenizer(), peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
-                      "v_proj"], init_lora_weights=False))  # fmt: skip
+        common = dict(beta=0.1, output_dir=directory, per_device_train_batch_size=2, max_steps=STEPS, optim="sgd",
+                      learning_rate=LR, max_grad_norm=1.0, logging_steps=1, seed=0, report_to="none",
+                      save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False)  # fmt: skip
+        if kind == "dpo":
+            extra = dict(args=DPOConfig(**common), train_dataset=_preference_data())
+        else:
+            extra = dict(args=GRPOConfig(num_generations=2, max_completion_length=6, temperature=0.9, **common),
+                         reward_funcs=vowel_reward, train_dataset=_prompts())  # fmt: skip
+        extra.update(model=model, processing_class=_example().character_tokenizer(),
+                     peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))  # fmt: skip
         torch.manual_seed(1)  # the adapter's initial weights, drawn inside the trainer
-        trainer = SequenceParallelDPOTrainer(mode="ring", layout="balanced", **common) if sequence_parallel \
-            else DPOTrainer(**common)  # fmt: skip
+        trainer = SequenceParallel(mode="ring", layout="balanced", **extra) if sequence_parallel else base(**extra)
         trainer.train()
     weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     return {"log": trainer.state.log_history, "weights": weights, "reference_model": trainer.ref_model is not None}
@@ -190,7 +197,7 @@ def _dpo_run(sequence_parallel: bool, path: str) -> dict:
 @on_every_rank
 def run_peft_cases(path: str) -> dict:
     """Every case on this rank: sequence-parallel where the world has several ranks, as
-    one process otherwise; path: test_transformers_post_training's saved Llama (DPO)."""
+    one process otherwise; path: test_transformers_post_training's saved Llama (TRL)."""
     from peft import PromptTuningConfig, get_peft_model
     from test_transformers_trainer import _as_torchrun_started
 
@@ -215,7 +222,8 @@ def run_peft_cases(path: str) -> dict:
         ]  # fmt: skip
     _as_torchrun_started()
     results["trainer"] = _trainer_run(parallel)
-    results["dpo"] = _dpo_run(parallel, path)
+    for kind in ("dpo", "grpo"):
+        results[kind] = _trl_run(kind, parallel, path)
     return results
 
 
@@ -289,13 +297,15 @@ def test_trainer_with_a_peft_model():
     assert not problems, "\n".join(problems)
 
 
-def test_dpo_with_peft_config():
-    """TRL's DPOTrainer with peft_config through the mixin: no reference model (the policy
-    with its adapter disabled), every logged value and the adapter as TRL's in one process."""
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_trl_with_peft_config(kind):
+    """TRL's DPOTrainer and GRPOTrainer with peft_config through the mixin: no reference
+    model (the policy with its adapter disabled), every logged value (rewards, KL, ...)
+    and the adapter as TRL's in one process."""
     from test_transformers_post_training import NOT_COMPARED
 
     ours, reference, _ = _ours_and_reference()
-    ours, reference = ours["dpo"], reference["dpo"]
+    ours, reference = ours[kind], reference[kind]
     assert not ours["reference_model"]
     problems = []
     steps = [entry for entry in reference["log"] if "loss" in entry]

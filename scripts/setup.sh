@@ -142,6 +142,8 @@ optional_dependency diffusers 0.42.1 0.35.2
 optional_dependency trl 1.16.0 1.15.0
 # The Trainer (SequenceParallelTrainer and its tests) needs accelerate.
 tested_release accelerate 1.16.0
+# PEFT's models at the integration's entry points (tests/test_transformers_peft.py).
+tested_release peft 0.21.2
 
 # The build needs no index (no build isolation, no dependencies): --no-index keeps pip
 # from asking one anyway.

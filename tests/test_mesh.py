@@ -4,7 +4,8 @@ another number of real tokens), a tiny Llama trained three SGD steps, against on
 on the global batch (every replica's rows): the loss of every step and every parameter
 after the steps, fp32. Gradients summed by all_reduce_gradients over both dims, by DDP
 over the data dim, by FSDP2 (fully_shard) over data x sequence (with activation
-checkpointing too, and around a tensor dim named by no argument) and over data alone,
+checkpointing too, around a tensor dim named by no argument, and a LoRA PeftModel whose
+adapter alone trains) and over data alone,
 by HSDP; USP's pair of dims on a mesh of its own
 names; each replica's per-document log-prob sums; and the mesh's arguments that cannot
 work raise on every rank.
@@ -90,6 +91,7 @@ def run_mesh_case(case):
     from torch.nn.parallel import DistributedDataParallel
 
     import seqpar_kernels.integrations.transformers as sp_transformers
+    from seqpar_kernels.integrations.transformers.adapters import transformers_model
     from seqpar_kernels.integrations.transformers.loss import loss_through_forward
 
     mesh = _mesh(*case.get("mesh", ((2, 2), ("dp", "cp"))))
@@ -97,7 +99,13 @@ def run_mesh_case(case):
     sequence_dims, data_dims = case.get("sequence_dims", "cp"), case.get("data_dims", "dp")
     dims = dict(mesh=mesh, sequence_dims=sequence_dims, data_dims=data_dims)
     reference = _model(_config())
+    if case.get("lora"):  # PEFT's wrapper around the model: the adapter alone trains
+        from peft import LoraConfig, get_peft_model
+
+        reference = get_peft_model(reference, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                         init_lora_weights=False))  # fmt: skip
     model = copy.deepcopy(reference)
+    inner = transformers_model(model, "run_mesh_case")
     initial = [parameter.detach().clone() for parameter in reference.parameters()]
     sp = sp_transformers.apply(model, mode, layout=layout, **dims)
     if case.get("checkpointing"):  # the layers run again in the backward, their collectives too
@@ -111,7 +119,7 @@ def run_mesh_case(case):
     if wrapper in ("fsdp_data_sequence", "fsdp_data"):
         wrapper_mesh = sp.data_parallel_mesh(shard_sequence=wrapper == "fsdp_data_sequence",
                                              replicate_dims=case.get("replicate_dims", ()))  # fmt: skip
-        for layer in model.model.layers:
+        for layer in inner.model.layers:
             fully_shard(layer, mesh=wrapper_mesh)
         wrapped, scale = fully_shard(model, mesh=wrapper_mesh), wrapper_mesh.size()
     elif wrapper == "ddp":
@@ -134,7 +142,7 @@ def run_mesh_case(case):
             return sp_transformers.causal_lm_loss(model, hidden, shift_labels)
 
         loss = loss_through_forward(lambda: wrapped(**local, logits_to_keep=no_logits, use_cache=False), model,
-                                    model.model, loss_of)  # fmt: skip
+                                    inner.model, loss_of)  # fmt: skip
         (loss * scale).backward()  # a wrapper averages over `scale` ranks what the loss wants summed
         if left is not None:
             sp_transformers.all_reduce_gradients(model, **left)
@@ -172,6 +180,7 @@ MESH_CASES = [
     dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence"),
     dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data_sequence", checkpointing=True),
     dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data"),
+    dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence", lora=True),
     # HSDP: replicated over dp_replicate, sharded over dp_shard x cp (dp_shard of size 1).
     dict(
         mode="ring",
@@ -189,7 +198,8 @@ MESH_CASES = [
 
 
 def _case_id(case) -> str:
-    extras = [*case.get("replicate_dims", ()), *(["checkpointing"] if case.get("checkpointing") else [])]
+    extras = [*case.get("replicate_dims", ()), *(["checkpointing"] if case.get("checkpointing") else []),
+              *(["lora"] if case.get("lora") else [])]  # fmt: skip
     mesh = ["x".join(case["mesh"][1])] if "mesh" in case else []
     return "-".join([case["mode"], case["wrapper"], *extras, *mesh])
 

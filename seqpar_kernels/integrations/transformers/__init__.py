@@ -28,6 +28,8 @@ Modules:
     loss        the loss computed inside the model's forward (where DDP and FSDP need it)
     memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
                 the backward needs, held in host memory)
+    adapters    transformers_model: the transformers model under PEFT's wrapper (every
+                entry point takes a PeftModel: LoRA, DoRA, ...; prompt learning raises)
     vision      shard_batch (the core's, and a vision-language batch's images, videos
                 and multimodal positions: model=model), and what apply() installs on a
                 vision-language model so that each rank's tokens get their features

@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.generation import install as install_generation
 from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
@@ -349,7 +350,9 @@ def apply(
         sliding-window and chunked attention layers; or a vision-language model of
         vision.VISION_LANGUAGE_TYPES (Qwen2.5-VL, Qwen3-VL, ...), whose language model
         switches (its vision tower keeps its attention) and whose base model takes the
-        images and videos of shard_batch(..., model=model) (vision.install).
+        images and videos of shard_batch(..., model=model) (vision.install). Or PEFT's
+        PeftModel of one, before or after get_peft_model: the model under it switches,
+        adapters and all (adapters.transformers_model; prompt learning raises).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
@@ -380,6 +383,7 @@ def apply(
         data_dims=data_dims,
         step_backend=step_backend,
     )
+    model = transformers_model(model, "apply")
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"apply: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     vision_language = vision_language_base(model, "apply")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from seqpar_kernels.comm.grid import reduction_groups
+from seqpar_kernels.integrations.transformers.adapters import head_in_use, transformers_model
 from seqpar_kernels.integrations.transformers.attention import SETTINGS_ATTRIBUTE
 from seqpar_kernels.integrations.transformers.router import load_balancing_loss, router_loss_of
 from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy, sequence_parallel_logprobs
@@ -53,10 +54,13 @@ _SCALE_ATTRIBUTES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "out
 def head_of(model, describe: str = "causal_lm_loss") -> tuple[torch.Tensor, float, float]:
     """(lm_head weight (vocab, hidden), logit_softcap, logit_scale) of a transformers
     causal LM: its logits are logit_softcap * tanh(logit_scale * hidden @ weight.T /
-    logit_softcap) (without the tanh when logit_softcap is 0). Raises ValueError for a
-    head this cannot express."""
+    logit_softcap) (without the tanh when logit_softcap is 0); model may be PEFT's
+    wrapper of one (adapters.transformers_model), whose head in use it reads
+    (adapters.head_in_use). Raises ValueError for a head this cannot express."""
+    model = transformers_model(model, describe)
     name = type(model).__name__
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is None else head_in_use(head, describe)
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(
             f"{describe}: {name}'s output embeddings are {type(head).__name__}, not a Linear LM head: pass "
@@ -96,6 +100,7 @@ def _through_head(describe: str, model, hidden_states: torch.Tensor, function, l
     its weight, logit_softcap and logit_scale (head_of), the groups apply() recorded on
     the model where none is given, and the dtype its Linear would compute the logits in
     (the autocast dtype under autocast)."""
+    model = transformers_model(model, describe)
     weight, logit_softcap, logit_scale = head_of(model, describe)
     options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **_groups_of(model, groups))
     device_type = hidden_states.device.type
@@ -127,7 +132,7 @@ def causal_lm_loss(
     chunked as sequence_parallel_cross_entropy (the logits never exist for all tokens).
 
     model: the transformers causal LM (e.g. LlamaForCausalLM) whose base model gave
-        hidden_states; usually set up by apply().
+        hidden_states, or PEFT's wrapper of one (a PeftModel); usually set up by apply().
     hidden_states: (..., hidden), this rank's tokens' last hidden states (the base
         model's last_hidden_state), the head's dtype and device.
     shift_labels: shard_batch's "shift_labels", hidden_states' leading shape.

@@ -301,6 +301,5 @@ def unsupported_options(args, trainer=None) -> list[str]:
             and not is_dpo(trainer),
             "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm",
                                                                                              False),
-            "a PEFT model": hasattr(trainer.model, "peft_config"),
         })  # fmt: skip
     return [name for name, present in options.items() if present]

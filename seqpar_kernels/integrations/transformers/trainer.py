@@ -91,6 +91,7 @@ except ImportError as error:  # pragma: no cover - exercised only without them
 
 from seqpar_kernels.comm.grid import reduction_groups
 from seqpar_kernels.groups import all_gather_ints, resolve_group
+from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.attention import apply
 from seqpar_kernels.integrations.transformers.causal_lm import IGNORE_INDEX, causal_lm_loss, head_of
 from seqpar_kernels.integrations.transformers.loss import loss_through_forward
@@ -199,7 +200,8 @@ class SequenceParallelTrainerMixin:
             memory, copied on a side stream on GPUs (memory.offload_activations)
         step_backend: what computes the ring's steps ("auto", "triton", "aten")
     The model: a transformers causal LM that apply() accepts (text, attention through
-    AttentionInterface) with a plain Linear LM head; it is switched to the mode's
+    AttentionInterface) with a plain Linear LM head, or PEFT's PeftModel of one (LoRA and
+    the adapters that map each token on their own); it is switched to the mode's
     attention at construction."""
 
     def __init__(self, *args, mode: str = "ulysses", layout: str = "contiguous",
@@ -264,7 +266,7 @@ class SequenceParallelTrainerMixin:
         """Switch the model's attention to the mode (and tile its MLPs); the groups are
         made on the first call (collective)."""
         options = self.sequence_parallel_options
-        inner = self.accelerator.unwrap_model(model)
+        inner = self._transformers_model(model)
         if self.sequence_parallel is None:
             config = getattr(inner, "config", None)
             text_config = getattr(config, "get_text_config", lambda: config)()
@@ -278,6 +280,10 @@ class SequenceParallelTrainerMixin:
         self._router_loss = router_loss_of(inner, type(self).__name__)
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
+
+    def _transformers_model(self, model):
+        """The transformers model inside DDP, FSDP, torch.compile and PEFT's wrapper."""
+        return transformers_model(self.accelerator.unwrap_model(model), type(self).__name__)
 
     def _apply_parallelism(self, inner) -> None:
         """The trainer's parallelism applied to a model (the trained one, or TRL's
@@ -297,7 +303,7 @@ class SequenceParallelTrainerMixin:
         temperature = float(getattr(self, "temperature", 1.0))
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)
                                                   else ())  # fmt: skip
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._transformers_model(self.model)
         router_loss = self._dpo_router_loss(model) if getattr(self, "aux_loss_enabled", False) else None
         install_fused_head(model, parallelism, temperature, statistics, self.accelerator.autocast,
                            router_loss)  # fmt: skip
@@ -557,6 +563,7 @@ class SequenceParallelTrainerMixin:
         routed = local.pop(_ROUTED_KEY, None)
         shift_labels = local.pop("shift_labels")
         inner = self.accelerator.unwrap_model(model)  # inside DDP, FSDP, torch.compile
+        base = self._transformers_model(inner).base_model  # gives the hidden states (under PEFT's wrapper too)
         no_logits = torch.empty(0, dtype=torch.long, device=shift_labels.device)
         outputs = {}
 
@@ -569,7 +576,7 @@ class SequenceParallelTrainerMixin:
 
         offload = training and self.sequence_parallel_options["offload_activations"]
         with offloading(min_bytes=OFFLOAD_MIN_BYTES) if offload else contextlib.nullcontext():
-            share = loss_through_forward(forward, inner, inner.base_model, loss_of)  # its group's mean
+            share = loss_through_forward(forward, inner, base, loss_of)  # its group's mean
         group_sum = share.detach().double() * group_tokens
         if training:
             denominator = all_tokens if num_items_in_batch is None else float(num_items_in_batch)

@@ -45,6 +45,7 @@ from typing import Mapping
 
 import torch
 
+from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.training import document_starts
 from seqpar_kernels.parallel.training import shard_batch as shard_token_batch
@@ -176,8 +177,9 @@ def shard_batch(
         position_ids may also be (3, batch or 1, seqlen) multimodal positions of your
         own, or (4, ...) with the text positions (packed documents) first.
     mode, groups, layout, ignore_index: parallel.training.shard_batch's.
-    model: the model apply() set up; needed for a batch with images or videos (its
-        config names their placeholder tokens, its get_rope_index gives the positions).
+    model: the model apply() set up (or PEFT's wrapper of it); needed for a batch with
+        images or videos (its config names their placeholder tokens, its get_rope_index
+        gives the positions).
     Returns parallel.training.shard_batch's dict (input_ids, position_ids, shift_labels,
     attention_mask, sequence_shard: (B, S_local) each) for a text batch; for a
     vision-language batch also this rank's pixel_values / image_grid_thw and
@@ -189,6 +191,8 @@ def shard_batch(
     holding different images."""
     groups = dict(group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
                   sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
+    if model is not None:
+        model = transformers_model(model, "shard_batch")
     present = [key for key in MULTIMODAL_KEYS if batch.get(key) is not None]
     position_ids = batch.get("position_ids")
     three_d = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3

@@ -221,6 +221,17 @@ def test_data_times_sequence_matches_one_process(case):
         assert all(mean_of_means > 100 * FP32_UPDATE_RTOL for _, mean_of_means in results), results
 
 
+@pytest.mark.slow
+def test_data_tensor_sequence_with_fsdp2_on_tensor_parallel_parameters():
+    """8 ranks, data 2 x tensor 2 x sequence 2: FSDP2 over the data dim on parameters
+    tensor parallelism sharded already (2-D DTensors), then all_reduce_gradients over
+    the sequence dim, against one process."""
+    case = dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data", mesh=((2, 2, 2), ("dp", "tp", "cp")),
+                tensor_dims="tp", heads=dict(heads=8, kv_heads=2, head_dim=8))  # fmt: skip
+    failures = [failure for per_rank, _ in pool_for(8).run(run_mesh_case, case) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 def run_refusals():
     """What cannot work on a (dp, cp) mesh, each call on every rank: None where it raised
     the expected ValueError, else what happened."""

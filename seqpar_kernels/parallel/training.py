@@ -273,9 +273,9 @@ def all_reduce_gradients(
 
 def _check_same_shards(named, groups, arguments: str) -> None:
     """ValueError unless every rank of each reduction group holds the same shard of every
-    DTensor parameter: a mesh dim the parameter is sharded over (Shard, Partial) may
-    share no rank but this one with a group. Local: the groups and the meshes are the
-    same shape on every rank, so every rank raises alike."""
+    DTensor parameter: a mesh dim the parameter is sharded over (a Shard placement,
+    FSDP2's strided one too) may share no rank but this one with a group. Local: the
+    groups and the meshes are the same shape on every rank, so every rank raises alike."""
     reduced = [set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group)) for group in groups]
     spans: dict[tuple[int, int], bool] = {}
     for name, parameter in named:
@@ -283,7 +283,7 @@ def _check_same_shards(named, groups, arguments: str) -> None:
             continue
         mesh = parameter.device_mesh
         for index, placement in enumerate(parameter.placements):
-            if placement.is_replicate():
+            if not placement.is_shard():
                 continue
             key = (id(mesh), index)
             if key not in spans:

@@ -20,7 +20,8 @@ other than column-wise and row-wise, a model already sharded.
 
 from __future__ import annotations
 
-import torch
+from fnmatch import fnmatch
+
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -65,6 +66,8 @@ def shard_layers(describe: str, model, parallelism: SequenceParallelism) -> None
         raise ValueError(f"{describe}: tensor_dims= shards the model itself; {sharded[:3]} are DTensors already "
                          "(apply() comes before fully_shard and instead of parallelize_module)")  # fmt: skip
     base = model.base_model
-    if not isinstance(base, torch.nn.Module) or base is model and hasattr(model, "lm_head"):
-        raise ValueError(f"{describe}: {type(model).__name__} has no base model the plan's paths start from")
+    targets = [name for name, _ in base.named_modules() if any(fnmatch(name, path) for path in plan)]
+    if not targets:  # parallelize_module would only warn, leaving every layer whole
+        raise ValueError(f"{describe}: no module of {type(base).__name__} matches its tensor-parallel plan's paths "
+                         f"{sorted(plan)}")  # fmt: skip
     parallelize_module(base, parallelism.tensor_mesh(), {path: STYLES[style]() for path, style in plan.items()})

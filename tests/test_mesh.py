@@ -222,11 +222,12 @@ def test_data_times_sequence_matches_one_process(case):
 
 
 @pytest.mark.slow
-def test_data_tensor_sequence_with_fsdp2_on_tensor_parallel_parameters():
+@pytest.mark.parametrize("wrapper", ["fsdp_data", "fsdp_data_sequence"])
+def test_data_tensor_sequence_with_fsdp2_on_tensor_parallel_parameters(wrapper):
     """8 ranks, data 2 x tensor 2 x sequence 2: FSDP2 over the data dim on parameters
     tensor parallelism sharded already (2-D DTensors), then all_reduce_gradients over
-    the sequence dim, against one process."""
-    case = dict(mode="ulysses", layout="contiguous", wrapper="fsdp_data", mesh=((2, 2, 2), ("dp", "tp", "cp")),
+    the sequence dim; or FSDP2 over data x sequence alone; against one process."""
+    case = dict(mode="ulysses", layout="contiguous", wrapper=wrapper, mesh=((2, 2, 2), ("dp", "tp", "cp")),
                 tensor_dims="tp", heads=dict(heads=8, kv_heads=2, head_dim=8))  # fmt: skip
     failures = [failure for per_rank, _ in pool_for(8).run(run_mesh_case, case) for failure in per_rank]
     assert not failures, "\n".join(failures)

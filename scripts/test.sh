@@ -9,4 +9,5 @@ bash scripts/setup.sh
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check .
 "$PYTHON" -m ruff format --check .
-"$PYTHON" -m pytest -q -ra --durations=15 tests "$@"
+# The slow marker's tests (8 ranks) stay out; `-m slow` among the arguments runs them.
+"$PYTHON" -m pytest -q -ra --durations=15 -m "not slow" tests "$@"

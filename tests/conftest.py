@@ -40,6 +40,10 @@ def pytest_configure(config):
         "markers", "gpu_long: a GPU test the short GPU check (scripts/gpu_check.sh --short) leaves out, "
         "e.g. a variant of the Triton kernels this Triton release does not ship, compiled only to test it",
     )  # fmt: skip
+    config.addinivalue_line(
+        "markers", "slow: a test of 8 ranks or more, which the test command (scripts/test.sh, CI's) leaves out: "
+        "run them with bash scripts/test.sh -m slow",
+    )  # fmt: skip
 
 
 # The terminal reporter of the process that prints (set at the session start).

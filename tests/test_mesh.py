@@ -7,8 +7,11 @@ over the data dim, by FSDP2 (fully_shard) over data x sequence (with activation
 checkpointing too, around a tensor dim named by no argument, and a LoRA PeftModel whose
 adapter alone trains) and over data alone,
 by HSDP; USP's pair of dims on a mesh of its own
-names; each replica's per-document log-prob sums; and the mesh's arguments that cannot
-work raise on every rank.
+names; tensor 2 x sequence 2 (apply's tensor_dims: the model's own plan, Ulysses and
+the ring on each tensor rank's heads, heads that Ulysses splits unevenly); each
+replica's per-document log-prob sums; and the mesh's arguments that cannot work (heads
+a tensor dim cannot split, a gradient reduction over the tensor dim) raise on every
+rank.
 
 The loss is the mean over every real token of the global batch: the test also computes
 the LM head's gradient of the mean of the replicas' means and checks that it is far from
@@ -98,7 +101,7 @@ def run_mesh_case(case):
     mode, layout, wrapper = case["mode"], case["layout"], case["wrapper"]
     sequence_dims, data_dims = case.get("sequence_dims", "cp"), case.get("data_dims", "dp")
     dims = dict(mesh=mesh, sequence_dims=sequence_dims, data_dims=data_dims)
-    reference = _model(_config())
+    reference = _model(_config(**case.get("heads", {})))
     if case.get("lora"):  # PEFT's wrapper around the model: the adapter alone trains
         from peft import LoraConfig, get_peft_model
 
@@ -107,7 +110,13 @@ def run_mesh_case(case):
     model = copy.deepcopy(reference)
     inner = transformers_model(model, "run_mesh_case")
     initial = [parameter.detach().clone() for parameter in reference.parameters()]
-    sp = sp_transformers.apply(model, mode, layout=layout, **dims)
+    sp = sp_transformers.apply(model, mode, layout=layout, tensor_dims=case.get("tensor_dims", ()), **dims)
+    failures, mean_of_means = [], None
+    if case.get("tensor_dims"):  # each tensor rank holds its share of the heads' rows
+        q_weight = model.model.layers[0].self_attn.q_proj.weight
+        rows = q_weight.to_local().shape[0] if isinstance(q_weight, DTensor) else None
+        if rows != q_weight.shape[0] // sp.tensor_size:
+            failures.append(f"q_proj {tuple(q_weight.shape)}: {rows} rows on this rank at tensor size {sp.tensor_size}")
     if case.get("checkpointing"):  # the layers run again in the backward, their collectives too
         model.gradient_checkpointing_enable()
         model.train()
@@ -131,7 +140,6 @@ def run_mesh_case(case):
             "fsdp_data": dict(mesh=mesh, sequence_dims=sequence_dims), "fsdp_data_sequence": None}[wrapper]  # fmt: skip
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     no_logits = torch.empty(0, dtype=torch.long)
-    failures, mean_of_means = [], None
     for step in range(STEPS):
         expected = _reference_loss(reference, batches)
         expected.backward()
@@ -173,6 +181,9 @@ def run_mesh_case(case):
     return failures, mean_of_means
 
 
+TENSOR_SEQUENCE = ((2, 2), ("tp", "cp"))
+TENSOR_2 = dict(wrapper="none", mesh=TENSOR_SEQUENCE, data_dims=(), tensor_dims="tp")
+
 MESH_CASES = [
     dict(mode="ring", layout="balanced", wrapper="none"),
     dict(mode="ulysses", layout="contiguous", wrapper="none"),
@@ -194,12 +205,18 @@ MESH_CASES = [
     dict(mode="ring", layout="balanced", wrapper="fsdp_data_sequence", mesh=((2, 1, 2), ("dp", "tp", "cp"))),
     # USP's pair named by the user, one data replica (a dim of size 1).
     dict(mode="usp", layout="balanced", wrapper="none", mesh=((1, 2, 2), ("dp", "u", "r")), sequence_dims=("u", "r")),
+    # Tensor 2 x sequence 2: each tensor rank's 4 of 8 heads (1 of 2 kv heads) split 2 and 2 by Ulysses, the kv
+    # head shared; the ring on its 2 of 4 heads; 6 heads (3 per tensor rank) split 2 and 1 by Ulysses.
+    dict(mode="ulysses", layout="contiguous", heads=dict(heads=8, kv_heads=2, head_dim=8), **TENSOR_2),
+    dict(mode="ring", layout="balanced", **TENSOR_2),
+    dict(mode="ulysses", layout="contiguous", heads=dict(heads=6, kv_heads=2, head_dim=8), **TENSOR_2),
 ]
 
 
 def _case_id(case) -> str:
     extras = [*case.get("replicate_dims", ()), *(["checkpointing"] if case.get("checkpointing") else []),
-              *(["lora"] if case.get("lora") else [])]  # fmt: skip
+              *(["lora"] if case.get("lora") else []),
+              *([f"{case['heads']['heads']}heads"] if "heads" in case else [])]  # fmt: skip
     mesh = ["x".join(case["mesh"][1])] if "mesh" in case else []
     return "-".join([case["mode"], case["wrapper"], *extras, *mesh])
 
@@ -212,6 +229,18 @@ def test_data_times_sequence_matches_one_process(case):
     if case["wrapper"] == "none" and "mesh" not in case:
         # The replicas' token counts differ enough that a mean of their means misses by far more than the tolerance.
         assert all(mean_of_means > 100 * FP32_UPDATE_RTOL for _, mean_of_means in results), results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["fsdp_data", "fsdp_data_sequence"])
+def test_data_tensor_sequence_with_fsdp2_on_tensor_parallel_parameters(wrapper):
+    """8 ranks, data 2 x tensor 2 x sequence 2: FSDP2 over the data dim on parameters
+    tensor parallelism sharded already (2-D DTensors), then all_reduce_gradients over
+    the sequence dim; or FSDP2 over data x sequence alone; against one process."""
+    case = dict(mode="ulysses", layout="contiguous", wrapper=wrapper, mesh=((2, 2, 2), ("dp", "tp", "cp")),
+                tensor_dims="tp", heads=dict(heads=8, kv_heads=2, head_dim=8))  # fmt: skip
+    failures = [failure for per_rank, _ in pool_for(8).run(run_mesh_case, case) for failure in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 def run_refusals():
@@ -276,6 +305,44 @@ def run_refusals():
     return {what: raises(call, match) for what, (call, match) in calls.items()}
 
 
+def run_tensor_refusals():
+    """What tensor parallelism cannot honour on a (tp 2, cp 2) mesh, each call on every
+    rank: None where it raised the expected ValueError, else what happened."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+    from seqpar_kernels.parallel.parallelism import SequenceParallelism
+
+    mesh = _mesh(*TENSOR_SEQUENCE)
+    dims = dict(mesh=mesh, sequence_dims="cp")
+    sharded = _model(_config())
+    sp_transformers.apply(sharded, "ring", tensor_dims="tp", **dims)
+    calls = {
+        # 3 kv heads over 2 tensor ranks: a rank would hold half a kv head.
+        "heads that cannot be split": (
+            lambda: sp_transformers.apply(
+                _model(_config(heads=6, kv_heads=3, head_dim=8)), "ulysses", tensor_dims="tp", **dims
+            ),
+            r"over 2 ranks .* must divide the attention heads and the key/value heads: the model has 6 and 3",
+        ),
+        "a reduction over the tensor dim": (
+            lambda: sp_transformers.all_reduce_gradients(sharded, data_dims="tp", **dims),
+            r"model.layers.0.self_attn.q_proj.weight \(64, 64\) is sharded \(S\(0\)\) over mesh dim 'tp'",
+        ),
+        "a model sharded already": (
+            lambda: sp_transformers.apply(sharded, "ring", tensor_dims="tp", **dims),
+            r"DTensors already",
+        ),
+        "tensor dims without sequence dims": (
+            lambda: SequenceParallelism.resolve("resolve", "ring", mesh=mesh, tensor_dims="tp"),
+            r"tensor_dims='tp' needs sequence_dims=",
+        ),
+        "a dim both the data's and the tensor's": (
+            lambda: SequenceParallelism.resolve("resolve", "ring", data_dims="tp", tensor_dims="tp", **dims),
+            r"\['tp'\] named more than once",
+        ),
+    }
+    return {what: raises(call, match) for what, (call, match) in calls.items()}
+
+
 def run_other_dims_never_reduced():
     """On a (tp, cp) mesh whose tensor-parallel ranks hold different labels, the loss
     over sequence_dims="cp" counts its cp group's tokens alone: (its group's loss, the
@@ -297,7 +364,8 @@ def run_other_dims_never_reduced():
 
 
 def test_refusals_raise_on_every_rank_and_other_dims_are_never_reduced():
-    for per_rank in pool_for(4).run(run_refusals):
-        assert all(result is None for result in per_rank.values()), per_rank
+    for refusals in (run_refusals, run_tensor_refusals):
+        for per_rank in pool_for(4).run(refusals):
+            assert all(result is None for result in per_rank.values()), per_rank
     for loss, expected in pool_for(4).run(run_other_dims_never_reduced):
         assert loss == pytest.approx(expected, rel=FP32_LOSS_RTOL)

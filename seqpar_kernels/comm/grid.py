@@ -2,17 +2,18 @@
 DeviceMesh, resolved here for every function that takes them.
 
     resolve_grid(describe, mesh, ulysses_group, ring_group)    USP's 2-D grid (a Grid)
-    resolve_mesh_dims(describe, mesh, sequence_dims, data_dims)   which dims of one mesh are
-                                                                the sequence's and the data's
+    resolve_mesh_dims(describe, mesh, sequence_dims, data_dims, tensor_dims)   which dims of
+                                                                one mesh are the sequence's,
+                                                                the data's and the tensor's
     resolve_ranks(describe, group=..., mesh=..., ...)          a group's GroupInfo, or a Grid
     reduction_groups(describe, group=..., mesh=..., ...)       the groups to all-reduce over in
                                                                 turn so that every rank is summed
     all_reduce_sum(values, groups)                             values summed over those groups, in place
 
 One mesh for every parallelism: mesh= with sequence_dims= (one dim, or USP's (ulysses,
-ring) pair) and data_dims= (the data replicas' dims); the mesh's other dims (tensor,
-pipeline) are named by the user only and never reduced over: every reduction here runs
-over dims it names.
+ring) pair), data_dims= (the data replicas' dims) and tensor_dims= (the dims tensor
+parallelism shards the attention's heads over); no reduction here runs over the tensor
+dims or the mesh's unnamed ones (pipeline): every reduction runs over dims it names.
 
 Resolving is local (no communication): a program passes the same kind of argument on every
 rank, so every rank raises alike. That the groups really form a grid is checked by the
@@ -70,14 +71,16 @@ class Grid:
 
 @dataclass(frozen=True)
 class MeshDims:
-    """Which named dims of one DeviceMesh the sequence is split over and which hold
-    data replicas (other dims, tensor or pipeline, are neither: nothing here reduces
-    over them). sequence: (dim,) for one group, (ulysses dim, ring dim) for USP; data:
-    any number, in the user's order (e.g. ("dp_replicate", "dp_shard"))."""
+    """Which named dims of one DeviceMesh the sequence is split over, which hold data
+    replicas and which shard the model's tensors (nothing here reduces over the tensor
+    dims, nor over dims named in none: pipeline). sequence: (dim,) for one group,
+    (ulysses dim, ring dim) for USP; data: any number, in the user's order (e.g.
+    ("dp_replicate", "dp_shard")); tensor: usually one ("tp")."""
 
     mesh: DeviceMesh
     sequence: tuple[str, ...]
     data: tuple[str, ...]
+    tensor: tuple[str, ...] = ()
 
     def groups(self, names) -> list[tuple[dist.ProcessGroup, GroupInfo]]:
         """(group, its GroupInfo) of each named dim, in the order given."""
@@ -93,6 +96,12 @@ class MeshDims:
     def data_size(self) -> int:
         """How many data replicas there are: the product of the data dims' sizes."""
         return prod(self.mesh.size(self._index(name)) for name in self.data)
+
+    @property
+    def tensor_size(self) -> int:
+        """How many ranks share each of the model's tensor-parallel layers: the product
+        of the tensor dims' sizes (1 without tensor dims)."""
+        return prod(self.mesh.size(self._index(name)) for name in self.tensor)
 
     @property
     def data_rank(self) -> int:
@@ -124,8 +133,8 @@ def _dim_names(describe: str, argument: str, value, shapes: str) -> tuple[str, .
     return tuple(names)
 
 
-def resolve_mesh_dims(describe: str, mesh, sequence_dims, data_dims=()) -> MeshDims:
-    """The sequence's and the data's dims of `mesh`, checked once: ValueError naming the
+def resolve_mesh_dims(describe: str, mesh, sequence_dims, data_dims=(), tensor_dims=()) -> MeshDims:
+    """The sequence's, the data's and the tensor's dims of `mesh`, checked once: ValueError naming the
     mesh's dims for a mesh without named dims, a name it lacks, a name given twice, or
     other than one or two sequence dims. Local: every rank passes the same arguments and
     raises alike."""
@@ -133,28 +142,30 @@ def resolve_mesh_dims(describe: str, mesh, sequence_dims, data_dims=()) -> MeshD
     if not isinstance(mesh, DeviceMesh) or not names:
         shape = tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else type(mesh).__name__
         raise ValueError(
-            f"{describe}: sequence_dims= and data_dims= name dims of mesh=, a DeviceMesh with named dims "
+            f"{describe}: sequence_dims=, data_dims= and tensor_dims= name dims of mesh=, a DeviceMesh with named dims "
             f"(init_device_mesh(..., mesh_dim_names=...)), got {shape} with dims {names}"
         )
     shapes = f"mesh {tuple(mesh.shape)} with dims {tuple(names)}"
     sequence = _dim_names(describe, "sequence_dims", sequence_dims, shapes)
     data = _dim_names(describe, "data_dims", data_dims, shapes)
+    tensor = _dim_names(describe, "tensor_dims", tensor_dims, shapes)
+    named = (*sequence, *data, *tensor)
+    given = f"sequence_dims={sequence}, data_dims={data}, tensor_dims={tensor}"
     if len(sequence) not in (1, 2):
         raise ValueError(
             f"{describe}: sequence_dims names one dim (ulysses, ring) or USP's two (ulysses dim, ring dim), "
             f"got {sequence} ({shapes})"
         )
-    missing = [name for name in (*sequence, *data) if name not in names]
+    missing = [name for name in named if name not in names]
     if missing:
-        raise ValueError(f"{describe}: the mesh has no dims {missing}; sequence_dims={sequence}, data_dims={data} "
-                         f"({shapes})")  # fmt: skip
-    repeated = sorted({name for name in (*sequence, *data) if (*sequence, *data).count(name) > 1})
+        raise ValueError(f"{describe}: the mesh has no dims {missing}; {given} ({shapes})")
+    repeated = sorted({name for name in named if named.count(name) > 1})
     if repeated:
         raise ValueError(
-            f"{describe}: {repeated} named more than once in sequence_dims={sequence} and data_dims={data}: each "
-            f"dim is the sequence's, the data's, or neither ({shapes})"
+            f"{describe}: {repeated} named more than once in {given}: each dim is the sequence's, the data's, the "
+            f"tensor's, or none of them ({shapes})"
         )
-    return MeshDims(mesh, sequence, data)
+    return MeshDims(mesh, sequence, data, tensor)
 
 
 def resolve_grid(describe: str, mesh=None, ulysses_group=None, ring_group=None) -> Grid:
@@ -179,18 +190,20 @@ def resolve_grid(describe: str, mesh=None, ulysses_group=None, ring_group=None) 
 
 
 def mesh_dims_of(describe: str, *, group=None, mesh=None, ulysses_group=None, ring_group=None, sequence_dims=None,
-                 data_dims=()) -> MeshDims | None:  # fmt: skip
+                 data_dims=(), tensor_dims=()) -> MeshDims | None:  # fmt: skip
     """The MeshDims of a call that names the dims of mesh= (sequence_dims=, and
-    data_dims=), checked (resolve_mesh_dims); None for a call that does not."""
+    data_dims= and tensor_dims=), checked (resolve_mesh_dims); None for a call that does
+    not."""
     if sequence_dims is None:
-        if data_dims:
-            raise ValueError(f"{describe}: data_dims={data_dims!r} needs sequence_dims= naming the sequence's dims of "
-                             "mesh=")  # fmt: skip
+        for argument, value in (("data_dims", data_dims), ("tensor_dims", tensor_dims)):
+            if value:
+                raise ValueError(f"{describe}: {argument}={value!r} needs sequence_dims= naming the sequence's dims "
+                                 "of mesh=")  # fmt: skip
         return None
     if group is not None or ulysses_group is not None or ring_group is not None:
         raise ValueError(f"{describe}: sequence_dims= names dims of mesh=; pass no group= or ulysses_group= and "
                          "ring_group= with it")  # fmt: skip
-    return resolve_mesh_dims(describe, mesh, sequence_dims, data_dims)
+    return resolve_mesh_dims(describe, mesh, sequence_dims, data_dims, tensor_dims)
 
 
 def is_grid_call(mesh=None, ulysses_group=None, ring_group=None) -> bool:

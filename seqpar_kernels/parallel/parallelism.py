@@ -13,11 +13,13 @@
     parallelism.reduction_kwargs()         the ranks a loss's sum and count are reduced over
     parallelism.data_rank, .data_size      which data replica this rank is, of how many
     parallelism.data_parallel_mesh(...)    the mesh FSDP2 (fully_shard) or DDP runs over
+    parallelism.tensor_size, .tensor_mesh()  the tensor-parallel ranks (parallelize_module's mesh)
 
 One mesh: resolve(..., mesh=mesh, sequence_dims="cp", data_dims=("dp_replicate",
-"dp_shard")) splits the sequence over the mesh's "cp" dim (USP: sequence_dims=(ulysses
-dim, ring dim)) and counts a loss over the data dims too; the mesh's other dims (tensor,
-pipeline) are never reduced over.
+"dp_shard"), tensor_dims="tp") splits the sequence over the mesh's "cp" dim (USP:
+sequence_dims=(ulysses dim, ring dim)) and counts a loss over the data dims too; the
+tensor dims (which shard the attention's heads before Ulysses splits them further) and
+the mesh's unnamed dims (pipeline) are never reduced over.
 
 Modes and layouts (the attention functions' names):
     "ulysses"  ulysses_attention over one group; layout "contiguous" only (Ulysses attends
@@ -89,9 +91,9 @@ class SequenceParallelism:
     one process); (ulysses_group, ring_group) for "usp".
     step_backend: what computes the ring's steps (ring_attention's argument); not part
     of the comparison with a batch's sharding, which it does not change.
-    mesh_dims: the mesh and its sequence and data dims where the value was resolved from
-    mesh= with sequence_dims= (else None); neither is it part of the comparison: the
-    data dims do not change how a replica's batch is sharded."""
+    mesh_dims: the mesh and its sequence, data and tensor dims where the value was
+    resolved from mesh= with sequence_dims= (else None); neither is it part of the
+    comparison: the data and tensor dims do not change how a replica's batch is sharded."""
 
     mode: str
     layout: str
@@ -102,7 +104,7 @@ class SequenceParallelism:
     @classmethod
     def resolve(
         cls, describe: str, mode, layout="contiguous", *, group=None, mesh=None, ulysses_group=None, ring_group=None,
-        sequence_dims=None, data_dims=(), step_backend="auto", modes=ATTENTION_MODES,
+        sequence_dims=None, data_dims=(), tensor_dims=(), step_backend="auto", modes=ATTENTION_MODES,
     ) -> SequenceParallelism:  # fmt: skip
         """The value of a public entry's arguments (apply(), shard_batch(), the Trainer's):
         ValueError, alike on every rank, for a bad mode (one of `modes`), layout, step
@@ -111,11 +113,12 @@ class SequenceParallelism:
 
         group / ulysses_group + ring_group / mesh (USP's 2-D ("ring", "ulysses") mesh):
         the sequence's ranks alone; or mesh= any DeviceMesh with named dims, with
-        sequence_dims (one dim name; "usp": (ulysses dim, ring dim)) and data_dims (the
-        names of the dims that hold data replicas, any number)."""
+        sequence_dims (one dim name; "usp": (ulysses dim, ring dim)), data_dims (the
+        names of the dims that hold data replicas, any number) and tensor_dims (those
+        tensor parallelism shards the model's layers over)."""
         check_options(describe, mode, layout, step_backend, modes)
         dims = mesh_dims_of(describe, group=group, mesh=mesh, ulysses_group=ulysses_group, ring_group=ring_group,
-                            sequence_dims=sequence_dims, data_dims=data_dims)  # fmt: skip
+                            sequence_dims=sequence_dims, data_dims=data_dims, tensor_dims=tensor_dims)  # fmt: skip
         if dims is not None and (len(dims.sequence) == 2) != (mode == "usp"):
             raise ValueError(
                 f"{describe}: mode={mode!r} splits the sequence over "
@@ -209,6 +212,20 @@ class SequenceParallelism:
             return shard_mesh
         replicate_mesh = dims.flattened(replicate, "_".join(replicate))
         return dims.mesh[(replicate_mesh.mesh_dim_names[0], shard_mesh.mesh_dim_names[0])]
+
+    @property
+    def tensor_size(self) -> int:
+        """How many ranks share each tensor-parallel layer (1 without tensor dims)."""
+        return 1 if self.mesh_dims is None else self.mesh_dims.tensor_size
+
+    def tensor_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the tensor dims (flattened where there are several), which
+        tensor parallelism (parallelize_module) shards the layers over. Needs tensor_dims."""
+        dims = self.mesh_dims
+        if dims is None or not dims.tensor:
+            raise ValueError(f"tensor_mesh: this parallelism was not resolved from mesh= with tensor_dims= (groups "
+                             f"{self.group_names})")  # fmt: skip
+        return dims.flattened(dims.tensor, "_".join(dims.tensor))
 
     @property
     def ranks(self) -> GroupInfo | Grid:

@@ -221,9 +221,13 @@ def all_reduce_gradients(
     parameter's gradient (sequence_parallel_cross_entropy's convention); their sum is
     the gradient of the whole batch. parameters: a module or parameters; those that
     require grad take part, a missing .grad counting as zeros (so that every rank sends
-    the same buffers); a DTensor's gradient (FSDP2's shard) is summed shard by shard,
-    which is right where the ranks summed over hold the same shards (FSDP2 over the data
-    dims only: the sequence ranks of a replica do). group (default: the world), or mesh /
+    the same buffers); a DTensor's gradient (FSDP2's shard, tensor parallelism's) is
+    summed shard by shard, which is right where the ranks summed over hold the same
+    shards (FSDP2 over the data dims only: the sequence ranks of a replica do; tensor
+    parallelism: the sequence and data ranks of a tensor rank do). A reduction over ranks
+    that hold different shards of a parameter (a tensor dim named among the data dims,
+    FSDP2's dims) raises ValueError naming it, on every rank, before any communication.
+    group (default: the world), or mesh /
     ulysses_group + ring_group (every rank of the grid); or mesh= with sequence_dims= and
     data_dims=: the sum over exactly the dims named, never the mesh's others. Name the
     data dims where no DDP or FSDP sums over them: under a wrapper over the data dims,
@@ -237,11 +241,13 @@ def all_reduce_gradients(
             sequence_dims=sequence_dims, data_dims=data_dims,
         ) if info.world_size > 1
     ]  # fmt: skip
-    if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    parameters = [parameter for parameter in parameters if parameter.requires_grad]
+    named = parameters.named_parameters() if isinstance(parameters, torch.nn.Module) else \
+        ((f"parameter {index}", parameter) for index, parameter in enumerate(parameters))  # fmt: skip
+    named = [(name, parameter) for name, parameter in named if parameter.requires_grad]
     if not groups:
         return
+    _check_same_shards(named, groups, f"sequence_dims={sequence_dims!r}, data_dims={data_dims!r}")
+    parameters = [parameter for _, parameter in named]
     # Buckets of one dtype and device, each at most _BUCKET_BYTES (or one parameter): one
     # collective per bucket, and at most one bucket's copy of the gradients at a time.
     by_kind: dict[tuple, list[list[torch.nn.Parameter]]] = {}
@@ -263,6 +269,34 @@ def all_reduce_gradients(
                 if parameter.grad is None:
                     parameter.grad = grad
             del flat, grads, shards  # before the next bucket's copy
+
+
+def _check_same_shards(named, groups, arguments: str) -> None:
+    """ValueError unless every rank of each reduction group holds the same shard of every
+    DTensor parameter: a mesh dim the parameter is sharded over (a Shard placement,
+    FSDP2's strided one too) may share no rank but this one with a group. Local: the
+    groups and the meshes are the same shape on every rank, so every rank raises alike."""
+    reduced = [set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group)) for group in groups]
+    spans: dict[tuple[int, int], bool] = {}
+    for name, parameter in named:
+        if not isinstance(parameter, DTensor):
+            continue
+        mesh = parameter.device_mesh
+        for index, placement in enumerate(parameter.placements):
+            if not placement.is_shard():
+                continue
+            key = (id(mesh), index)
+            if key not in spans:
+                holders = set(dist.get_process_group_ranks(mesh.get_group(index)))
+                spans[key] = any(len(holders & ranks) > 1 for ranks in reduced)
+            if spans[key]:
+                dim = mesh.mesh_dim_names[index] if mesh.mesh_dim_names else index
+                raise ValueError(
+                    f"all_reduce_gradients: {name} {tuple(parameter.shape)} is sharded ({placement}) over mesh dim "
+                    f"{dim!r} of {mesh.size(index)} ranks, and the reduction over {arguments} spans ranks of it: "
+                    "it would sum different shards. Name only the dims whose ranks hold the same shard (never a "
+                    "tensor dim, nor the dims FSDP2 shards over)"
+                )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

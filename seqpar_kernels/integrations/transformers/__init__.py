@@ -26,6 +26,8 @@ Modules:
     trainer     SequenceParallelTrainer, SequenceParallelTrainerMixin (needs accelerate,
                 imported on first use)
     loss        the loss computed inside the model's forward (where DDP and FSDP need it)
+    tensor_parallel  what apply(..., tensor_dims=) runs: the model's own tensor-parallel
+                plan over the mesh's tensor dims, each rank's attention on its heads
     memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
                 the backward needs, held in host memory)
     adapters    transformers_model: the transformers model under PEFT's wrapper (every

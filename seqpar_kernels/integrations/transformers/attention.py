@@ -57,6 +57,7 @@ from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
 from seqpar_kernels.integrations.transformers.router import router_loss_of
+from seqpar_kernels.integrations.transformers.tensor_parallel import shard_layers
 from seqpar_kernels.integrations.transformers.vision import install as install_vision
 from seqpar_kernels.integrations.transformers.vision import vision_language_base
 from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
@@ -339,6 +340,7 @@ def apply(
     ring_group=None,
     sequence_dims=None,
     data_dims=(),
+    tensor_dims=(),
     layout: str = "contiguous",
     step_backend: str = "auto",
 ) -> SequenceParallelism:
@@ -358,7 +360,11 @@ def apply(
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
         named dims, sequence_dims= the sequence's dim (USP: (ulysses dim, ring dim)),
         data_dims= the data replicas' dims; causal_lm_loss then counts its tokens over
-        both, and the mesh's other dims are never reduced over.
+        both, and the mesh's other dims are never reduced over. tensor_dims= (with
+        sequence_dims=): the dims tensor parallelism shards the decoder layers over,
+        here, with the model's own plan (tensor_parallel.shard_layers: each rank's
+        attention gets its share of the heads, which the sequence splits further; the
+        embeddings and the LM head stay whole).
     layout: "contiguous", or "balanced" (ring and usp: causal work balanced across the
         ring; shard_batch must be given the same).
     step_backend: "auto", "triton" or "aten": what computes the ring's steps (ring and
@@ -381,6 +387,7 @@ def apply(
         ring_group=ring_group,
         sequence_dims=sequence_dims,
         data_dims=data_dims,
+        tensor_dims=tensor_dims,
         step_backend=step_backend,
     )
     model = transformers_model(model, "apply")
@@ -391,6 +398,13 @@ def apply(
     language = model if vision_language is None else vision_language.language_model
     mixers = _check_layers(model)
     router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
+    if settings.tensor_size > 1:
+        if vision_language is not None or mixers:
+            raise ValueError(
+                f"apply: tensor_dims= shards a text model's attention and MLPs; {type(model).__name__} has "
+                f"{'a vision tower' if vision_language is not None else f'sequence mixers {sorted(mixers)}'} too"
+            )
+        shard_layers("apply", model, settings)
     register()
     name = IMPLEMENTATIONS[mode]
     language.set_attn_implementation(name)

@@ -26,6 +26,7 @@ from triton_interpreter import runs_triton_on
 import seqpar_kernels as sp
 from seqpar_kernels.engine import step_backends
 from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
+from seqpar_kernels.engine.steps import StepSpec
 from tools import reference
 
 # ----------------------------------------------------------------------------------
@@ -315,3 +316,51 @@ def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     assert first_steps == [True]
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=2e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------------
+# A row that saw no key: final lse -inf
+# ----------------------------------------------------------------------------------
+
+NO_KEY_BACKENDS = ["aten", "aten softcapped", FLASH, CUDNN, EFFICIENT,
+                   pytest.param("triton", marks=runs_triton_on("cpu"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", NO_KEY_BACKENDS)
+def test_a_row_whose_final_lse_is_minus_inf_gets_no_gradient(backend):
+    # Row 2 saw no key in any step (final out 0, lse -inf), yet a block's keys reach it
+    # (here all of them, or none under a mask of -inf): exp(s - lse) must be 0, not
+    # exp(-inf - (-inf)) = NaN or exp(s + inf). Its dq is 0 and dk, dv are what they are
+    # without its dout.
+    name = {FLASH: None, CUDNN: None, EFFICIENT: None}.get(backend, backend.split()[0])
+    steps = step_backends.STEP_KERNELS[name or emulated_library_steps(backend)]
+    spec = StepSpec(0.25, 5.0 if "softcapped" in backend else 0.0)
+    generator = torch.Generator().manual_seed(8)
+    q, dout = (torch.randn(1, 5, 2, 16, generator=generator) for _ in range(2))
+    k, v = (torch.randn(1, 6, 1, 16, generator=generator) for _ in range(2))
+    out, lse = torch.zeros(q.shape), torch.full((1, 2, 5), float("-inf"))
+    steps.forward(q, k, v, out, lse, spec, False)
+
+    def gradients(out, lse, dout, mask=None):
+        dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+        delta = steps.prepare_backward(out, dout)
+        if mask is None:
+            steps.backward(dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), spec, False)
+        else:
+            steps.backward_masked(dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), spec, mask)
+        return dq, dk, dv
+
+    without_row = dout.clone()
+    without_row[:, 2] = 0
+    want = gradients(out, lse, without_row)
+    out[:, 2], lse[:, :, 2] = 0.0, float("-inf")
+    masks = [None]
+    if name != "triton":  # masked blocks: the aten backend's packed documents
+        masks.append(torch.zeros(5, 6).index_fill_(0, torch.tensor([2]), float("-inf")))
+    for mask in masks:
+        got = gradients(out, lse, dout, mask)
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.isfinite(a).all(), f"{backend} mask={mask is not None}: {grad_name} not finite"
+            if mask is None:
+                torch.testing.assert_close(a, b, atol=reference.FP32_TOLERANCE, rtol=0)
+        assert torch.equal(got[0][:, 2], torch.zeros_like(got[0][:, 2])), f"{backend}: the row's dq is not 0"

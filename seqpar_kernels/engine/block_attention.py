@@ -282,7 +282,8 @@ class MathBlocks:
         for start in starts:
             tile = slice(start, start + rows)
             scores, tanh = self._scores(q[:, tile].float(), k, scale, causal, mask, softcap, start)
-            # exp(s - lse) is exactly 0 where s is -inf: masked keys and empty rows get nothing.
+            # exp(s - lse) is exactly 0 where s is -inf or lse +inf (AtenSteps maps an empty
+            # row's -inf to +inf): masked keys and empty rows get nothing.
             probabilities = torch.exp(scores - lse[:, :, tile].unsqueeze(-1))
             grad_out = dout[:, tile].float()
             delta = (grad_out * out[:, tile].float()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, H, rows, 1)

@@ -16,6 +16,7 @@ from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.engine.step_masks import dense_step_masks
 from seqpar_kernels.engine.steps import StepSpec
+from seqpar_kernels.groups import SINGLE_PROCESS
 from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
 from seqpar_kernels.traffic import ring_bytes
 
@@ -222,3 +223,41 @@ def test_virtual_ring_harness_dry_run_on_cpu(monkeypatch, layout):
     # there: "serial_copy" only), so that a drift of the ring's interface fails here.
     results = virtual_ring_results(monkeypatch, "cpu", torch.float32, 12, 4, 16, layout, ("serial_copy", "none"))
     assert_copies_agree(results)
+
+
+def test_ring_posts_and_waits_with_the_buffers_device_current(monkeypatch):
+    # NCCL posts and waits on the current device's streams: Ring.start and RingWork.wait
+    # run under device_guard of the buffers' device (a no-op for CPU ones).
+    from seqpar_kernels.comm import ring as ring_module
+
+    assert isinstance(ring_module.device_guard(torch.device("cuda", 1)), torch.cuda.device)
+    assert ring_module.device_guard(torch.device("cuda", 1)).idx == 1
+    with ring_module.device_guard(torch.device("cpu")):
+        pass  # no CUDA call on CPU devices
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.device))
+
+    class Work:
+        def wait(self):
+            entered.append(("wait",))
+
+    monkeypatch.setattr(ring_module, "device_guard", Recorder)
+    monkeypatch.setattr(ring_module.dist, "batch_isend_irecv",
+                        lambda ops: entered.append(("post", len(ops))) or [Work()])  # fmt: skip
+    monkeypatch.setattr(ring_module.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(ring_module.dist, "P2POp", lambda *arguments: arguments)
+    ring = ring_module.Ring(SINGLE_PROCESS)
+    ring.world_size, ring.group = 2, None
+    send, recv = torch.zeros(3), torch.empty(3)
+    ring.start(send, recv).wait()
+    cpu = send.device
+    assert entered == [("enter", cpu), ("post", 2), ("exit", cpu), ("enter", cpu), ("wait",), ("exit", cpu)]

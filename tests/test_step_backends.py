@@ -145,7 +145,8 @@ def _plain_backward_fp32(dout, q, k, v, out, lse, scale, causal, bias=None):
 
 def register_library_kernels_on_cpu():
     """CPU kernels for torch's CUDA attention ops the aten backend calls, for this
-    process: plain attention computed in fp32, outputs in the input dtype."""
+    process: plain attention computed in fp32, outputs in the input dtype. The cuDNN ones
+    check that every tensor comes (B, H, S, D) over dense (B, S, H, D) storage."""
     global _emulation
     if _emulation is not None:
         return
@@ -163,8 +164,13 @@ def register_library_kernels_on_cpu():
                        scale=None):  # fmt: skip
         return _plain_backward_fp32(dout, q, k, v, out, lse, scale, is_causal)
 
+    def dense_as_sdpa_hands_cudnn(**tensors):
+        for name, x in tensors.items():
+            assert x.transpose(1, 2).is_contiguous() and 0 not in x.stride(), f"cuDNN's {name}: strides {x.stride()}"
+
     def cudnn(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
         assert k.shape[1] == q.shape[1], "cuDNN is handed repeated kv heads"
+        dense_as_sdpa_hands_cudnn(q=q, k=k, v=v)
         out, lse = _plain_attention_fp32(q, k, v, scale, is_causal)
         return (out.to(q.dtype), lse.unsqueeze(-1), empty(0), empty(0), q.shape[2], k.shape[2], empty(), empty(),
                 empty(0))  # fmt: skip
@@ -172,6 +178,7 @@ def register_library_kernels_on_cpu():
     def cudnn_backward(dout, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p,
                        is_causal, *, scale=None):  # fmt: skip
         assert lse.shape[-1] == 1, "cuDNN's lse is (B, H, S, 1)"
+        dense_as_sdpa_hands_cudnn(dout=dout, q=q, k=k, v=v, out=out)
         return _plain_backward_fp32(dout, q, k, v, out, lse[..., 0], scale, is_causal)
 
     def efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):

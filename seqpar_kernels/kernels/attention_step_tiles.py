@@ -43,9 +43,18 @@ class KernelLaunch(NamedTuple):
     num_warps: int
     num_stages: int
 
-    def __call__(self, grid, *args):
+    def __call__(self, grid, *args, axes=None):
         """Launch the kernel on ``grid`` with the runtime arguments ``args``, on
-        the device of its first tensor argument and that device's current stream."""
+        the device of its first tensor argument and that device's current stream.
+        A grid axis 1 or 2 beyond MAX_GRID_YZ raises ValueError naming it (``axes``:
+        what each axis counts, for the message)."""
+        for axis in (1, 2)[: len(grid) - 1]:
+            if grid[axis] > MAX_GRID_YZ:
+                what = f" ({axes[axis]})" if axes else ""
+                raise ValueError(
+                    f"{getattr(self.kernel, '__name__', self.kernel)}: grid axis {axis}{what} is {grid[axis]}, "
+                    f"more than the {MAX_GRID_YZ} a CUDA launch allows; grid {tuple(grid)}"
+                )
         device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
         if device.type != "cuda":
             self._launch(grid, args)

@@ -5,7 +5,7 @@
     python -m bench --full               the largest sizes (about 27 minutes on 2 cores)
     python -m bench --quick              tiny shapes, seconds (the CI smoke test)
     python -m bench --plan [--full]      what a run would do and about how long it takes
-    python -m bench --short              the default sizes, fewer timed rounds, no tile sweep
+    python -m bench --short              the default sizes, fewer timed rounds, the dk/dv tiles only
                                          (the short GPU check: scripts/gpu_check.sh --short)
     python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
                                          attention, then its GPU step kernel and overlap probe),
@@ -62,7 +62,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
     parser.add_argument(
         "--short",
         action="store_true",
-        help="the default sizes, 10 to 30 timed rounds a case and no tile sweep (the short GPU check)",
+        help="the default sizes, 10 to 30 timed rounds a case, the dk/dv tiles of the sweep (the short GPU check)",
     )
     parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
                         help="run only this benchmark (repeatable; default: all)")  # fmt: skip

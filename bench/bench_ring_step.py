@@ -23,7 +23,8 @@ and into this checkout's table (seqpar_kernels/engine/step_backends.json: commit
 with the results). A run elsewhere brings its JSON back; python -m bench.step_table
 writes its entry into the checkout's table from there.
 
-Tile sweep (rows ring-step-tiles, not with --quick or --short): for the first forward and backward
+Tile sweep (rows ring-step-tiles, not with --quick; with --short the dk/dv candidates of
+SHORT_SWEEP_TILES only, about 20 s): for the first forward and backward
 case, each candidate tile of each step kernel (SWEEP_TILES: forward, dq, dk/dv) timed
 against the shipped one side by side (ours = the candidate, baseline = the shipped
 tile; speedup > 1: the candidate is faster), its result checked by the same accuracy
@@ -291,6 +292,12 @@ SWEEP_TILES = {
 }
 
 
+# The short check's tiles: the bf16 d128 dk/dv tile of Triton 3.8 on sm_90 and the
+# narrower ones a Triton release that serializes its wgmma (ptxas) may take instead
+# (attention_step_tiles' release-keyed table): about 5 s each, compile included.
+SHORT_SWEEP_TILES = {"dkdv": ((16, 128, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (64, 64, 4, 2))}
+
+
 @dataclass(frozen=True)
 class TileCase:
     """One candidate tile of one step kernel on one step case."""
@@ -314,12 +321,13 @@ class TileCase:
 
 
 def tile_cases(ctx: Context) -> list[TileCase]:
-    if ctx.quick or ctx.short:
+    if ctx.quick:
         return []
     forward = next(case for case in step_cases(ctx) if not case.backward)
     backward = next(case for case in step_cases(ctx) if case.backward)
+    sweep = SHORT_SWEEP_TILES if ctx.short else SWEEP_TILES
     return [TileCase(backward if kernel != "forward" else forward, kernel, tiles)
-            for kernel, candidates in SWEEP_TILES.items() for tiles in candidates]  # fmt: skip
+            for kernel, candidates in sweep.items() for tiles in candidates]  # fmt: skip
 
 
 def measure_tiles(case: TileCase, ctx: Context) -> Row:

@@ -34,7 +34,7 @@ class Context:
     # results files at once).
     record_row: Callable[[Row], None] | None = None
     full: bool = False  # the suite's largest sizes (--full); neither this nor quick: the default
-    # The default sizes with fewer timed rounds and no tile sweep: the short GPU check
+    # The default sizes with fewer timed rounds, of the tile sweep the dk/dv tiles only: the short GPU check
     # (scripts/gpu_check.sh --short).
     short: bool = False
     # Takes entries for the run's JSON (bench/suite.py: written at once; rank 0's count).

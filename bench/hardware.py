@@ -109,6 +109,34 @@ def measured_copy_bandwidth_gbps(device: torch.device, num_bytes: int, reps: int
     return 2 * num_bytes / best / 1e9
 
 
+def measured_matmul_tflops(device: torch.device, size: int = 8192, reps: int = 5) -> float:
+    """Best-of-`reps` TFLOP/s of one (size x size) @ (size x size) bf16 matmul (2 size^3
+    FLOPs), CUDA events: what this GPU gives torch's own matmul, beside the spec sheet."""
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    a @ b  # warm-up: cuBLAS's handle and workspace
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * size**3 / best / 1e12
+
+
+def calibration(device: torch.device, name: str) -> dict:
+    """A GPU's yardsticks, each measured in the run that reports against them: the spec
+    sheet's dense bf16 TFLOP/s and memory bandwidth (None: unknown), a bf16 matmul's
+    TFLOP/s and a 1 GiB device copy's GB/s (read + written)."""
+    return {
+        "spec_bf16_tflops": spec_bf16_tflops(name),
+        "spec_gbps": spec_memory_bandwidth_gbps(name),
+        "matmul_bf16_tflops": measured_matmul_tflops(device),
+        "copy_gbps": measured_copy_bandwidth_gbps(device, 1 << 30),
+    }
+
+
 def peak_memory_bandwidth(device: torch.device, name: str) -> tuple[float, str]:
     """(GB/s, where it comes from): the spec sheet for known GPUs, else a measured copy."""
     spec = spec_memory_bandwidth_gbps(name) if device.type == "cuda" else None

@@ -46,7 +46,7 @@ class Options:
     out: Path
     full: bool = False  # the suite's largest sizes (bench/plan.py); neither: the default sizes
     plan_only: bool = False  # print the plan (sizes, estimates) and run nothing
-    short: bool = False  # the default sizes with SHORT_REPETITIONS and no tile sweep (the GPU check)
+    short: bool = False  # the default sizes with SHORT_REPETITIONS, the dk/dv tiles of the sweep (the GPU check)
 
     @property
     def size(self) -> str:

@@ -131,6 +131,8 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
         "timing": "median over timed rounds of the slowest rank's time per call, candidates "
         "interleaved; " + ("CUDA events" if ctx.on_gpu else "time.perf_counter after dist.barrier"),
     }
+    if ctx.on_gpu:
+        metadata["calibration"] = hardware.calibration(ctx.device, ctx.device_name)
     if "ring" in only:
         metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
     if "usp" in only:

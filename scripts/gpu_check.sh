@@ -12,15 +12,22 @@
 #                from nvidia-smi's compute capability, 9.0 -> 9.0a), MAX_JOBS = every
 #                core, nothing installed offline; python -m seqpar_kernels.info
 #         info   nvidia-smi, python -m seqpar_kernels.info, versions (into build.log)
+#         preflight  NCCL with one rank under `timeout 60` (into test.log): a broken NCCL
+#                costs 60 s here, not the NCCL tests' and the bench's time
 #         test   the GPU tests (SHORT_TESTS: the CUDA kernels against the CPU kernels, the
 #                Triton step kernels, the aten backend's library kernels, NCCL with one
 #                rank, the Triton kernels of the gated delta rule and of the state-space
-#                scans), on every core with pytest-xdist where installed, a time limit per
-#                test with pytest-timeout, each failure reported as it happens
+#                scans), on every core with pytest-xdist where installed (16 workers at
+#                most, OMP_NUM_THREADS=2 each), a time limit per test with pytest-timeout,
+#                each failure reported as it happens
 #         bench  python -m bench --short on this GPU: the step kernels of both backends
-#                against SDPA's flash and cuDNN, pack/unpack/merge against a plain copy,
-#                the ring's overlap probe; records the measured step backend
-#       then the headline numbers (python -m bench.headline), printed last. DIR gets
+#                against SDPA's flash and cuDNN, the bf16 d128 dk/dv tiles side by side
+#                (16,128,8,2), (32,32,4,2), (32,64,8,2), (64,64,4,2) (about 20 s),
+#                pack/unpack/merge against a plain copy, the ring's overlap probe; a bf16
+#                matmul and a device copy measured first, the yardsticks beside the spec
+#                sheet; records the measured step backend
+#       then the headline numbers (python -m bench.headline), printed last: TFLOP/s and
+#       GB/s against the spec sheet and against the run's matmul and copy. DIR gets
 #       <device>-<date>-<commit>-short/ with 8 files: summary.txt (device, driver, torch,
 #       Triton, commit; each stage's exit status and time; the headline), build.log,
 #       test.log, junit.xml, bench.log and the bench's .csv, .json and .png.
@@ -86,17 +93,22 @@ source "$REPO/scripts/package_index.sh"
 #   build    6 C++/CUDA files side by side, one target: the slowest file (a .cu with the
 #            ATen headers, about 60 s on one core) + CMake's configure and pip: ~90 s
 #   info     three Python start-ups that import torch (warm after the build)
+#   preflight  one Python start-up, NCCL's init (seconds); `timeout 60` inside: what it
+#            leaves unused goes to the tests
 #   test     a few hundred Triton compiles (2-3 s of one core each) over 16 workers,
 #            their start-up, the GPU work (seconds): ~100-150 s
-#   bench    12 step cases (each ~1 s of timed rounds after its warm-up), ~8 step kernel
-#            compiles in one process, 8 data-movement and 5 probe cases, the plot: ~90 s
+#   bench    the matmul and copy (~2 s), 12 step cases (each ~1 s of timed rounds after
+#            its warm-up), ~8 step kernel compiles in one process, 4 dk/dv tiles (~5 s
+#            each, compile included), 8 data-movement and 5 probe cases, the plot: ~110 s
 #   report   one Python start-up that reads the folder
-declare -A SHORT_BOXES=([prepare]=10 [build]=140 [info]=20 [test]=190 [bench]=150 [report]=10)
-SHORT_ORDER=(prepare build info test bench report)
+declare -A SHORT_BOXES=([prepare]=10 [build]=130 [info]=15 [preflight]=65 [test]=165 [bench]=125 [report]=10)
+SHORT_ORDER=(prepare build info preflight test bench report)
 SHORT_LIMIT=540
 # Seconds between a stage's SIGINT and its SIGKILL, inside its box: pytest-xdist stops its
 # workers and writes junit.xml; the bench has written every finished case already.
-declare -A SHORT_GRACE=([build]=10 [info]=5 [test]=25 [bench]=15)
+declare -A SHORT_GRACE=([build]=10 [info]=5 [preflight]=5 [test]=25 [bench]=15)
+# The pre-flight's own limit in the short check (the full check's bench stage: 120 s).
+SHORT_PREFLIGHT_SECONDS=60
 # The short check's tests, in the order pytest-xdist hands them out: the build's report,
 # the CUDA kernels against the CPU kernels, the aten backend's library kernels and NCCL
 # with one rank, the Triton step kernels (the longest: a compile per kernel variant),
@@ -276,9 +288,12 @@ short_command() {
       read -ra command <<<"env $(short_build_env)"
       command+=(bash scripts/setup.sh) ;;
     info) command=(bash -c write_info) ;;
+    preflight) command=(env NCCL_PREFLIGHT_SECONDS=$SHORT_PREFLIGHT_SECONDS bash -c nccl_preflight) ;;
     test)
       eval "command=($(pytest_command))"
-      command=(env PYTHONUNBUFFERED=1 SEQPAR_FAILURES_AT_ONCE=1 "${command[@]}") ;;
+      # 16 workers of torch's default OpenMP threads (one per core each) would ask for
+      # 16 x 16 threads on 16 cores; 2 each keep the CPU work of the tests from thrashing.
+      command=(env PYTHONUNBUFFERED=1 SEQPAR_FAILURES_AT_ONCE=1 OMP_NUM_THREADS=2 "${command[@]}") ;;
     bench) command=(env PYTHONUNBUFFERED=1 "$PYTHON" -m bench "${SHORT_BENCH[@]}" --out "$RUN") ;;
   esac
 }
@@ -287,6 +302,7 @@ short_command() {
 short_log() {
   case $1 in
     info) echo build.log ;;
+    preflight) echo test.log ;;
     *) echo "$1.log" ;;
   esac
 }
@@ -339,6 +355,10 @@ short_plan() {
     total=$((total + SHORT_BOXES[$stage]))
     case $stage in
       prepare) say "box prepare ${SHORT_BOXES[prepare]} s: GPU, commit, versions; package index (at most 2 s)" ;;
+      preflight)
+        short_command "$stage"
+        say "box preflight ${SHORT_BOXES[preflight]} s: NCCL with one rank under timeout $SHORT_PREFLIGHT_SECONDS:" \
+          "$(printf '%q ' "${command[@]}")>> $(short_log "$stage")" ;;
       report) say "box report ${SHORT_BOXES[report]} s: the headline: $PYTHON -m bench.headline $RUN" ;;
       *)
         short_command "$stage"
@@ -347,6 +367,9 @@ short_plan() {
         if [ "$stage" = build ]; then
           bash scripts/setup.sh --dry-run 2>&1 | sed 's/^/    /'
         fi
+        [ "$stage" = test ] && say "    OMP_NUM_THREADS=2 for each of the (at most 16) pytest-xdist workers"
+        [ "$stage" = bench ] && say "    a bf16 matmul and a device copy first (the yardsticks beside the spec sheet);" \
+          "the bf16 d128 dk/dv tiles (16,128,8,2) (32,32,4,2) (32,64,8,2) (64,64,4,2) side by side (about 20 s)"
         ;;
     esac
   done
@@ -386,6 +409,7 @@ RUN=$results_dir/$run_name
 plan=()
 [ $want_build = 1 ] && plan+=(build)
 [ $want_build = 1 ] && [ $short = 1 ] && plan+=(info)
+[ $want_test = 1 ] && [ $short = 1 ] && plan+=(preflight)
 [ $want_test = 1 ] && plan+=(test)
 [ $want_bench = 1 ] && plan+=(bench)
 
@@ -453,7 +477,7 @@ build_stage() {
 # seconds rather than as a hang or a crash inside the bench.
 # shellcheck disable=SC2329  # run through run_stage
 nccl_preflight() {
-  timeout -k 10 120 "$PYTHON" - <<'PY'
+  timeout -k 10 "${NCCL_PREFLIGHT_SECONDS:-120}" "$PYTHON" - <<'PY'
 import shutil
 import tempfile
 import time
@@ -484,6 +508,8 @@ print(f"NCCL pre-flight: ok (NCCL {nccl}; init_process_group, all_reduce, destro
       f"{torch.cuda.get_device_name(device)} in {time.perf_counter() - started:.1f} s)")
 PY
 }
+export -f nccl_preflight
+NCCL_FAILED="!!!!! NCCL PRE-FLIGHT FAILED: torch.distributed with NCCL does not work on this machine; its tests and the bench (NCCL process group) will most likely fail too !!!!!"
 
 # run_boxed STAGE: the short check's STAGE, its output appended to its log, given SIGINT
 # when its box is up (the boxes of the stages so far, from the script's start, so that
@@ -517,6 +543,10 @@ run_boxed() {
       echo "===== build/install.log (pip install -v --no-build-isolation --no-index -e .) ====="
       cat build/install.log
     } >>"$RUN/$log"
+  fi
+  if [ "$stage" = preflight ] && [ $code -ne 0 ]; then
+    say "$NCCL_FAILED"
+    echo "$NCCL_FAILED" >>"$RUN/$log"
   fi
   if [ "$stage" = test ]; then
     # Every failure, already in the log as it happened; here too, for the console.
@@ -571,9 +601,8 @@ fi
 if [ $want_bench = 1 ]; then
   stamp >"$RUN/bench.log"
   if ! LABEL="NCCL pre-flight (world size 1, one all_reduce on cuda:0)" run_stage bench nccl_preflight; then
-    loud="!!!!! NCCL PRE-FLIGHT FAILED: torch.distributed with NCCL does not work on this machine; the bench (NCCL process group) will most likely fail too !!!!!"
-    say "$loud"
-    echo "$loud" >>"$RUN/bench.log"
+    say "$NCCL_FAILED"
+    echo "$NCCL_FAILED" >>"$RUN/bench.log"
   fi
   run_stage bench "$PYTHON" -m bench --out "$RUN" ${bench_args[@]+"${bench_args[@]}"}
 fi

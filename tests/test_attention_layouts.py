@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from on_ranks import on_every_rank, rank_and_world, timeout_group
+from test_step_backends import emulated_library_steps
 from triton_interpreter import runs_triton_on
 
 import seqpar_kernels as sp
+from seqpar_kernels.engine.block_attention import CUDNN
 from seqpar_kernels.testing import ring_attention_with_step_kernels
 from tools import reference
 
@@ -85,30 +87,42 @@ def _full_inputs(world_size, device, seed):
     return [t.to(device) for t in (draw(H), draw(H_KV), draw(H_KV), draw(H))]
 
 
-def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tuple(OUTPUT_CONSUMERS)):
+def _errors_by_layout(attention, device, causal, rank, world_size, consumers=tuple(OUTPUT_CONSUMERS),
+                      dtype=torch.float32):  # fmt: skip
     """For each q/k/v layout and each output consumer: the largest error of out and of
-    the q, k, v gradients against fp64 attention on the whole sequence (fp32 inputs),
-    relative to each exact tensor's magnitude."""
+    the q, k, v gradients against fp64 attention on the whole sequence, as a fraction of
+    what is allowed: fp32 inputs TOLERANCE relative to each exact tensor's magnitude;
+    fp16/bf16 inputs the accuracy rule (tools/reference.py error_bound) against plain
+    attention in that dtype."""
     full = _full_inputs(world_size, device, seed=3)  # q, k, v, consumer weight
-    local = [reference.contiguous_piece(t, [S_LOCAL] * world_size, rank).float() for t in full]
+    if dtype != torch.float32:
+        full = [t.to(dtype).double() for t in full]  # the exact answer of the rounded inputs
+    piece = lambda t: reference.contiguous_piece(t, [S_LOCAL] * world_size, rank)  # noqa: E731
+    local = [piece(t).to(dtype) for t in full]
+
+    def outputs(function, tensors, weight, layout, consumer):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        out = function(*layout(*leaves), causal=causal)
+        consumer(out, weight).backward()
+        return [out.detach(), *(leaf.grad for leaf in leaves)]
+
     errors = {}
     for layout_name, layout in QKV_LAYOUTS.items():
         for consumer_name in consumers:
             consumer = OUTPUT_CONSUMERS[consumer_name]
             # The layout goes into the exact answer too: an expanded view has other values.
-            exact_leaves = [t.clone().requires_grad_() for t in full[:3]]
-            exact_out, _ = reference.attention(*layout(*exact_leaves), causal=causal)
-            consumer(exact_out, full[3]).backward()
-            exact = [exact_out.detach(), *(leaf.grad for leaf in exact_leaves)]
-
-            leaves = [t.clone().requires_grad_() for t in local[:3]]
-            out = attention(*layout(*leaves), causal=causal)
-            consumer(out, local[3]).backward()
-            got = [out.detach(), *(leaf.grad for leaf in leaves)]
+            exact = [piece(e) for e in outputs(lambda *t, causal: reference.attention(*t, causal=causal)[0],
+                                               full[:3], full[3], layout, consumer)]  # fmt: skip
+            if dtype == torch.float32:
+                allowed = [TOLERANCE * max(1.0, reference.magnitude(e)) for e in exact]
+            else:
+                plain = outputs(lambda *t, causal: reference.attention(*t, causal=causal)[0],
+                                [t.to(dtype) for t in full[:3]], full[3].to(dtype), layout, consumer)  # fmt: skip
+                allowed = [reference.error_bound(dtype, reference.max_error(piece(p), e), reference.magnitude(e))
+                           for p, e in zip(plain, exact)]  # fmt: skip
+            got = outputs(attention, local[:3], local[3], layout, consumer)
             errors[f"{layout_name}/{consumer_name}"] = max(
-                reference.max_error(g, reference.contiguous_piece(e, [S_LOCAL] * world_size, rank))
-                / max(1.0, reference.magnitude(e))
-                for g, e in zip(got, exact)
+                reference.max_error(g, e) / a for g, e, a in zip(got, exact, allowed)
             )
     return errors
 
@@ -143,10 +157,10 @@ TOLERANCE = 2e-5
 
 def _failures(errors_per_rank):
     return [
-        f"rank {rank} {name}: relative error {error:.3g}"
+        f"rank {rank} {name}: error {error:.3g} x what is allowed"
         for rank, errors in enumerate(errors_per_rank)
         for name, error in errors.items()
-        if not error <= TOLERANCE
+        if not error <= 1.0
     ]
 
 
@@ -166,13 +180,35 @@ def test_triton_ring_takes_any_layout(ranks):
     assert not failures, "\n".join(failures)
 
 
+def _aten_ring(q, k, v, causal):
+    return sp.ring_attention(q, k, v, causal=causal, step_backend="aten")
+
+
+# On one GPU (a world of one): name -> (attention, dtype). fp32 runs the Triton kernels;
+# bf16 with step_backend="aten" the library kernels (cuDNN on sm_90 and newer).
+CUDA_PATHS = {
+    "ring": (sp.ring_attention, torch.float32),
+    "ulysses": (sp.ulysses_attention, torch.float32),
+    "ring-aten-bf16": (_aten_ring, torch.bfloat16),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("attention", [sp.ring_attention, sp.ulysses_attention], ids=["ring", "ulysses"])
-def test_cuda_paths_take_any_layout(attention, causal):
-    # One process, a world of one: every layout through the CUDA kernels.
-    errors = _errors_by_layout(
-        lambda q, k, v, causal: attention(q, k, v, causal=causal), torch.device("cuda"), causal, 0, 1
-    )
+@pytest.mark.parametrize("path", CUDA_PATHS)
+def test_cuda_paths_take_any_layout(path, causal):
+    attention, dtype = CUDA_PATHS[path]
+    errors = _errors_by_layout(attention, torch.device("cuda"), causal, 0, 1, dtype=dtype)
+    failures = _failures([errors])
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_layouts_harness_dry_run_on_cpu(causal):
+    # The GPU test's bf16 case on CPU tensors, its library calls emulated
+    # (test_step_backends: the cuDNN stand-ins check that every tensor comes dense).
+    steps = emulated_library_steps(CUDNN)
+    errors = _errors_by_layout(lambda q, k, v, causal: ring_attention_with_step_kernels(q, k, v, steps, causal=causal),
+                               torch.device("cpu"), causal, 0, 1, dtype=torch.bfloat16)  # fmt: skip
     failures = _failures([errors])
     assert not failures, "\n".join(failures)

@@ -59,6 +59,19 @@ def test_tiles_follow_the_target_family():
         target(75)
 
 
+def test_tiles_follow_the_triton_release(monkeypatch):
+    # Triton 3.6 serializes the wgmma of sm_90's bf16 d128 dk/dv tile: that entry only
+    # differs, and only on sm_90 and under 3.6.
+    bf16, target = torch.bfloat16, step_tiles.GpuTarget.of_capability
+    shipped = {(kernel, capability): step_tiles._tiles(kernel, bf16, 128, target(capability))
+               for kernel in ("forward", "dq", "dkdv") for capability in (80, 90, 100)}  # fmt: skip
+    monkeypatch.setattr(step_tiles, "TRITON_RELEASE", (3, 6))
+    for (kernel, capability), tiles in shipped.items():
+        expected = (32, 64, 8, 2) if (kernel, capability) == ("dkdv", 90) else tiles
+        assert step_tiles._tiles(kernel, bf16, 128, target(capability)) == expected, (kernel, capability)
+    assert (32, 64, 8, 2) in step_tiles.all_cuda_tiles()
+
+
 def test_check_launchable_refuses_old_gpus_and_grids_over_the_cuda_limit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: cases.properties(7, 5))
     with pytest.raises(ValueError, match=r"sm_75 \(q \(2, 16, 4, 64\)\)"):

@@ -488,3 +488,21 @@ def test_tile_override_replaces_one_kernels_gpu_tiles_for_the_block():
         assert tiles._tiles("dq", torch.bfloat16, 128, hopper) == shipped["dq"]
         assert tiles._tiles("dkdv", torch.bfloat16, 128, None) == tiles._INTERPRETER_TILES  # CPU tensors
     assert {kernel: tiles._tiles(kernel, torch.bfloat16, 128, hopper) for kernel in SWEEP_TILES} == shipped
+
+
+def test_short_bench_times_the_four_dkdv_tiles_on_the_full_backward_step():
+    # The short GPU check's tile comparison: dk/dv only, bf16 d128, the full (not causal)
+    # backward step; the default run sweeps every kernel, --quick none.
+    import types
+
+    from bench.bench_ring_step import SHORT_SWEEP_TILES, SWEEP_TILES, tile_cases
+
+    def context(**sizes):
+        return types.SimpleNamespace(**{"quick": False, "short": False, "full": False, **sizes})
+
+    short = tile_cases(context(short=True))
+    assert [case.tiles for case in short] == [(16, 128, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (64, 64, 4, 2)]
+    assert list(SHORT_SWEEP_TILES) == ["dkdv"] and {case.kernel for case in short} == {"dkdv"}
+    assert all(case.step.backward and not case.step.causal and case.step.head_dim == 128 for case in short)
+    assert len(tile_cases(context())) == sum(map(len, SWEEP_TILES.values()))
+    assert tile_cases(context(quick=True)) == []

@@ -16,6 +16,7 @@ from tools import reference
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from seqpar_kernels.engine import gated_delta  # noqa: E402
 from seqpar_kernels.kernels import gated_delta_kernels as kernels  # noqa: E402
+from seqpar_kernels.kernels.attention_step_tiles import MAX_GRID_YZ  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -126,6 +127,14 @@ def _compiled_for_gpus() -> list[dict]:
             rows.append(dict(kernel=kernel.__name__, key_dim=key_dim, registers=resources.registers,
                              spills_in_loops=resources.spills_in_loops, loops=resources.loops))  # fmt: skip
     return rows
+
+
+def test_batch_times_heads_past_the_cuda_grid_limit_raises():
+    # B x H indexes grid axis 1, which CUDA caps at 65535: it raises before any launch.
+    heads = MAX_GRID_YZ // 2 + 1
+    w, u, k_decayed, decay, initial = _pass_inputs(2, heads, [0, 1], 16, 1, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=rf"grid axis 1 \(batch x heads\) is {2 * heads}, more than the 65535"):
+        kernels.chunk_states_forward(w, u, k_decayed, decay, initial, [0, 1])
 
 
 def test_the_kernels_compile_for_gpus_without_spills_in_their_loop():

@@ -24,7 +24,7 @@ from seqpar_kernels.engine import step_backends
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 SHORT_LIMIT = 540  # seconds: one command on a GPU machine lent for about 15 minutes
-SHORT_STAGES = ["prepare", "build", "info", "test", "bench", "report"]
+SHORT_STAGES = ["prepare", "build", "info", "preflight", "test", "bench", "report"]
 
 # The GPU a dry run or a stand-in run plans for (nvidia-smi's name, compute capability,
 # driver), in place of nvidia-smi's answer.
@@ -71,6 +71,11 @@ def test_short_plan_fits_one_command_and_asks_no_package_index(tmp_path):
         assert (ROOT / path).exists(), path
         assert not test or f"def {test}(" in (ROOT / path).read_text(), (path, test)
     assert "-m bench --short --world-size 1" in commands["bench"] and f"--out {run}" in commands["bench"]
+    # NCCL's pre-flight before the tests, a minute at most; two OpenMP threads for each of
+    # the 16 test workers; the bench's dk/dv tile comparison and its yardsticks.
+    assert "NCCL_PREFLIGHT_SECONDS=60" in commands["preflight"] and "timeout 60" in commands["preflight"]
+    assert "OMP_NUM_THREADS=2" in commands["test"] and "OMP_NUM_THREADS=2 for each" in result.stdout
+    assert "(16,128,8,2) (32,32,4,2) (32,64,8,2) (64,64,4,2)" in result.stdout and "matmul" in result.stdout
     # Offline: pip is told to use no index, scripts/setup.sh installs nothing, and the one
     # pip command left (the build) asks no index either.
     assert "PIP_NO_INDEX=1" in result.stdout and "SEQPAR_OFFLINE=1" in result.stdout
@@ -113,12 +118,13 @@ except KeyboardInterrupt:
 STAND_IN_RUN = (
     STAND_IN_GPU
     + """
-SHORT_BOXES=([prepare]=1 [build]=1 [info]=1 [test]=6 [bench]=240 [report]=60)
-SHORT_GRACE=([build]=1 [info]=1 [test]=2 [bench]=5)
+SHORT_BOXES=([prepare]=1 [build]=1 [info]=1 [preflight]=1 [test]=6 [bench]=240 [report]=60)
+SHORT_GRACE=([build]=1 [info]=1 [preflight]=1 [test]=2 [bench]=5)
 short_command() {
   case $1 in
     build) command=(echo built) ;;
     info) command=(echo info) ;;
+    preflight) command=(echo "NCCL pre-flight: stand-in") ;;
     test) command=("$PYTHON" "$STAND_IN_PYTEST" "$RUN/junit.xml") ;;
     bench) command=(env PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES= "$PYTHON" -m bench "${SHORT_BENCH[@]}" --quick
                     --out "$RUN") ;;
@@ -155,7 +161,8 @@ def test_short_run_stops_a_stage_at_its_box_and_goes_on(tmp_path):
         assert part in first, first
     assert re.search(r"^test: STOPPED at its time box \(SIGINT; exit 124\)", summary, re.MULTILINE), summary
     stages = re.findall(r"^(\w+): (?:exit|STOPPED)", summary, re.MULTILINE)
-    assert stages == ["build", "info", "test", "bench"], summary
+    assert stages == ["build", "info", "preflight", "test", "bench"], summary
+    assert "NCCL pre-flight: stand-in" in (run / "test.log").read_text()
     # The test stage's limit: the boxes so far less the time spent (at least its grace + 2
     # s); its output and the junit file it wrote when stopped are kept; the failure shows
     # on the console too.
@@ -201,6 +208,9 @@ def gpu_results(folder: Path, measured: dict | None = MEASURED) -> Path:
              ours_s="0.001", baseline_s="0.0011", speedup="0.88", check="matches", ours_tflops="450",
              baseline_tflops="510", peak_tflops="989", peak_tflops_source="spec sheet, dense bf16",
              ours_fraction_of_peak_tflops="0.455"),
+        dict(common, bench="ring-step-tiles", case="dkdv (32, 64, 8, 2) full S=4096 D=128 bf16",
+             shape="B=1 S_q=S_k=4096 H=32 D=128", ours_s="0.001", baseline_s="0.0012", speedup="1.2", check="matches",
+             ours_tflops="300", baseline_tflops="250"),
         dict(common, bench="merge", case="H=32 D=128 S=16384 bf16 block", shape="", ours_s="0.0003",
              baseline_s="0.002", speedup="6.7", check="matches", ours_gbps="2700", baseline_gbps="400",
              copy_gbps="2900"),
@@ -213,7 +223,9 @@ def gpu_results(folder: Path, measured: dict | None = MEASURED) -> Path:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    document = {"device": "NVIDIA H100 80GB HBM3", "status": "finished, 0 failed cases"}
+    document = {"device": "NVIDIA H100 80GB HBM3", "status": "finished, 0 failed cases",
+                "calibration": {"spec_bf16_tflops": 989.0, "spec_gbps": 3350.0, "matmul_bf16_tflops": 750.0,
+                                "copy_gbps": 2900.0}}  # fmt: skip
     if measured is not None:
         document["step_backend"] = measured
     stem.with_suffix(".json").write_text(json.dumps(document))
@@ -231,8 +243,13 @@ def test_headline_reads_a_gpu_folder(tmp_path):
     assert "FAILED tests.test_a::test_b: AssertionError: out: err 0.1 > 0.01" in text
     (step,) = [line for line in text.splitlines() if line.strip().startswith("ring-step-fwd")]
     assert step.split()[5:9] == ["450", "420", "380", "510"] and "46%" in step  # triton, aten, flash, cudnn
+    assert step.split()[11] == "60%"  # triton against the run's bf16 matmul
+    assert "bf16 matmul 750 TFLOP/s (76% of the spec sheet's 989.0)" in text
+    assert "device copy 2900 GB/s (87% of the spec sheet's 3350.0)" in text
+    (tile,) = [line for line in text.splitlines() if line.strip().startswith("dkdv (32, 64, 8, 2)")]
+    assert tile.split()[-4:] == ["300", "250", "1.20x", "matches"]
     (merge,) = [line for line in text.splitlines() if line.strip().startswith("merge")]
-    assert "2700" in merge and "2900" in merge and "93%" in merge  # ours against the plain copy
+    assert "2700" in merge and "2900" in merge and "93%" in merge and "81%" in merge  # the copy, the spec sheet
     (probe,) = [line for line in text.splitlines() if "contigu full MHA" in line]
     assert probe.split()[6:8] == ["0.97", "0.88"]  # overlapped, serial: compute only / time
     assert 'step_backend="auto" on sm_90: triton' in text and "python -m bench.step_table" in text

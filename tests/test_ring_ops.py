@@ -4,6 +4,7 @@ checks, and the zigzag layout's split and gather."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from on_ranks import rank_and_world
 import seqpar_kernels as sp
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.layouts import zigzag_piece_lengths
+from seqpar_kernels.ops.cuda_graphs import UNCAPTURABLE_TAGS, refuse_capture
 from seqpar_kernels.parallel import checks as checks_module
 from tools import reference
 
@@ -142,6 +144,39 @@ def test_opcheck_single_process():
         reference.max_error(out, expected) <= reference.FP32_TOLERANCE
         and reference.max_error(lse, expected_lse) <= reference.FP32_TOLERANCE
     )
+
+
+PYTHON_OPS = ("ring_attention_forward", "ring_attention_backward", "local_attention_forward",
+              "local_attention_backward", "all_to_all_single")  # fmt: skip
+
+
+@pytest.mark.skipif(not UNCAPTURABLE_TAGS, reason="this torch has no cudagraph_unsafe tag")
+def test_python_ops_stay_out_of_cuda_graphs():
+    # torch.compile(mode="reduce-overhead") leaves a graph with a cudagraph_unsafe op out
+    # of CUDA graphs: inductor's own test finds the ring's op in a traced call.
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    for name in PYTHON_OPS:
+        assert torch._C.Tag.cudagraph_unsafe in getattr(torch.ops.seqpar, name).default.tags, name
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    graph = torch.fx.experimental.proxy_tensor.make_fx(lambda q, k, v: sp.ring_attention(q, k, v, causal=True))(q, k, v)
+    node = get_first_incompatible_cudagraph_node(graph)
+    assert node is not None and "ring_attention_forward" in str(node.target), node
+
+
+def test_capture_of_a_python_op_raises_naming_it(monkeypatch):
+    # What captures an op all the same (torch without the tag, torch.cuda.graph by hand)
+    # gets an error naming it; CPU tensors are never asked about.
+    class CudaTensor:
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    refuse_capture("seqpar::ring_attention_forward", torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"seqpar::ring_attention_forward cannot be captured in a CUDA graph"):
+        refuse_capture("seqpar::ring_attention_forward", CudaTensor())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    refuse_capture("seqpar::ring_attention_forward", CudaTensor())
 
 
 def test_cpu_paths_need_no_triton():

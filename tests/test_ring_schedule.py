@@ -16,6 +16,7 @@ from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.engine.step_masks import dense_step_masks
 from seqpar_kernels.engine.steps import StepSpec
+from seqpar_kernels.groups import SINGLE_PROCESS
 from seqpar_kernels.layouts import dense_slot_segments, zigzag_piece_lengths
 from seqpar_kernels.traffic import ring_bytes
 
@@ -153,51 +154,110 @@ def test_comm_stats_count_the_ring(ranks, dtype):
             assert bwd_calls == 2 * (ranks.world_size - 1)
 
 
-@needs_gpu
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch, layout):
-    # The ring driver of P GPUs on one (seqpar_kernels.testing.ReplacedExchange): the
-    # exchange is a device-to-device copy on a side stream ("copy", overlapped as NCCL's
-    # would be) or on the compute stream ("serial_copy"). The copies deliver this rank's
-    # own K|V, so both must agree bit for bit, and with no exchange at all ("none") for
-    # out and dq: a block read before its copy landed, or overwritten while still read,
-    # would not. Every receive buffer is filled with NaN on the compute stream before its
-    # copy is posted: otherwise, from step 2 on, the spare buffer already holds this
-    # rank's K|V (the last step's), and a read racing ahead of the copy would give the
-    # same numbers.
+def virtual_ring_results(monkeypatch, device, dtype, seqlen, heads, head_dim, layout, modes):
+    """{mode: [out, dq, dk, dv] of ranks 0 and 3} of the ring driver of 4 ranks on one
+    device (seqpar_kernels.testing.ReplacedExchange), causal, every receive buffer filled
+    with NaN on the compute stream before its copy is posted: otherwise, from step 2 on,
+    the spare buffer already holds this rank's K|V (the last step's), and a read racing
+    ahead of the copy would give the same numbers. q, dout (1, seqlen, heads, head_dim); k, v
+    (1, seqlen, heads // 4, head_dim)."""
     from seqpar_kernels.engine.ring_driver import ring_backward, ring_forward
     from seqpar_kernels.engine.step_backends import step_kernels_for
     from seqpar_kernels.testing import ReplacedExchange
 
     start = ReplacedExchange.start
 
-    def start_into_nan(self, send, recv):
+    def start_into_nan(self, send, recv, hops=1):
         if self.mode != "none":  # "none": recv is send itself, nothing is copied
             recv.fill_(float("nan"))
-        return start(self, send, recv)
+        return start(self, send, recv, hops)
 
     monkeypatch.setattr(ReplacedExchange, "start", start_into_nan)
 
     gen = torch.Generator().manual_seed(22)
     q, k, v, dout = (
-        torch.randn(1, 2048, heads, 128, generator=gen).to("cuda", torch.bfloat16) for heads in (8, 2, 2, 8)
+        torch.randn(1, seqlen, n, head_dim, generator=gen).to(device, dtype)
+        for n in (heads, heads // 4, heads // 4, heads)
     )
     steps = step_kernels_for(AUTO, q)
+    masks = dense_step_masks(AttentionMask(True), [seqlen] * 4, layout == "zigzag")
+    options = (StepSpec(head_dim**-0.5), "", steps, masks)
 
     def ring(mode, rank):
         exchange = ReplacedExchange(mode, virtual_world_size=4, virtual_rank=rank)
-        options = (
-            StepSpec(128**-0.5),
-            "",
-            steps,
-            dense_step_masks(AttentionMask(True), [2048] * 4, layout == "zigzag"),
-        )
         out, lse = ring_forward(q, k, v, *options, exchange=exchange)
         return [out, *ring_backward(dout, q, k, v, out, lse, *options, exchange=exchange)]
 
-    for rank in (0, 3):
-        overlapped, serial, alone = ring("copy", rank), ring("serial_copy", rank), ring("none", rank)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), overlapped, serial):
-            assert torch.equal(a, b), f"rank {rank} {name}: overlapped copies differ from serial ones"
-        for name, a, b in zip(("out", "dq"), overlapped, alone):
-            assert torch.equal(a, b), f"rank {rank} {name}: overlapped copies differ from no exchange"
+    return {mode: [ring(mode, rank) for rank in (0, 3)] for mode in modes}
+
+
+def assert_copies_agree(results):
+    """Every copying mode agrees bit for bit with the first, and with no exchange at all
+    ("none") for out and dq: a block read before its copy landed, or overwritten while
+    still read, would not (the copies deliver this rank's own K|V)."""
+    first, *others = [mode for mode in results if mode != "none"]
+    for rank, want in zip((0, 3), results[first]):
+        for mode in others:
+            got = results[mode][(0, 3).index(rank)]
+            for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+                assert torch.equal(a, b), f"rank {rank} {name}: {first} differs from {mode}"
+        alone = results["none"][(0, 3).index(rank)]
+        for name, a, b in zip(("out", "dq"), want, alone):
+            assert torch.isfinite(a).all(), f"rank {rank} {name}: not finite ({first})"
+            assert torch.equal(a, b), f"rank {rank} {name}: {first} differs from no exchange"
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_one_gpu_virtual_ring_overlapped_copies_match_serial_copies(monkeypatch, layout):
+    # The exchange is a device-to-device copy on a side stream ("copy", overlapped as
+    # NCCL's would be) or on the compute stream ("serial_copy").
+    results = virtual_ring_results(monkeypatch, "cuda", torch.bfloat16, 2048, 8, 128, layout,
+                                   ("copy", "serial_copy", "none"))  # fmt: skip
+    assert_copies_agree(results)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_virtual_ring_harness_dry_run_on_cpu(monkeypatch, layout):
+    # The GPU test's harness, the same code with the copies on the CPU (no side stream
+    # there: "serial_copy" only), so that a drift of the ring's interface fails here.
+    results = virtual_ring_results(monkeypatch, "cpu", torch.float32, 12, 4, 16, layout, ("serial_copy", "none"))
+    assert_copies_agree(results)
+
+
+def test_ring_posts_and_waits_with_the_buffers_device_current(monkeypatch):
+    # NCCL posts and waits on the current device's streams: Ring.start and RingWork.wait
+    # run under device_guard of the buffers' device (a no-op for CPU ones).
+    from seqpar_kernels.comm import ring as ring_module
+
+    assert isinstance(ring_module.device_guard(torch.device("cuda", 1)), torch.cuda.device)
+    assert ring_module.device_guard(torch.device("cuda", 1)).idx == 1
+    with ring_module.device_guard(torch.device("cpu")):
+        pass  # no CUDA call on CPU devices
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.device))
+
+    class Work:
+        def wait(self):
+            entered.append(("wait",))
+
+    monkeypatch.setattr(ring_module, "device_guard", Recorder)
+    monkeypatch.setattr(ring_module.dist, "batch_isend_irecv",
+                        lambda ops: entered.append(("post", len(ops))) or [Work()])  # fmt: skip
+    monkeypatch.setattr(ring_module.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(ring_module.dist, "P2POp", lambda *arguments: arguments)
+    ring = ring_module.Ring(SINGLE_PROCESS)
+    ring.world_size, ring.group = 2, None
+    send, recv = torch.zeros(3), torch.empty(3)
+    ring.start(send, recv).wait()
+    cpu = send.device
+    assert entered == [("enter", cpu), ("post", 2), ("exit", cpu), ("enter", cpu), ("wait",), ("exit", cpu)]

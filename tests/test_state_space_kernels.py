@@ -17,6 +17,7 @@ from tools import reference
 pytest.importorskip("triton", reason="the Triton kernels need triton (torch CPU wheels do not ship it)")
 from seqpar_kernels.engine import state_space  # noqa: E402
 from seqpar_kernels.kernels import state_space_kernels as kernels  # noqa: E402
+from seqpar_kernels.kernels.attention_step_tiles import MAX_GRID_YZ  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The kernels carry a state over a run's rows (the SSD pass: over its chunks) in another
@@ -214,6 +215,23 @@ def _compiled_for_gpus() -> list[dict]:
                              has_input=has_input, registers=resources.registers,
                              spills_in_loops=resources.spills_in_loops, loops=resources.loops))  # fmt: skip
     return rows
+
+
+def test_grids_past_cuda_limits_raise_naming_the_axis():
+    # CUDA caps grid axes 1 and 2 at 65535: batch (selective scan) and batch x heads (the
+    # SSD pass) beyond it raise before any launch, with the numbers.
+    batch = MAX_GRID_YZ + 1
+    delta = torch.zeros(batch, 1, 1, device=DEVICE)
+    A, C, initial = (
+        torch.zeros(1, 1, device=DEVICE),
+        torch.zeros(batch, 1, 1, device=DEVICE),
+        torch.zeros(1, batch, 1, 1, device=DEVICE),
+    )
+    with pytest.raises(ValueError, match=rf"grid axis 1 \(batch\) is {batch}, more than the 65535"):
+        kernels.selective_scan_forward(None, delta, A, None, C, initial, [(0, 1)], save_states=False)
+    states = torch.zeros(1, 1, batch, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"grid axis 1 \(batch x heads\) is {batch}"):
+        kernels.chunk_state_pass_forward(states, torch.zeros(1, batch, 1, device=DEVICE), states[:, 0])
 
 
 @pytest.mark.gpu_long  # on a GPU the kernels run: the short GPU check leaves the compiles out

@@ -14,7 +14,9 @@ the memory-efficient kernel) cannot run, so the code that drives them is checked
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
 
 import pytest
 import torch
@@ -26,7 +28,10 @@ from triton_interpreter import runs_triton_on
 import seqpar_kernels as sp
 from seqpar_kernels.engine import step_backends
 from seqpar_kernels.engine.block_attention import CUDNN, EFFICIENT, FLASH, CudaLibraryBlocks, cuda_block_kernel
+from seqpar_kernels.engine.steps import StepSpec
 from tools import reference
+
+NAMES = ("out", "dq", "dk", "dv")
 
 # ----------------------------------------------------------------------------------
 # "auto" and its table
@@ -144,7 +149,8 @@ def _plain_backward_fp32(dout, q, k, v, out, lse, scale, causal, bias=None):
 
 def register_library_kernels_on_cpu():
     """CPU kernels for torch's CUDA attention ops the aten backend calls, for this
-    process: plain attention computed in fp32, outputs in the input dtype."""
+    process: plain attention computed in fp32, outputs in the input dtype. The cuDNN ones
+    check that every tensor comes (B, H, S, D) over dense (B, S, H, D) storage."""
     global _emulation
     if _emulation is not None:
         return
@@ -162,8 +168,13 @@ def register_library_kernels_on_cpu():
                        scale=None):  # fmt: skip
         return _plain_backward_fp32(dout, q, k, v, out, lse, scale, is_causal)
 
+    def dense_as_sdpa_hands_cudnn(**tensors):
+        for name, x in tensors.items():
+            assert x.transpose(1, 2).is_contiguous() and 0 not in x.stride(), f"cuDNN's {name}: strides {x.stride()}"
+
     def cudnn(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
         assert k.shape[1] == q.shape[1], "cuDNN is handed repeated kv heads"
+        dense_as_sdpa_hands_cudnn(q=q, k=k, v=v)
         out, lse = _plain_attention_fp32(q, k, v, scale, is_causal)
         return (out.to(q.dtype), lse.unsqueeze(-1), empty(0), empty(0), q.shape[2], k.shape[2], empty(), empty(),
                 empty(0))  # fmt: skip
@@ -171,6 +182,7 @@ def register_library_kernels_on_cpu():
     def cudnn_backward(dout, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p,
                        is_causal, *, scale=None):  # fmt: skip
         assert lse.shape[-1] == 1, "cuDNN's lse is (B, H, S, 1)"
+        dense_as_sdpa_hands_cudnn(dout=dout, q=q, k=k, v=v, out=out)
         return _plain_backward_fp32(dout, q, k, v, out, lse[..., 0], scale, is_causal)
 
     def efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
@@ -247,6 +259,51 @@ def test_library_blocks_rounded_to_bf16_keep_the_accuracy_rule(ranks, kernel):
     assert not failures, "\n".join(failures)
 
 
+def rounded_blocks_errors(blocks, seed, rows=8, heads=4, kv_heads=2, head_dim=64, kernel=CUDNN):
+    """{name: (error, plain error, the rule's bound)} of out, dq, dk, dv of full bf16
+    attention computed as a ring of `blocks` ranks does it, in one process: each rank's
+    `rows` queries against every rank's K/V block through the aten backend on the
+    emulated library kernel (each block's output and gradients rounded to bf16), merged
+    by attention_merge_, dq and each block's dk/dv summed in fp32 over the block pairs;
+    against fp64 attention, plain attention in bf16 the yardstick (reference.error_bound)."""
+    steps = step_backends.STEP_KERNELS[emulated_library_steps(kernel)]
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(heads):
+        return torch.randn(1, rows * blocks, heads, head_dim, generator=generator, dtype=torch.float64).bfloat16()
+
+    q, k, v, dout = draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+    spec = StepSpec(head_dim**-0.5)
+    qs, ks, vs, douts = (t.chunk(blocks, dim=1) for t in (q, k, v, dout))
+    outs = [torch.zeros(piece.shape) for piece in qs]
+    lses = [torch.full((1, heads, rows), float("-inf")) for _ in qs]
+    for i, j in itertools.product(range(blocks), repeat=2):
+        steps.forward(qs[i], ks[j], vs[j], outs[i], lses[i], spec, False)
+    dq, dk, dv = ([torch.zeros(piece.shape) for piece in pieces] for pieces in (qs, ks, vs))
+    for i, j in itertools.product(range(blocks), repeat=2):
+        steps.backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], None, dq[i], lambda j=j: (dk[j], dv[j]),
+                       spec, False)  # fmt: skip
+    ours = [torch.cat(pieces, dim=1) for pieces in (outs, dq, dk, dv)]
+    attention = lambda q, k, v: reference.attention(q, k, v, False, spec.scale)  # noqa: E731
+    exact = reference.with_grads(attention, [t.double() for t in (q, k, v)], dout.double())
+    plain = reference.with_grads(attention, [q, k, v], dout)
+    errors = {}
+    for name, got, want, yardstick in zip(NAMES, ours, [exact[0], *exact[2:]], [plain[0], *plain[2:]]):
+        plain_error = reference.max_error(yardstick, want)
+        bound = reference.error_bound(torch.bfloat16, plain_error, reference.magnitude(want))
+        errors[name] = (reference.max_error(got, want), plain_error, bound)
+    return errors
+
+
+def test_library_blocks_rounded_to_bf16_over_eight_ring_steps():
+    # The error of bf16 blocks grows with the steps merged: 8 here (docs/tuning.md has
+    # 8, 16 and 32: python tests/test_step_backends.py).
+    errors = rounded_blocks_errors(8, seed=0)
+    failures = [f"{name}: error {error:.3g} > {bound:.3g} (plain {plain:.3g})"
+                for name, (error, plain, bound) in errors.items() if not error <= bound]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
 def test_packed_documents_through_the_library_blocks(ranks):
     # Coalesced short documents are masked blocks: the memory-efficient kernel with an
     # additive mask; the rest dense blocks of cuDNN (bf16) or the memory-efficient
@@ -315,3 +372,59 @@ def test_triton_first_step_needs_no_initialised_output(monkeypatch, causal):
     assert first_steps == [True]
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=2e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------------
+# A row that saw no key: final lse -inf
+# ----------------------------------------------------------------------------------
+
+NO_KEY_BACKENDS = ["aten", "aten softcapped", FLASH, CUDNN, EFFICIENT,
+                   pytest.param("triton", marks=runs_triton_on("cpu"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", NO_KEY_BACKENDS)
+def test_a_row_whose_final_lse_is_minus_inf_gets_no_gradient(backend):
+    # Row 2 saw no key in any step (final out 0, lse -inf), yet a block's keys reach it
+    # (here all of them, or none under a mask of -inf): exp(s - lse) must be 0, not
+    # exp(-inf - (-inf)) = NaN or exp(s + inf). Its dq is 0 and dk, dv are what they are
+    # without its dout.
+    name = {FLASH: None, CUDNN: None, EFFICIENT: None}.get(backend, backend.split()[0])
+    steps = step_backends.STEP_KERNELS[name or emulated_library_steps(backend)]
+    spec = StepSpec(0.25, 5.0 if "softcapped" in backend else 0.0)
+    generator = torch.Generator().manual_seed(8)
+    q, dout = (torch.randn(1, 5, 2, 16, generator=generator) for _ in range(2))
+    k, v = (torch.randn(1, 6, 1, 16, generator=generator) for _ in range(2))
+    out, lse = torch.zeros(q.shape), torch.full((1, 2, 5), float("-inf"))
+    steps.forward(q, k, v, out, lse, spec, False)
+
+    def gradients(out, lse, dout, mask=None):
+        dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+        delta = steps.prepare_backward(out, dout)
+        if mask is None:
+            steps.backward(dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), spec, False)
+        else:
+            steps.backward_masked(dout, q, k, v, out, lse, delta, dq, lambda: (dk, dv), spec, mask)
+        return dq, dk, dv
+
+    without_row = dout.clone()
+    without_row[:, 2] = 0
+    want = gradients(out, lse, without_row)
+    out[:, 2], lse[:, :, 2] = 0.0, float("-inf")
+    masks = [None]
+    if name != "triton":  # masked blocks: the aten backend's packed documents
+        masks.append(torch.zeros(5, 6).index_fill_(0, torch.tensor([2]), float("-inf")))
+    for mask in masks:
+        got = gradients(out, lse, dout, mask)
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.isfinite(a).all(), f"{backend} mask={mask is not None}: {grad_name} not finite"
+            if mask is None:
+                torch.testing.assert_close(a, b, atol=reference.FP32_TOLERANCE, rtol=0)
+        assert torch.equal(got[0][:, 2], torch.zeros_like(got[0][:, 2])), f"{backend}: the row's dq is not 0"
+
+
+if __name__ == "__main__":  # the errors of bf16 blocks at the ring steps given: 8,16,32 [seeds: 0,1,2]
+    for blocks in map(int, sys.argv[1].split(",")):
+        for seed in map(int, (sys.argv[2] if len(sys.argv) > 2 else "0").split(",")):
+            cells = [f"{name} {error:.3g} (plain {plain:.3g}, bound {bound:.3g}: {error / bound:.2f})"
+                     for name, (error, plain, bound) in rounded_blocks_errors(blocks, seed).items()]  # fmt: skip
+            print(f"{blocks} steps, seed {seed}:", "; ".join(cells), flush=True)

@@ -24,6 +24,8 @@ that replace the exchange, to time the compute alone or one GPU's copies.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -37,16 +39,26 @@ KV_TAG = 71
 GRAD_KV_TAG = 72
 
 
+def device_guard(device: torch.device):
+    """A context in which `device` is CUDA's current device (torch.cuda.device); a no-op
+    for other devices. NCCL posts and waits on the current device's streams, and torch
+    documents hangs where the current device is not the buffers'."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class RingWork:
     """A posted exchange. `wait()` returns once the receive buffer is usable (on GPU:
-    once work queued after it on the current stream will see it)."""
+    once work queued after it on the current stream will see it). device: the buffers'
+    device, current while waiting."""
 
-    def __init__(self, works):
-        self._works = works
+    def __init__(self, works, device: torch.device | None = None):
+        self._works, self._device = works, device
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        if self._works:
+            with device_guard(self._device):
+                for work in self._works:
+                    work.wait()
         self._works = []
 
 
@@ -87,9 +99,10 @@ class Ring:
             dist.P2POp(dist.isend, send_buffer, self._global_rank(hops), self.group, self.tag),
             dist.P2POp(dist.irecv, recv_buffer, self._global_rank(-hops), self.group, self.tag),
         ]
-        works = dist.batch_isend_irecv(ops)
+        with device_guard(send_buffer.device):
+            works = dist.batch_isend_irecv(ops)
         record_sent(send_buffer.numel() * send_buffer.element_size())
-        return RingWork(works)
+        return RingWork(works, send_buffer.device)
 
     def spare_for(self, buffer: torch.Tensor) -> torch.Tensor:
         """The buffer a DoubleBuffer receives the next block into."""

@@ -45,12 +45,15 @@ _cpu_flash_backward = _aten._scaled_dot_product_flash_attention_for_cpu_backward
 CPU_FLASH_READS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
-def _head_major(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _head_major(x: torch.Tensor, dtype: torch.dtype | None = None, dense: bool = False) -> torch.Tensor:
     """(B, S, H, D) -> the (B, H, S, D) view the kernels read, in `dtype` (default: x's),
-    with a unit stride along the head dim: copied only when x has another one."""
+    with a unit stride along the head dim: copied only when x has another one. dense:
+    copied unless x is contiguous as (B, S, H, D) (no stride-0 expansion, no gaps of a
+    fused projection, no transposed storage), the layout torch's SDPA hands cuDNN; cuDNN
+    is silently wrong on some others and reads dout with out's strides."""
     if dtype is not None:
         x = x.to(dtype)
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
+    if dense or (x.stride(-1) != 1 and x.shape[-1] > 1):
         x = x.contiguous()
     return x.transpose(1, 2)
 
@@ -176,7 +179,7 @@ class CudaLibraryBlocks:
         heads = q.shape[2]
         if kernel != FLASH:  # cuDNN and the memory-efficient kernel read as many kv heads as q heads
             k, v = _repeat_kv(k, v, heads)
-        q_, k_, v_ = (_head_major(x) for x in (q, k, v))
+        q_, k_, v_ = (_head_major(x, dense=kernel == CUDNN) for x in (q, k, v))
         if kernel == FLASH:
             out, lse, *_ = _aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)
         elif kernel == CUDNN:
@@ -197,7 +200,7 @@ class CudaLibraryBlocks:
         heads, kv_heads, q_len, k_len = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
         if kernel != FLASH:
             k, v = _repeat_kv(k, v, heads)
-        dout_, q_, k_, v_, out_ = (_head_major(x) for x in (dout, q, k, v, out.to(q.dtype)))
+        dout_, q_, k_, v_, out_ = (_head_major(x, dense=kernel == CUDNN) for x in (dout, q, k, v, out.to(q.dtype)))
         seed, offset = _rng_state(kernel, q.device)
         if kernel == FLASH:
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
@@ -282,7 +285,8 @@ class MathBlocks:
         for start in starts:
             tile = slice(start, start + rows)
             scores, tanh = self._scores(q[:, tile].float(), k, scale, causal, mask, softcap, start)
-            # exp(s - lse) is exactly 0 where s is -inf: masked keys and empty rows get nothing.
+            # exp(s - lse) is exactly 0 where s is -inf or lse +inf (AtenSteps maps an empty
+            # row's -inf to +inf): masked keys and empty rows get nothing.
             probabilities = torch.exp(scores - lse[:, :, tile].unsqueeze(-1))
             grad_out = dout[:, tile].float()
             delta = (grad_out * out[:, tile].float()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, H, rows, 1)

@@ -16,9 +16,10 @@ import torch
 from seqpar_kernels.engine.attention_ops import mask_of, register_attention_autograd
 from seqpar_kernels.engine.local_attention import local_backward, local_forward
 from seqpar_kernels.engine.steps import StepSpec
+from seqpar_kernels.ops.cuda_graphs import refuse_capture, uncapturable_custom_op
 
 
-@torch.library.custom_op("seqpar::local_attention_forward", mutates_args=())
+@uncapturable_custom_op("seqpar::local_attention_forward", mutates_args=())
 def local_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,6 +41,7 @@ def local_attention_forward(
     engine/attention_ops.py mask_arguments encodes it; softcap (0: none), sinks ((H,) or
     None): ring_attention_forward's.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural log)."""
+    refuse_capture("seqpar::local_attention_forward", q)
     mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
     return local_forward(q, k, v, mask, StepSpec(softmax_scale, softcap), sinks)
 
@@ -49,7 +51,7 @@ def _local_attention_forward_fake(q, k, v, *args, **kwargs):
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("seqpar::local_attention_backward", mutates_args=())
+@uncapturable_custom_op("seqpar::local_attention_backward", mutates_args=())
 def local_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -68,6 +70,7 @@ def local_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of local_attention_forward's out: (dq, dk, dv, dsinks), contiguous, dq,
     dk, dv in q's dtype shaped like q, k, v; dsinks in the sinks' dtype ((0,) without)."""
+    refuse_capture("seqpar::local_attention_backward", q)
     mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
     dq, dk, dv, dsinks = local_backward(dout, q, k, v, out, lse, mask, StepSpec(softmax_scale, softcap), sinks)
     dsinks = q.new_empty((0,)) if dsinks is None else dsinks

@@ -19,9 +19,10 @@ from seqpar_kernels.engine.step_backends import step_kernels_for
 from seqpar_kernels.engine.step_masks import StepMasks, dense_step_masks, step_masks_of
 from seqpar_kernels.engine.steps import StepSpec, sinks_gradient
 from seqpar_kernels.ops.all_to_all import register_as_collective
+from seqpar_kernels.ops.cuda_graphs import refuse_capture, uncapturable_custom_op
 
 
-@torch.library.custom_op("seqpar::ring_attention_forward", mutates_args=())
+@uncapturable_custom_op("seqpar::ring_attention_forward", mutates_args=())
 def ring_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,6 +61,7 @@ def ring_attention_forward(
     sinks: None, or (H,) per-head logits joining each row's softmax denominator.
     Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log, sinks included; -inf for a row that saw no key and has no sink, whose out is 0)."""
+    refuse_capture("seqpar::ring_attention_forward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
     steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
     return ring_forward(q, k, v, StepSpec(softmax_scale, softcap), group_name, steps, masks, sinks=sinks)
@@ -84,7 +86,7 @@ def _ring_attention_forward_fake(q, k, v, *args, **kwargs):
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("seqpar::ring_attention_backward", mutates_args=())
+@uncapturable_custom_op("seqpar::ring_attention_backward", mutates_args=())
 def ring_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -110,6 +112,7 @@ def ring_attention_backward(
     dk, dv in q's dtype and shaped like q, k, v; dsinks this rank's share of the sinks'
     gradient, in their dtype ((0,) without sinks). out and lse are the forward's (final)
     results; dK/dV of each block accumulate in fp32 while they travel the ring."""
+    refuse_capture("seqpar::ring_attention_backward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
     steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
     spec = StepSpec(softmax_scale, softcap)

@@ -138,7 +138,10 @@ class AtenSteps:
 
     def _backward(self, dout, q, k, v, out, lse, dq, grad_kv, spec, causal, mask):
         # Given the final out and lse, the kernels rebuild this block's probabilities as
-        # exp(s - lse) and its delta from the final out: the block's exact share.
+        # exp(s - lse) and its delta from the final out: the block's exact share. A row
+        # that saw no key (final lse -inf) gets lse +inf, as the Triton kernels map it:
+        # exp(s - inf) = 0, where exp(-inf - (-inf)) would be NaN.
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         blocks = self._blocks(q, spec.softcap)
         more = (spec.softcap,) if blocks is MATH_BLOCKS else ()
         grad_q, grad_k, grad_v = blocks.backward(dout, q, k, v, out, lse, spec.scale, causal, mask, *more)

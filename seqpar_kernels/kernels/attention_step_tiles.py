@@ -43,9 +43,18 @@ class KernelLaunch(NamedTuple):
     num_warps: int
     num_stages: int
 
-    def __call__(self, grid, *args):
+    def __call__(self, grid, *args, axes=None):
         """Launch the kernel on ``grid`` with the runtime arguments ``args``, on
-        the device of its first tensor argument and that device's current stream."""
+        the device of its first tensor argument and that device's current stream.
+        A grid axis 1 or 2 beyond MAX_GRID_YZ raises ValueError naming it (``axes``:
+        what each axis counts, for the message)."""
+        for axis in (1, 2)[: len(grid) - 1]:
+            if grid[axis] > MAX_GRID_YZ:
+                what = f" ({axes[axis]})" if axes else ""
+                raise ValueError(
+                    f"{getattr(self.kernel, '__name__', self.kernel)}: grid axis {axis}{what} is {grid[axis]}, "
+                    f"more than the {MAX_GRID_YZ} a CUDA launch allows; grid {tuple(grid)}"
+                )
         device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
         if device.type != "cuda":
             self._launch(grid, args)
@@ -215,6 +224,15 @@ _TILE_OVERRIDES = (
     (_has_small_shared_memory, {"dq": {(4, 256): _FP32_NARROW_TILES, (2, 256): (32, 32, 8, 1)}}),
 )
 
+# Tiles by Triton release (major, minor): (which targets, {kernel: {key: tiles}}),
+# applied after _TILE_OVERRIDES. Triton 3.6's ptxas serializes the wgmma of the sm_90
+# bf16/fp16 d128 dk/dv tile (16, 128, 8, 2); 3.6 takes (32, 64, 8, 2) there, the tile
+# of the mma.sync targets, not yet timed against the others: the short GPU check times
+# the four candidates (bench/bench_ring_step.py SHORT_SWEEP_TILES) under its Triton.
+_TILES_BY_TRITON_RELEASE = {
+    (3, 6): ((_is_hopper, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),),
+}
+
 # The interval mask's dk/dv loop holds its keys' column intervals and runs
 # between bounds loaded from them, which costs registers: fp32 d128 takes the
 # narrow tile everywhere (applied after _TILE_OVERRIDES; docs/tuning.md).
@@ -281,7 +299,10 @@ def all_cuda_tiles():
     tiles (tests run each in the interpreter, which ignores warps and stages)."""
     tables = [*_TILES.values(), *_TENSOR_DESCRIPTOR_TILES.values()] + [
         table
-        for _, overrides in _TILE_OVERRIDES + _INTERVAL_TILE_OVERRIDES + _SOFTCAP_TILE_OVERRIDES
+        for _, overrides in _TILE_OVERRIDES
+        + _INTERVAL_TILE_OVERRIDES
+        + _SOFTCAP_TILE_OVERRIDES
+        + tuple(entry for entries in _TILES_BY_TRITON_RELEASE.values() for entry in entries)
         for table in overrides.values()
     ]
     shapes = {}
@@ -322,7 +343,8 @@ def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=F
         return _TRIED_TILES[kernel]
     key = (dtype.itemsize, max(64, block_d))
     tiles = _TILES[kernel][key]
-    for applies, overrides in _TILE_OVERRIDES + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
+    by_release = _TILES_BY_TRITON_RELEASE.get(TRITON_RELEASE, ())
+    for applies, overrides in _TILE_OVERRIDES + by_release + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
         if applies(target) and key in overrides.get(kernel, {}):
             tiles = overrides[kernel][key]
     if tensor_descriptors and key in _TENSOR_DESCRIPTOR_TILES[kernel]:
@@ -344,6 +366,9 @@ def _triton_version(version=triton.__version__):
     major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
     return int(major), int(minor)
 
+
+# The installed release, which keys _TILES_BY_TRITON_RELEASE.
+TRITON_RELEASE = _triton_version()
 
 # Whether the forward kernel sweeps the whole k tiles that every row sees
 # without masks, apart from the diagonal and partial ones (SPLIT_SWEEP): two

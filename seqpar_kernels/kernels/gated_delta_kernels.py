@@ -120,6 +120,10 @@ def chunk_states_bwd_kernel(
     tl.store(d_initial_ptr + run_state, dh, mask=state_mask)
 
 
+# What the launches' grid axes count (the names of KernelLaunch's limit errors).
+GRID_AXES = ("blocks of dv", "batch x heads", "runs")
+
+
 def launch_of(kernel, key_dim: int, value_dim: int, chunk_size: int) -> KernelLaunch:
     """How `kernel` (either pass) is launched: the whole dk per program (tl.dot needs 16
     or more), dv in blocks of 32 columns (16 at dk 256) and 8 warps from dk 128, which
@@ -139,7 +143,7 @@ def _launch(kernel, w, value_dim: int, chunk_offsets, *args):
     grid = (triton.cdiv(value_dim, launch.constexprs["BLOCK_V"]), batch * heads, len(chunk_offsets) - 1)
     if min(grid) > 0:
         offsets = torch.tensor(chunk_offsets, dtype=torch.int32, device=w.device)
-        launch(grid, *args, offsets, batch * heads, chunks, key_dim, value_dim)
+        launch(grid, *args, offsets, batch * heads, chunks, key_dim, value_dim, axes=GRID_AXES)
 
 
 def chunk_states_forward(w, u, k_decayed, decay, initial, chunk_offsets):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar_kernels.groups import SINGLE_PROCESS, group_from_name
+from seqpar_kernels.ops.cuda_graphs import refuse_capture, uncapturable_custom_op
 from seqpar_kernels.traffic import record_sent
 
 
@@ -42,7 +43,7 @@ def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-@torch.library.custom_op("seqpar::all_to_all_single", mutates_args=())
+@uncapturable_custom_op("seqpar::all_to_all_single", mutates_args=())
 def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: List[int],  # typing.List: torch 2.6's schema inference knows no list[int]
@@ -52,6 +53,7 @@ def all_to_all_single(
     """input: flat (sum(input_split_sizes),), the piece for rank j at split j.
     Returns flat (sum(output_split_sizes),), rank i's piece at split i."""
     assert input.dim() == 1 and input.is_contiguous(), "all_to_all_single takes a flat buffer"
+    refuse_capture("seqpar::all_to_all_single", input)
     if group_name == SINGLE_PROCESS:
         return input.clone()
     group = group_from_name(group_name)

@@ -550,3 +550,10 @@ def test_example_matches_the_one_process_trainer():
     for mine, theirs in zip(ours, reference):
         assert abs(mine["loss"] - theirs["loss"]) <= LOSS_RTOL * abs(theirs["loss"]) + LOGGED_LOSS_ATOL, (mine, theirs)
         assert _relative(mine["grad_norm"], theirs["grad_norm"]) <= GRAD_NORM_RTOL, (mine, theirs)
+
+
+def test_torch_compile_matches_the_plain_trainer():
+    """TrainingArguments(torch_compile=True): the Trainer compiles the model (aot_eager
+    here: the graphs, not inductor's code, are what the package's path changes), and the
+    sequence-parallel run still matches the plain Trainer's, compiled the same way."""
+    _check(2, _case("ring", "balanced", args=dict(max_steps=3, torch_compile=True, torch_compile_backend="aot_eager")))

@@ -281,9 +281,16 @@ class SequenceParallelTrainerMixin:
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
 
+    def _unwrapped(self, model):
+        """The model inside DDP, FSDP and torch.compile (whose wrapper accelerate keeps:
+        the loss's forward hook must hold the module the compiled forward runs, not the
+        wrapper, or torch.compile meets one module under two names)."""
+        inner = self.accelerator.unwrap_model(model)
+        return getattr(inner, "_orig_mod", inner)
+
     def _transformers_model(self, model):
         """The transformers model inside DDP, FSDP, torch.compile and PEFT's wrapper."""
-        return transformers_model(self.accelerator.unwrap_model(model), type(self).__name__)
+        return transformers_model(self._unwrapped(model), type(self).__name__)
 
     def _apply_parallelism(self, inner) -> None:
         """The trainer's parallelism applied to a model (the trained one, or TRL's
@@ -309,7 +316,7 @@ class SequenceParallelTrainerMixin:
                            router_loss)  # fmt: skip
         reference = getattr(self, "ref_model", None)
         if reference is not None:
-            reference = self.accelerator.unwrap_model(reference)
+            reference = self._unwrapped(reference)
             self._apply_parallelism(reference)
             install_fused_head(reference, parallelism, temperature, autocast=self.accelerator.autocast)
         if hasattr(self.args, "generation_batch_size") and hasattr(self, "num_generations"):
@@ -323,7 +330,7 @@ class SequenceParallelTrainerMixin:
                 )
             self.args.generation_batch_size = size
             set_seed(self.args.seed + self._replica)
-            generate_in_eval_mode(self.accelerator.unwrap_model(self.model))
+            generate_in_eval_mode(self._unwrapped(self.model))
 
     def _dpo_router_loss(self, model):
         """DPO's router loss (TRL's output_router_logits) as TRL's one-process trainer
@@ -476,7 +483,7 @@ class SequenceParallelTrainerMixin:
         routed = batch.get(_ROUTED_KEY, batch.get("attention_mask"))
         batch = {key: value for key, value in batch.items() if key != _ROUTED_KEY}
         local = shard_batch(batch, mode=parallelism.mode, layout=parallelism.layout, ignore_index=IGNORE_INDEX,
-                            model=self.accelerator.unwrap_model(self.model), **parallelism.group_kwargs())  # fmt: skip
+                            model=self._unwrapped(self.model), **parallelism.group_kwargs())  # fmt: skip
         if self._router_loss is not None and routed is not None:
             local[_ROUTED_KEY] = local["sequence_shard"].take(routed, 1).reshape(-1)
         return local
@@ -562,7 +569,7 @@ class SequenceParallelTrainerMixin:
         group_tokens, all_tokens = local.pop(_COUNTS_KEY)
         routed = local.pop(_ROUTED_KEY, None)
         shift_labels = local.pop("shift_labels")
-        inner = self.accelerator.unwrap_model(model)  # inside DDP, FSDP, torch.compile
+        inner = self._unwrapped(model)
         base = self._transformers_model(inner).base_model  # gives the hidden states (under PEFT's wrapper too)
         no_logits = torch.empty(0, dtype=torch.long, device=shift_labels.device)
         outputs = {}

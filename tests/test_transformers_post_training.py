@@ -302,3 +302,9 @@ def test_example_matches_trl_in_one_process():
     for mine, theirs in zip(ours, reference):
         for name, value in theirs.items():
             assert abs(mine[name] - value) <= LOSS_RTOL * abs(value) + REWARD_ATOL, (name, mine, theirs)
+
+
+def test_grpo_with_a_moe_router_loss_matches_trl_in_one_process():
+    """GRPO of a Qwen3-MoE model with its router load-balancing loss (TRL adds it per
+    chunk of completions), Ulysses on 2 ranks."""
+    _check(2, dict(trainer="grpo", mode="ulysses", model="qwen3_moe"))

@@ -297,8 +297,6 @@ def unsupported_options(args, trainer=None) -> list[str]:
     }  # fmt: skip
     if trainer is not None:
         options.update({
-            "a MoE router auxiliary loss under GRPO (router_aux_loss_coef)": getattr(trainer, "aux_loss_enabled", False)
-            and not is_dpo(trainer),
             "vision-language data": getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm",
                                                                                              False),
         })  # fmt: skip

@@ -102,6 +102,7 @@ from seqpar_kernels.integrations.transformers.post_training import (
     batch_checksum,
     generate_in_eval_mode,
     install_fused_head,
+    is_dpo,
     unsupported_options,
     uses_fused_head,
 )
@@ -311,7 +312,7 @@ class SequenceParallelTrainerMixin:
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if getattr(self, "use_weighting", False)
                                                   else ())  # fmt: skip
         model = self._transformers_model(self.model)
-        router_loss = self._dpo_router_loss(model) if getattr(self, "aux_loss_enabled", False) else None
+        router_loss = self._post_training_router_loss(model) if getattr(self, "aux_loss_enabled", False) else None
         install_fused_head(model, parallelism, temperature, statistics, self.accelerator.autocast,
                            router_loss)  # fmt: skip
         reference = getattr(self, "ref_model", None)
@@ -332,17 +333,23 @@ class SequenceParallelTrainerMixin:
             set_seed(self.args.seed + self._replica)
             generate_in_eval_mode(self._unwrapped(self.model))
 
-    def _dpo_router_loss(self, model):
-        """DPO's router loss (TRL's output_router_logits) as TRL's one-process trainer
-        computes it, over every replica's batch: the value the same on every rank, its
-        gradient this rank's share scaled by the replicas (the fused head's caller
-        scales by the group's size, and DDP averages over the world)."""
-        spec = router_loss_of(model, type(self).__name__, required=True)
-        groups, replicas = reduction_groups(type(self).__name__), self._replicas  # the world
+    def _post_training_router_loss(self, model):
+        """TRL's router loss (output_router_logits) as TRL computes it: DPO's over every
+        replica's batch, as its one-process trainer; GRPO's over each replica's, as its
+        data-parallel trainer (each process its own completions). The value the same on
+        every rank of those, its gradient this rank's share, scaled by the replicas
+        where the value spans them (the fused head's caller scales by the group's size,
+        and DDP averages over the world)."""
+        describe = type(self).__name__
+        spec = router_loss_of(model, describe, required=True)
+        if is_dpo(self):
+            groups, scale = reduction_groups(describe), self._replicas  # the world
+        else:
+            groups, scale = reduction_groups(describe, **self.sequence_parallel.group_kwargs()), 1
 
         def router_loss(router_logits, routed):
             aux = load_balancing_loss(router_logits, routed, spec.num_experts, spec.top_k, groups)
-            return aux.detach() + (aux - aux.detach()) * replicas
+            return aux.detach() + (aux - aux.detach()) * scale
 
         return router_loss
 

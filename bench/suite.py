@@ -21,6 +21,7 @@ import torch
 
 import seqpar_kernels
 from bench import (
+    bench_fsdp,
     bench_hybrid,
     bench_inference,
     bench_kernels,
@@ -81,6 +82,7 @@ BENCHES = {
     "transformers": (bench_transformers,),
     "video": (bench_video,),
     "memory": (bench_memory,),
+    "fsdp": (bench_fsdp,),
     "inference": (bench_inference,),
 }
 

@@ -139,8 +139,11 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert all("auto chose pass-kv" in detail for detail in turns[2:]), turns
     # Memory: every configuration at both lengths (its loss one rank's), then its fitted line;
     # the log-prob path at both lengths, below the materialised logits.
-    memory = [row for row in rows if row["bench"] == "memory"]
+    memory = [row for row in rows if row["bench"] == "memory" and not row["case"].startswith("fsdp: ")]
     if importlib.util.find_spec("transformers") is not None:
+        # FSDP2 over dp x cp and over dp beside SP alone: each rank's state bytes at the formula (check above).
+        fsdp = [row["case"] for row in rows if row["case"].startswith("fsdp: ")]
+        assert fsdp == ["fsdp: SP alone", "fsdp: FSDP2 dp x cp", "fsdp: FSDP2 dp"], fsdp
         measured = [row for row in memory if row["check"] != "fit"]
         assert len(measured) == 12 and all(row["check"] == "matches" for row in measured), memory
         logprobs = [row for row in measured if row["case"].startswith("logprobs ")]

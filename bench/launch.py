@@ -156,10 +156,13 @@ def plan_lines(options: Options) -> list[str]:
     probe with a rank's threads, times the ranks per core beyond one (no round trip)."""
     world_size, backend = options.resolved_world_size(), options.resolved_backend()
     plan = RunPlan({name: BENCHES[name] for name in options.only}, options.size, on_gpu=backend == "nccl")
-    torch.set_num_threads(threads_per_rank(world_size))
-    alone = calibrate(1, lambda: None, lambda values: values)
-    crowding = max(1.0, world_size * torch.get_num_threads() / machine_threads())
-    budget = Budget(plan, Calibration(alone.compute_s * crowding, 0.0), options.budget_s)
+    calibration = None
+    if backend != "nccl":  # the probes time CPU work
+        torch.set_num_threads(threads_per_rank(world_size))
+        alone = calibrate(1, lambda: None, lambda values: values)
+        crowding = max(1.0, world_size * torch.get_num_threads() / machine_threads())
+        calibration = Calibration(alone.compute_s * crowding, 0.0)
+    budget = Budget(plan, calibration, options.budget_s)
     return budget.plan_lines(world_size, backend, machine_threads())
 
 

@@ -243,7 +243,8 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | No
     started = datetime.datetime.now()
     run_started = time.monotonic() if run_started is None else run_started
     load_at_start = load_average()
-    calibration = calibrate(ctx.world_size, ctx.barrier, ctx.reduce_over_ranks)
+    # The declared GPU estimates stand as they are: the probes time CPU work.
+    calibration = None if ctx.on_gpu else calibrate(ctx.world_size, ctx.barrier, ctx.reduce_over_ranks)
     ctx.log(
         f"seqpar-kernels bench: {ctx.device_name}, {ctx.backend} x {ctx.world_size} ranks, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads per rank, "

@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.image
 import matplotlib.pyplot
 
-from bench.budget import MIN_SCALE, REFERENCE, Budget
+from bench.budget import MIN_SCALE, REFERENCE, START_S, Budget
 from bench.plan import RunPlan
 from bench.plot import DPI, HEADLINE_SIZE_IN, family_figure, headline_figure, panel_data
 from bench.rows import Row
@@ -28,7 +28,7 @@ def simulate(budget: Budget, overrun: dict[str, float]) -> dict[str, tuple[float
     measured: each takes its calibrated fixed seconds plus its timed rounds at the scale
     the budget gave it, times overrun[name] (default 1). Returns per family (the estimate
     when it started, the seconds it took)."""
-    plan, clock, taken = budget.plan, budget.factor * 8.0, {}
+    plan, clock, taken = budget.plan, budget.factor * START_S, {}
     for name in plan.families:
         scale = budget.start(name)
         estimate = plan.estimates[name]
@@ -60,7 +60,7 @@ def test_a_family_over_its_share_shrinks_the_rest_and_says_so():
     budget = Budget(plan, REFERENCE.scaled(SLOWER), budget_s=1.3 * plan.total_estimate * SLOWER * 0.6)
     first = budget.scale
     taken = simulate(budget, {"ulysses": 2.0})
-    assert budget.scales["reshard"] == budget.scales["ulysses"] == first
+    assert abs(budget.scales["reshard"] - first) < 1e-9 and abs(budget.scales["ulysses"] - first) < 1e-9
     assert budget.scales["ring"] < first and len(budget.notes) == 1, budget.notes
     assert budget.notes[0].startswith("ulysses took ") and f"x{first:.2f} -> x" in budget.notes[0]
     # The rest, sized again at the pace so far, still ends within the budget.

@@ -592,7 +592,6 @@ def _title(metadata: dict) -> str:
 
 def _save(figure, path: Path) -> Figure:
     """Saves at DPI with the figure's own size (no tight bounding box: the pixels are known)."""
-    figure.canvas.draw()
     panels = {}
     for axis in figure.axes:
         if axis.axison:

@@ -35,17 +35,17 @@ import torch.nn.functional as F
 
 from bench.plan import RunPlan, duration
 
-# The probes' seconds on the reference machine (4 gloo ranks on 2 cores, nothing else
-# running): 80 to 105 ms and 7 to 20 ms over 15 calibrations there.
+# The probes' seconds on the reference machine (4 gloo ranks on this project's 2 cores,
+# load 3.4 with them): 80 to 105 ms and 7 to 20 ms over 15 calibrations there.
 REFERENCE_COMPUTE_S = 0.085
 REFERENCE_ROUND_TRIP_S = 0.011
 # Every family computes far more than it exchanges on CPU ranks.
 COMPUTE_WEIGHT = 0.8
-# The share of each family's default seconds spent in timed rounds on the reference
-# machine: the rounds times each call's median (its rows' reps x per-call seconds, a
-# call shared by several rows counted once) over its measured seconds, in the reference
-# run bench/results/cpu-intel-xeon-gloo4-20261128-0434; memory times its own single
-# steps (no timed rounds).
+# The share of each family's default seconds spent in timed rounds: its rows' reps x
+# per-call seconds over its measured seconds in the reference run
+# bench/results/cpu-intel-xeon-gloo4-20261128-0434 (rounded down where rows share a
+# timed call: usp, varlen, hybrid, transformers); memory times its own single steps.
+# The JSON's plan keeps each run's measured timed_s to correct them.
 TIMED_SHARE = {
     "reshard": 0.65,
     "ulysses": 0.7,

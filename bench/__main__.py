@@ -25,9 +25,9 @@
                                          against one process)
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
-Prints the plan first (each family's sizes and about how long it takes: bench/plan.py), a
+Prints the plan first (each family's sizes and about how long it takes: bench/runner/plan.py), a
 line per family with the time left, one line per case as it goes, then a summary with the
-targets (bench/targets.py: bytes at theory, agreement, pack/unpack bandwidth and speed, ring
+targets (bench/runner/targets.py: bytes at theory, agreement, pack/unpack bandwidth and speed, ring
 and USP accuracy, zigzag share of ideal, overlap, step kernel speed, the loss's memory bound;
 the transformers modes' loss and gradients against one process's count as agreement) marked
 met or not met, and writes <device>-<backend><P>-<date>[-quick|-full].csv, .json and .png
@@ -40,9 +40,9 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.launch import Options, launch
-from bench.plan import DEFAULT_BUDGET_S
-from bench.suite import BENCHES
+from bench.runner.launch import Options, launch
+from bench.runner.plan import DEFAULT_BUDGET_S
+from bench.runner.suite import BENCHES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

@@ -26,7 +26,7 @@
 #                pack/unpack/merge against a plain copy, the ring's overlap probe; a bf16
 #                matmul and a device copy measured first, the yardsticks beside the spec
 #                sheet; records the measured step backend
-#       then the headline numbers (python -m bench.headline), printed last: TFLOP/s and
+#       then the headline numbers (python -m bench.runner.headline), printed last: TFLOP/s and
 #       GB/s against the spec sheet and against the run's matmul and copy. DIR gets
 #       <device>-<date>-<commit>-short/ with 8 files: summary.txt (device, driver, torch,
 #       Triton, commit; each stage's exit status and time; the headline), build.log,
@@ -64,8 +64,8 @@
 #   BENCH ARGS     go to `python -m bench` (e.g. --quick, --only ring); not with --short.
 #
 # After a short check on another machine, its folder comes back; then, in a checkout:
-#   python -m bench.headline DIR/<run>        the headline numbers again
-#   python -m bench.step_table DIR/<run>      the measured step backend into this
+#   python -m bench.runner.headline DIR/<run>        the headline numbers again
+#   python -m bench.runner.step_table DIR/<run>      the measured step backend into this
 #                                             checkout's seqpar_kernels/engine/step_backends.json
 #
 # Environment: PYTHON (default python3); SEQPAR_GIT_COMMIT, the commit to stamp, for a
@@ -200,13 +200,13 @@ for i in range(torch.cuda.device_count()):
     print(f"{torch.cuda.get_device_name(i)}, {major}.{minor}, unknown")' 2>/dev/null
 }
 
-# As bench/hardware.py's device_slug: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3".
+# As bench/runner/hardware.py's device_slug: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3".
 slug() {
   tr '[:upper:]' '[:lower:]' <<<"$1" | sed -e 's/(r)//g; s/(tm)//g; s/processor//g' \
     -e 's/[^a-z0-9][^a-z0-9]*/-/g; s/^-*//; s/-*$//'
 }
 
-# As bench/hardware.py's git_commit, which reads SEQPAR_GIT_COMMIT first: exported below,
+# As bench/runner/hardware.py's git_commit, which reads SEQPAR_GIT_COMMIT first: exported below,
 # so the bench stamps the same commit.
 git_commit() {
   if [ -n "${SEQPAR_GIT_COMMIT:-}" ]; then
@@ -359,7 +359,7 @@ short_plan() {
         short_command "$stage"
         say "box preflight ${SHORT_BOXES[preflight]} s: NCCL with one rank under timeout $SHORT_PREFLIGHT_SECONDS:" \
           "$(printf '%q ' "${command[@]}")>> $(short_log "$stage")" ;;
-      report) say "box report ${SHORT_BOXES[report]} s: the headline: $PYTHON -m bench.headline $RUN" ;;
+      report) say "box report ${SHORT_BOXES[report]} s: the headline: $PYTHON -m bench.runner.headline $RUN" ;;
       *)
         short_command "$stage"
         say "box $stage ${SHORT_BOXES[$stage]} s (SIGINT when it is up, SIGKILL ${SHORT_GRACE[$stage]} s later):" \
@@ -565,7 +565,7 @@ if [ $short = 1 ]; then
   done
   # A file half written when a stage was stopped (the bench writes through .tmp files).
   find "$RUN" -name '*.tmp' -delete
-  report=$(timeout 10 "$PYTHON" -m bench.headline "$RUN" 2>&1)
+  report=$(timeout 10 "$PYTHON" -m bench.runner.headline "$RUN" 2>&1)
   {
     echo
     echo "===== headline ====="

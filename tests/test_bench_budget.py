@@ -1,4 +1,4 @@
-"""The benchmark suite's time budget (bench/budget.py) on a simulated slow or busy
+"""The benchmark suite's time budget (bench/runner/budget.py) on a simulated slow or busy
 machine, and its figures and report: every figure a run writes has the size it declares
 and data in each panel (the --quick run of tests/test_bench_smoke.py checks its own with
 assert_figures_readable)."""
@@ -10,12 +10,12 @@ from pathlib import Path
 import matplotlib.image
 import matplotlib.pyplot
 
-from bench.budget import MIN_SCALE, REFERENCE, START_S, Budget
-from bench.plan import RunPlan
-from bench.plot import DPI, HEADLINE_SIZE_IN, family_figure, headline_figure, panel_data
-from bench.rows import Row
-from bench.suite import BENCHES
-from bench.timing import _repetitions
+from bench.runner.budget import MIN_SCALE, REFERENCE, START_S, Budget
+from bench.runner.plan import RunPlan
+from bench.runner.plot import DPI, HEADLINE_SIZE_IN, family_figure, headline_figure, panel_data
+from bench.runner.rows import Row
+from bench.runner.suite import BENCHES
+from bench.runner.timing import _repetitions
 
 # A machine four times slower than the reference (or as busy): the calibration scaled by 4.
 SLOWER = 4.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_fsdp import CONFIGURATIONS, FsdpCase, Measured, StateBytes, configuration_row, storage_bytes
-from bench.bench_memory import QUICK_MODEL
+from bench.families.fsdp import CONFIGURATIONS, FsdpCase, Measured, StateBytes, configuration_row, storage_bytes
+from bench.families.memory import QUICK_MODEL
 
 MiB = 2**20
 

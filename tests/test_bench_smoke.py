@@ -13,14 +13,14 @@ from pathlib import Path
 
 from test_bench_budget import assert_figures_readable
 
-from bench import hardware
-from bench.bench_inference import generate_unavailable
-from bench.cases import failed_row
-from bench.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan, module_size
-from bench.results import progress_line, summary_table
-from bench.rows import INFERENCE_BENCHES, Row, is_failed
-from bench.suite import BENCHES
-from bench.targets import target_checks
+from bench.families.inference import generate_unavailable
+from bench.runner import hardware
+from bench.runner.cases import failed_row
+from bench.runner.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan, module_size
+from bench.runner.results import progress_line, summary_table
+from bench.runner.rows import INFERENCE_BENCHES, Row, is_failed
+from bench.runner.suite import BENCHES
+from bench.runner.targets import target_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lines that read as a failure: kineto's ERROR / USDT lines, tracebacks and their
@@ -160,7 +160,7 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
 
 
 def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
-    # The estimates a module declares (bench/plan.py's SIZES) were measured on the
+    # The estimates a module declares (bench/runner/plan.py's SIZES) were measured on the
     # reference machine; the plan the default run prints adds them up.
     for name, modules in BENCHES.items():
         for module in modules:
@@ -173,7 +173,7 @@ def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
 def test_hybrid_ulysses_bytes_are_the_attention_formula_for_attention():
     # The hybrid bench's Ulysses formula for any mixer's inputs: for attention's q (H
     # groups), k and v (H_kv groups) and out it is traffic.ulysses_bytes.
-    from bench.bench_hybrid import ulysses_mixer_bytes
+    from bench.families.hybrid import ulysses_mixer_bytes
     from seqpar_kernels.traffic import ulysses_bytes
 
     head_dim, element_size = 16, 2
@@ -192,7 +192,7 @@ def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):
     # plan against one dense sequence, and the balanced plan against the contiguous one,
     # forward and forward + backward; each varlen result matches attention within each
     # document, its bytes at the formulas; the layout table printed and in the JSON.
-    from bench.targets import VARLEN_BENCHES
+    from bench.runner.targets import VARLEN_BENCHES
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
@@ -229,9 +229,9 @@ def test_bench_varlen_quick_runs_every_function_and_layout(tmp_path):
 # and one unpack case raises on rank 0 (kernels run there alone).
 INJECTED_FAILURES = """
 import sys
-from bench import bench_kernels, bench_reshard, bench_ulysses
+from bench.families import kernels as bench_kernels, reshard as bench_reshard, ulysses as bench_ulysses
 from bench.__main__ import parse_options
-from bench.launch import launch
+from bench.runner.launch import launch
 
 def no_cases(ctx):
     raise ValueError("injected: ulysses cases")
@@ -255,9 +255,9 @@ launch(parse_options(sys.argv[1:]))
 # A run killed partway: the process ends (as at a time limit) in the first unpack case.
 KILLED_PARTWAY = """
 import os, sys
-from bench import bench_kernels
+from bench.families import kernels as bench_kernels
 from bench.__main__ import parse_options
-from bench.launch import launch
+from bench.runner.launch import launch
 
 def unpack(case, ctx, destinations):
     os._exit(7)
@@ -285,7 +285,7 @@ WITHOUT_TRANSFORMERS = """
 import sys
 sys.modules["transformers"] = None
 from bench.__main__ import parse_options
-from bench.launch import launch
+from bench.runner.launch import launch
 launch(parse_options(sys.argv[1:]))
 """
 
@@ -403,8 +403,8 @@ def test_step_bench_drops_a_baseline_that_computes_wrong():
     # error rule must not become the baseline (its speed would mean nothing).
     import torch
 
-    from bench.baselines import sdpa
-    from bench.bench_ring_step import StepCase, check_step
+    from bench.families.ring_step import StepCase, check_step
+    from bench.families.shared.baselines import sdpa
 
     case = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=False)
     generator = torch.Generator().manual_seed(0)
@@ -429,7 +429,7 @@ def test_nccl_rank_without_a_gpu_is_told_why(monkeypatch, tmp_path):
     import pytest
     import torch
 
-    from bench.launch import Options, run_rank
+    from bench.runner.launch import Options, run_rank
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     options = Options(backend="nccl", world_size=None, quick=True, only=("reshard",), out=tmp_path)
@@ -440,7 +440,7 @@ def test_nccl_rank_without_a_gpu_is_told_why(monkeypatch, tmp_path):
 def test_step_bench_records_the_faster_backend_only_when_both_are_right():
     import torch
 
-    from bench.bench_ring_step import StepCase, choose_step_backend
+    from bench.families.ring_step import StepCase, choose_step_backend
 
     forward = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=False)
     backward = StepCase(1, 64, 2, 64, torch.bfloat16, causal=True, backward=True)
@@ -457,7 +457,7 @@ def test_step_bench_writes_the_table_of_the_source_tree():
     # Never an installed package's copy: the measured entry is to be committed.
     import os
 
-    from bench.step_table import SOURCE_TABLE
+    from bench.runner.step_table import SOURCE_TABLE
 
     repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert str(SOURCE_TABLE) == os.path.join(repository, "seqpar_kernels", "engine", "step_backends.json")
@@ -466,8 +466,8 @@ def test_step_bench_writes_the_table_of_the_source_tree():
 
 def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
     # GPU rows cannot be measured here; the plot of a GPU run is drawn from made-up ones.
-    from bench.plot import family_figure
-    from bench.rows import Row
+    from bench.runner.plot import family_figure
+    from bench.runner.rows import Row
 
     def row(bench, case, ours, baseline):
         return Row(bench=bench, case=case, shape="B=1 S_q=S_k=4096 H=32 D=128", dtype="bf16", world_size=1,
@@ -486,7 +486,7 @@ def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
 def test_tile_override_replaces_one_kernels_gpu_tiles_for_the_block():
     import torch
 
-    from bench.bench_ring_step import SWEEP_TILES
+    from bench.families.ring_step import SWEEP_TILES
     from seqpar_kernels.kernels import attention_step_tiles as tiles
 
     hopper = tiles.GpuTarget.of_capability(90)
@@ -503,7 +503,7 @@ def test_short_bench_times_the_four_dkdv_tiles_on_the_full_backward_step():
     # backward step; the default run sweeps every kernel, --quick none.
     import types
 
-    from bench.bench_ring_step import SHORT_SWEEP_TILES, SWEEP_TILES, tile_cases
+    from bench.families.ring_step import SHORT_SWEEP_TILES, SWEEP_TILES, tile_cases
 
     def context(**sizes):
         return types.SimpleNamespace(**{"quick": False, "short": False, "full": False, **sizes})

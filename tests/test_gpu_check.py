@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import headline, step_table
-from bench.rows import CSV_COLUMNS
+from bench.runner import headline, step_table
+from bench.runner.rows import CSV_COLUMNS
 from seqpar_kernels.engine import step_backends
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,7 +252,7 @@ def test_headline_reads_a_gpu_folder(tmp_path):
     assert "2700" in merge and "2900" in merge and "93%" in merge and "81%" in merge  # the copy, the spec sheet
     (probe,) = [line for line in text.splitlines() if "contigu full MHA" in line]
     assert probe.split()[6:8] == ["0.97", "0.88"]  # overlapped, serial: compute only / time
-    assert 'step_backend="auto" on sm_90: triton' in text and "python -m bench.step_table" in text
+    assert 'step_backend="auto" on sm_90: triton' in text and "python -m bench.runner.step_table" in text
 
 
 def test_step_table_writes_the_measured_entry_into_a_checkouts_table(tmp_path):
@@ -271,7 +271,7 @@ def test_step_table_writes_the_measured_entry_into_a_checkouts_table(tmp_path):
     with pytest.raises(ValueError, match="measured no step backend|found none"):
         step_table.apply(gpu_results(tmp_path / "none", None), table)
     step_table.main([str(tmp_path / "run"), "--table", str(table)])
-    with pytest.raises(SystemExit, match="python -m bench.step_table: .*measured no step backend"):
+    with pytest.raises(SystemExit, match="python -m bench.runner.step_table: .*measured no step backend"):
         step_table.main([str(tmp_path / "none" / next((tmp_path / "none").glob("*.json")).name), "--table", str(table)])
 
 
@@ -280,8 +280,8 @@ def test_step_bench_records_into_the_json_and_the_given_table(tmp_path, monkeypa
     # case's rates; the checkout's table (here a copy) the entry.
     import torch
 
-    from bench import bench_ring_step
-    from bench.bench_ring_step import StepCase
+    from bench.families import ring_step as bench_ring_step
+    from bench.families.ring_step import StepCase
 
     table = tmp_path / "step_backends.json"
     shutil.copy(step_table.SOURCE_TABLE, table)

@@ -165,7 +165,7 @@ def _device_target(device_index):
 # sm_120 (tools/ahead_of_time.py; tests/test_attention_step_ahead_of_time.py):
 # each fits the shared memory and has no register spill inside its K/V or Q
 # sweep.  docs/tuning.md gives the spills and instruction counts behind each
-# choice, and bench/bench_ring_step.py times them on a GPU.
+# choice, and bench/families/ring_step.py times them on a GPU.
 _FP32_TILES = (16, 32, 8, 2)
 _FP32_NARROW_TILES = (16, 16, 8, 2)
 _TILES = {
@@ -228,7 +228,7 @@ _TILE_OVERRIDES = (
 # applied after _TILE_OVERRIDES. Triton 3.6's ptxas serializes the wgmma of the sm_90
 # bf16/fp16 d128 dk/dv tile (16, 128, 8, 2); 3.6 takes (32, 64, 8, 2) there, the tile
 # of the mma.sync targets, not yet timed against the others: the short GPU check times
-# the four candidates (bench/bench_ring_step.py SHORT_SWEEP_TILES) under its Triton.
+# the four candidates (bench/families/ring_step.py SHORT_SWEEP_TILES) under its Triton.
 _TILES_BY_TRITON_RELEASE = {
     (3, 6): ((_is_hopper, {"dkdv": {(2, 128): (32, 64, 8, 2)}}),),
 }
@@ -320,7 +320,7 @@ def tile_override(kernel, tiles):
     """Within the block, every GPU launch of ``kernel`` ("forward", "dq" or "dkdv")
     takes ``tiles`` (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the shipped
     ones, whatever its dtype, head dim and mask: the GPU benchmark's tile sweep
-    (bench/bench_ring_step.py).  Not for use around collectives of other threads."""
+    (bench/families/ring_step.py).  Not for use around collectives of other threads."""
     assert kernel in _TILES, kernel
     previous = _TRIED_TILES.get(kernel)
     _TRIED_TILES[kernel] = tuple(tiles)

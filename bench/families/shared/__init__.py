@@ -1,0 +1,1 @@
+"""What several families share: the unfused baselines and the ring's parts."""

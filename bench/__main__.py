@@ -7,22 +7,10 @@
     python -m bench --plan [--full]      what a run would do and about how long it takes
     python -m bench --short              the default sizes, fewer timed rounds, the dk/dv tiles only
                                          (the short GPU check: scripts/gpu_check.sh --short)
-    python -m bench --only kernels       one benchmark: reshard, ulysses, kernels, ring (ring
-                                         attention, then its GPU step kernel and overlap probe),
-                                         usp (every grid U x R of the ranks), varlen (packed
-                                         documents), loss (the fused LM loss against
-                                         materialised logits: peak memory and time, one process),
-                                         transformers (a small Llama's training step: one
-                                         process against each mode of the transformers
-                                         integration; skipped without transformers), video
-                                         (diffusers video transformers), memory (peak memory
-                                         per rank of a training step), variants (the
-                                         sliding-window ring against the dense one), hybrid
-                                         (hybrid models' mixers, their state passed across
-                                         ranks) or inference (a KV cache sharded across the
-                                         ranks: a prompt's prefill, a decode step, a next
-                                         turn, generate's first token and decode step,
-                                         against one process)
+    python -m bench --only kernels       one family (repeatable): each module of bench/families/
+                                         is one, python -m bench --help names them and what
+                                         each measures; "ring" runs the ring's GPU overlap
+                                         probe after it
     torchrun --nproc-per-node 8 -m bench one rank per GPU, started by torchrun
 
 Prints the plan first (each family's sizes and about how long it takes: bench/runner/plan.py), a
@@ -40,9 +28,9 @@ import argparse
 import time
 from pathlib import Path
 
+from bench.runner.family import found_families
 from bench.runner.launch import Options, launch
 from bench.runner.plan import DEFAULT_BUDGET_S
-from bench.runner.suite import BENCHES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -70,8 +58,10 @@ def parse_options(argv: list[str] | None = None) -> Options:
                         help=f"the run's time budget: timed rounds sized to end within it (default: "
                              f"{DEFAULT_BUDGET_S:.0f} for the default sizes, none for --quick and --full; "
                              f"0: none)")  # fmt: skip
-    parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
-                        help="run only this benchmark (repeatable; default: all)")  # fmt: skip
+    families = found_families()
+    parser.add_argument("--only", choices=list(families), action="append", default=None, metavar="FAMILY",
+                        help="run only this family (repeatable; default: all, in this order): " +
+                             "; ".join(f"{name}: {family.measures}" for name, family in families.items()))  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default: {DEFAULT_OUT})")  # fmt: skip
     args = parser.parse_args(argv)
@@ -84,7 +74,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         quick=args.quick,
         full=args.full,
         plan_only=args.plan,
-        only=tuple(dict.fromkeys(args.only or BENCHES)),  # in order, each once
+        only=tuple(dict.fromkeys(args.only or families)),  # in order, each once
         out=args.out,
         short=args.short,
     )

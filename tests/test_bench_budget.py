@@ -11,10 +11,10 @@ import matplotlib.image
 import matplotlib.pyplot
 
 from bench.runner.budget import MIN_SCALE, REFERENCE, START_S, Budget
+from bench.runner.family import runs
 from bench.runner.plan import RunPlan
 from bench.runner.plot import DPI, HEADLINE_SIZE_IN, family_figure, headline_figure, panel_data
 from bench.runner.rows import Row
-from bench.runner.suite import BENCHES
 from bench.runner.timing import _repetitions
 
 # A machine four times slower than the reference (or as busy): the calibration scaled by 4.
@@ -42,7 +42,7 @@ def simulate(budget: Budget, overrun: dict[str, float]) -> dict[str, tuple[float
 
 
 def test_budget_sizes_the_rounds_of_a_busy_machine_to_fit():
-    plan = RunPlan(dict(BENCHES), "default", on_gpu=False)
+    plan = RunPlan(runs(), "default", on_gpu=False)
     reference_total = plan.total_estimate
     budget = Budget(plan, REFERENCE.scaled(SLOWER), budget_s=1.3 * reference_total * SLOWER * 0.6)
     assert abs(budget.factor - SLOWER) < 1e-9 and budget.fits
@@ -56,7 +56,7 @@ def test_budget_sizes_the_rounds_of_a_busy_machine_to_fit():
 
 
 def test_a_family_over_its_share_shrinks_the_rest_and_says_so():
-    plan = RunPlan(dict(BENCHES), "default", on_gpu=False)
+    plan = RunPlan(runs(), "default", on_gpu=False)
     budget = Budget(plan, REFERENCE.scaled(SLOWER), budget_s=1.3 * plan.total_estimate * SLOWER * 0.6)
     first = budget.scale
     taken = simulate(budget, {"ulysses": 2.0})
@@ -70,7 +70,7 @@ def test_a_family_over_its_share_shrinks_the_rest_and_says_so():
 
 
 def test_a_budget_too_small_for_the_cases_is_named():
-    plan = RunPlan(dict(BENCHES), "default", on_gpu=False)
+    plan = RunPlan(runs(), "default", on_gpu=False)
     budget = Budget(plan, REFERENCE.scaled(SLOWER), budget_s=60.0)
     assert not budget.fits and budget.scale == MIN_SCALE
     assert budget.notes[0].startswith("the plan does not fit the budget of 1 min"), budget.notes
@@ -78,7 +78,7 @@ def test_a_budget_too_small_for_the_cases_is_named():
 
 def test_quick_and_no_budget_keep_the_declared_rounds():
     for size, seconds in (("quick", 1.0), ("full", None)):
-        plan = RunPlan(dict(BENCHES), size, on_gpu=False)
+        plan = RunPlan(runs(), size, on_gpu=False)
         declared = plan.total_estimate
         budget = Budget(plan, REFERENCE.scaled(SLOWER), budget_s=seconds)
         assert budget.scale == 1.0

@@ -16,10 +16,10 @@ from test_bench_budget import assert_figures_readable
 from bench.families.inference import generate_unavailable
 from bench.runner import hardware
 from bench.runner.cases import failed_row
-from bench.runner.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan, module_size
+from bench.runner.family import runs
+from bench.runner.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan
 from bench.runner.results import progress_line, summary_table
 from bench.runner.rows import INFERENCE_BENCHES, Row, is_failed
-from bench.runner.suite import BENCHES
 from bench.runner.targets import target_checks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     # family's estimate and time.
     assert result.stdout.count("plan: quick sizes, about ") == 1, result.stdout[:3000]
     document = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert document["size"] == "quick" and list(document["plan"]) == list(BENCHES), document["plan"]
+    assert document["size"] == "quick" and list(document["plan"]) == list(runs()), document["plan"]
     assert all(family["elapsed_s"] is not None for family in document["plan"].values()), document["plan"]
     rows = list(csv.DictReader(csv_files[0].open()))
     assert {row["bench"] for row in rows} >= {"reshard", "ulysses"}
@@ -159,13 +159,10 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert result.stdout.splitlines()[-1] == f"report: {next(tmp_path.glob('*.md'))}", result.stdout[-500:]
 
 
-def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
-    # The estimates a module declares (bench/runner/plan.py's SIZES) were measured on the
+def test_the_default_fits_the_budget():
+    # The estimates each family declares (its FAMILY's sizes) were measured on the
     # reference machine; the plan the default run prints adds them up.
-    for name, modules in BENCHES.items():
-        for module in modules:
-            assert all(module_size(module, size) is not None for size in SIZE_NAMES), (name, module.__name__)
-    quick, default, full = (RunPlan(BENCHES, size, on_gpu=False).total_estimate for size in SIZE_NAMES)
+    quick, default, full = (RunPlan(runs(), size, on_gpu=False).total_estimate for size in SIZE_NAMES)
     assert default <= DEFAULT_BUDGET_S and REFERENCE_CORES == 2, default
     assert quick < default < full, (quick, default, full)
 

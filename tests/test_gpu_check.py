@@ -276,7 +276,7 @@ def test_step_table_writes_the_measured_entry_into_a_checkouts_table(tmp_path):
 
 
 def test_step_bench_records_into_the_json_and_the_given_table(tmp_path, monkeypatch):
-    # bench_ring_step's record at the end of a GPU run: the JSON gets the entry and every
+    # The ring-step family's record at the end of a GPU run: the JSON gets the entry and every
     # case's rates; the checkout's table (here a copy) the entry.
     import torch
 

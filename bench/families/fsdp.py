@@ -62,6 +62,7 @@ from bench.families.memory import (
 from bench.families.transformers import ModelSize, build_model
 from bench.runner.cases import run_case
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import MEMORY_BENCH, Row
 
@@ -380,3 +381,12 @@ def run(ctx: Context) -> list[Row]:
         for line in llama_8b_lines(alone.bytes_per_parameter):
             ctx.log(line)
     return rows
+
+
+FAMILY = Family(
+    name="fsdp",
+    order=150,
+    measures="what a rank holds of parameters, gradients and Adam's states under FSDP with sequence parallelism",
+    run=run,
+    sizes=SIZES,
+)

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import HYBRID_BENCH, Row
 from bench.runner.timing import time_side_by_side
@@ -450,3 +451,14 @@ def run(ctx: Context) -> list[Row]:
     for case in cases(ctx):
         rows += run_case(ctx, HYBRID_BENCH, measure, case, alone)
     return rows
+
+
+FAMILY = Family(
+    name="hybrid",
+    order=100,
+    measures="hybrid models' mixers, their state passed across ranks, against one process",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.6,
+    metadata=lambda: {"hybrid_baseline": BASELINE_NOTE},
+)

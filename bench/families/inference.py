@@ -85,6 +85,7 @@ from bench.families.transformers import (
 )
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import (
     GENERATE_DECODE_BENCH,
@@ -672,3 +673,14 @@ def run(ctx: Context) -> list[Row]:
     for case in generate_cases(ctx):
         rows += run_case(ctx, GENERATE_TTFT_BENCH, measure_generate, case)
     return rows
+
+
+FAMILY = Family(
+    name="inference",
+    order=160,
+    measures="a KV cache sharded across the ranks (prefill, decode, a next turn, generate) against one process",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.3,
+    metadata=lambda: {"inference_baseline": BASELINE_NOTE, "inference_generate_skipped": generate_unavailable()},
+)

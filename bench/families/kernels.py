@@ -34,6 +34,7 @@ import torch
 from bench.families.shared.baselines import heads_to_front, repeat_kv_heads, unfused_attention_merge_
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, gbps, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -266,3 +267,13 @@ def run(ctx: Context) -> list[Row]:
             rows += run_case(ctx, "merge", measure_merge, case)
     ctx.barrier()  # the other ranks wait here, leaving the cores (or GPUs) to rank 0
     return rows
+
+
+FAMILY = Family(
+    name="kernels",
+    order=30,
+    measures="the pack / unpack kernels against permute + contiguous / cat; the merge kernel against ATen ops",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.4,
+)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import LOSS_BENCH, Row
 from bench.runner.timing import time_side_by_side
@@ -273,3 +274,14 @@ def run(ctx: Context) -> list[Row]:
                 rows += run_case(ctx, LOSS_BENCH, measure_loss, case, group)
     ctx.barrier()  # the other ranks wait here, leaving the cores to rank 0
     return rows
+
+
+FAMILY = Family(
+    name="loss",
+    order=110,
+    measures="the fused LM loss against materialised logits: peak memory and time (one process)",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.6,
+    metadata=lambda: {"loss_baseline": BASELINE_NOTE},
+)

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from bench.families.transformers import ModelSize, TransformersCase
 from bench.runner.cases import run_case
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import MEMORY_BENCH, Row
 from seqpar_kernels.testing import peak_cpu_memory
@@ -455,3 +456,14 @@ def run(ctx: Context) -> list[Row]:
     for count in tokens:
         rows += run_case(ctx, MEMORY_BENCH, measure_logprobs, MemoryCase(size, count), head, world)
     return rows
+
+
+FAMILY = Family(
+    name="memory",
+    order=140,
+    measures="the peak memory per rank of a training step at growing lengths against one rank",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.0,  # it times its own single steps, outside the timed rounds
+    metadata=lambda: {"memory_baseline": BASELINE_NOTE},
+)

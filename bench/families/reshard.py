@@ -15,6 +15,7 @@ import torch
 from bench.families.shared.baselines import SentBytes, unfused_reshard
 from bench.runner.cases import exchange_row, run_case
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -124,3 +125,13 @@ def run(ctx: Context) -> list[Row]:
     for case in cases(ctx):
         rows += run_case(ctx, "reshard", measure, case)
     return rows
+
+
+FAMILY = Family(
+    name="reshard",
+    order=10,
+    measures="all_to_all_reshard against tensor_split + cat + all_to_all_single",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.65,
+)

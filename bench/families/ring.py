@@ -6,7 +6,7 @@ Rows (bench column):
               torch SDPA on the whole sequence
   ring-train  the same, forward + backward (dq, dk, dv)
 (The GPU step kernel and the single-GPU overlap probe have their own modules:
-bench_ring_step.py, bench_ring_probe.py.)
+bench/families/ring_step.py, bench/families/ring_probe.py.)
 
 Per ring / ring-train case, four candidates timed side by side (interleaved):
   ours           the ring
@@ -51,6 +51,7 @@ from bench.families.shared.baselines import leaves, sdpa, single_device_attentio
 from bench.families.shared.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_driver
 from bench.runner.cases import AttentionCase, run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -287,3 +288,15 @@ def unsupported(case: RingCase, ctx: Context) -> str | None:
     if case.layout == "zigzag" and case.local_len % 2:
         return "zigzag needs an even local length"
     return None
+
+
+FAMILY = Family(
+    name="ring",
+    order=40,
+    measures="ring_attention on P ranks against single-device SDPA (forward; forward + backward)",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.6,
+    metadata=lambda: {"ring_reference": REFERENCE_NOTE},
+    then=("ring-probe",),
+)

@@ -23,6 +23,7 @@ import torch
 from bench.families.shared.ring_parts import COMPUTE_ONLY, EXCHANGE_ONLY, driver_options, run_driver
 from bench.runner.cases import run_on_one_gpu, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import PROBE_BENCH, Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -147,3 +148,12 @@ def measure_probe(case: ProbeCase, ctx: Context) -> Row:
 
 def run(ctx: Context) -> list[Row]:
     return run_on_one_gpu(ctx, PROBE_BENCH, PROBE_BENCH, measure_probe, probe_cases)
+
+
+FAMILY = Family(
+    name="ring-probe",
+    order=60,
+    measures="(GPU) the single-GPU overlap probe of the ring's exchange",
+    run=run,
+    sizes=SIZES,
+)

@@ -45,6 +45,7 @@ from bench.families.shared.baselines import leaves, sdpa
 from bench.runner import hardware, step_table
 from bench.runner.cases import run_on_one_gpu, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -421,3 +422,12 @@ def run(ctx: Context) -> list[Row]:
         major, minor = torch.cuda.get_device_capability(ctx.device)
         record_step_backend(ctx, gpu_family(10 * major + minor))
     return rows
+
+
+FAMILY = Family(
+    name="ring-step",
+    order=50,
+    measures="(GPU) the ring's step alone: both step backends against SDPA's; writes the step backend table",
+    run=run,
+    sizes=SIZES,
+)

@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import TRANSFORMERS_BENCH, Row
 from bench.runner.timing import time_side_by_side
@@ -386,3 +387,15 @@ def run(ctx: Context) -> list[Row]:
     for case in cases(ctx):
         rows += run_case(ctx, TRANSFORMERS_BENCH, measure, case, mesh)
     return rows
+
+
+FAMILY = Family(
+    name="transformers",
+    order=120,
+    measures="a small Llama's training step under each mode of the transformers integration against one process",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.6,
+    metadata=lambda: {"transformers_baseline": BASELINE_NOTE, "transformers_skipped": transformers_unavailable()},
+    preload=("seqpar_kernels.integrations.transformers", "transformers.models.llama.modeling_llama"),
+)

@@ -20,6 +20,7 @@ import seqpar_kernels.parallel.ulysses as ulysses_module
 from bench.families.shared.baselines import SentBytes, unfused_ulysses_attention
 from bench.runner.cases import exchange_row, run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import OURS_DEFAULT_CALL, Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -203,3 +204,13 @@ def run(ctx: Context) -> list[Row]:
             continue
         rows += run_case(ctx, bench, measure, case)
     return rows
+
+
+FAMILY = Family(
+    name="ulysses",
+    order=20,
+    measures="ulysses_attention against DeepSpeed-Ulysses (the whole forward; the exchange alone)",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.7,
+)

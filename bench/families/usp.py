@@ -46,6 +46,7 @@ import seqpar_kernels.comm.ring as ring_module
 from bench.families.shared.baselines import leaves, single_device_attention
 from bench.runner.cases import AttentionCase, run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype, usp_grid_label
 from bench.runner.timing import time_side_by_side
@@ -329,3 +330,14 @@ def run(ctx: Context) -> list[Row]:
     for case in usp_cases(ctx):
         rows += run_case(ctx, None, measure_usp, case, grids, groups)
     return rows
+
+
+FAMILY = Family(
+    name="usp",
+    order=70,
+    measures="usp_attention on every grid U x R of the ranks (pure Ulysses, pure ring, the hybrids) against one device",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.5,
+    metadata=lambda: {"usp_baseline": BASELINE_NOTE},
+)

@@ -30,6 +30,7 @@ import torch
 from bench.families.shared.baselines import leaves
 from bench.runner.cases import AttentionCase, run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -160,3 +161,14 @@ def measure(case: WindowCase, ctx: Context) -> Row:
 def run(ctx: Context) -> list[Row]:
     ctx.log(BASELINE_NOTE)
     return [row for case in variant_cases(ctx) for row in run_case(ctx, None, measure, case)]
+
+
+FAMILY = Family(
+    name="variants",
+    order=90,
+    measures="the sliding-window ring against the dense one",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.45,
+    metadata=lambda: {"variants_baseline": BASELINE_NOTE},
+)

@@ -67,6 +67,7 @@ from bench.families.shared.baselines import leaves, single_device_attention
 from bench.families.usp import Candidate, Grid, gather_pieces, measure_group_bytes, piece_positions, theory_bytes
 from bench.runner.cases import AttentionCase, run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -497,3 +498,14 @@ def run(ctx: Context) -> list[Row]:
     for case in varlen_cases(ctx):
         rows += run_case(ctx, None, measure_varlen, case, groups)
     return rows
+
+
+FAMILY = Family(
+    name="varlen",
+    order=80,
+    measures="packed documents (varlen=) through ring, Ulysses and USP against the same tokens as one dense sequence",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.6,
+    metadata=lambda: {"varlen_baseline": BASELINE_NOTE, "varlen_layouts": layout_table_metadata()},
+)

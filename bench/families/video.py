@@ -54,6 +54,7 @@ import torch.distributed as dist
 from bench.families.transformers import usp_mesh
 from bench.runner.cases import run_case, timed_row
 from bench.runner.context import Context
+from bench.runner.family import Family
 from bench.runner.plan import Size, Sizes
 from bench.runner.rows import VIDEO_BENCH, Row, short_dtype
 from bench.runner.timing import time_side_by_side
@@ -301,3 +302,14 @@ def run(ctx: Context) -> list[Row]:
     for size in MODELS[models_at(ctx)]:
         rows += run_case(timing_ctx, VIDEO_BENCH, measure, size, mesh)
     return rows
+
+
+FAMILY = Family(
+    name="video",
+    order=130,
+    measures="diffusers video transformers (Latte, Wan) under each mode of the diffusers integration",
+    run=run,
+    sizes=SIZES,
+    timed_share=0.5,
+    metadata=lambda: {"video_baseline": BASELINE_NOTE, "video_skipped": diffusers_unavailable()},
+)

@@ -8,8 +8,8 @@ its budget; sized again after every family from the time the families so far too
     factor        this machine's seconds / the reference machine's (bench/runner/plan.py's
                   REFERENCE) for the same probes: COMPUTE_WEIGHT of compute, the rest the
                   round trip
-    a family      its declared seconds (bench/runner/plan.py's SIZES) = fixed + timed, timed =
-                  TIMED_SHARE of it (its timed rounds; the rest: building cases, warm-up,
+    a family      its declared seconds (its FAMILY's sizes) = fixed + timed, timed =
+                  its timed_share of it (its timed rounds; the rest: building cases, warm-up,
                   checks, which stay whole); on this machine factor x (fixed + scale x timed)
     scale         of every family's timed rounds (bench/runner/timing.py: the least and most
                   rounds and the seconds a case fills), the largest up to 1 that fits the
@@ -41,27 +41,6 @@ REFERENCE_COMPUTE_S = 0.085
 REFERENCE_ROUND_TRIP_S = 0.011
 # Every family computes far more than it exchanges on CPU ranks.
 COMPUTE_WEIGHT = 0.8
-# The share of each family's default seconds spent in timed rounds: its rows' reps x
-# per-call seconds over its measured seconds in the reference run
-# bench/results/cpu-intel-xeon-gloo4-20261128-0434 (rounded down where rows share a
-# timed call: usp, varlen, hybrid, transformers); memory times its own single steps.
-# The JSON's plan keeps each run's measured timed_s to correct them.
-TIMED_SHARE = {
-    "reshard": 0.65,
-    "ulysses": 0.7,
-    "kernels": 0.4,
-    "ring": 0.6,
-    "usp": 0.5,
-    "varlen": 0.6,
-    "variants": 0.45,
-    "hybrid": 0.6,
-    "loss": 0.6,
-    "transformers": 0.6,
-    "video": 0.5,
-    "memory": 0.0,
-    "inference": 0.3,
-}
-DEFAULT_TIMED_SHARE = 0.5
 # The fewest rounds a budget leaves: a fifth of the default's (3 timed rounds at least,
 # bench/runner/timing.py), enough for a median.
 MIN_SCALE = 0.2
@@ -170,7 +149,7 @@ class Budget:
         fixed = timed = 0.0
         for name in names:
             seconds = self.reference[name] or 0.0
-            share = TIMED_SHARE.get(name, DEFAULT_TIMED_SHARE) if self.plan.size != "quick" else 0.0
+            share = self.plan.families[name][0].timed_share if self.plan.size != "quick" else 0.0
             fixed += seconds * (1 - share) * self.factor
             timed += seconds * share * self.factor
         return fixed, timed

@@ -23,8 +23,9 @@ import torch.multiprocessing
 from bench.runner import hardware
 from bench.runner.budget import Budget, Calibration, calibrate
 from bench.runner.context import Context, machine_threads
+from bench.runner.family import found_families, runs
 from bench.runner.plan import RunPlan, size_name
-from bench.runner.suite import BENCHES, run_suite
+from bench.runner.suite import run_suite
 
 # Ranks a CPU-only run starts by default: enough for uneven splits and a real all-to-all.
 DEFAULT_CPU_WORLD_SIZE = 4
@@ -155,7 +156,7 @@ def plan_lines(options: Options) -> list[str]:
     """The plan of the run `options` describe, calibrated in this one process: the compute
     probe with a rank's threads, times the ranks per core beyond one (no round trip)."""
     world_size, backend = options.resolved_world_size(), options.resolved_backend()
-    plan = RunPlan({name: BENCHES[name] for name in options.only}, options.size, on_gpu=backend == "nccl")
+    plan = RunPlan({name: runs()[name] for name in options.only}, options.size, on_gpu=backend == "nccl")
     calibration = None
     if backend != "nccl":  # the probes time CPU work
         torch.set_num_threads(threads_per_rank(world_size))
@@ -172,17 +173,17 @@ def start_method(options: Options) -> str:
     A spawned rank imports torch and seqpar afresh, and the first call of seqpar's
     collective (a Python torch.library custom op) imports torch._dynamo: together about
     8 s of CPU per rank, 30 s and more for 4 ranks on 2 cores. Forked ranks inherit
-    those modules from this process, which imports them once (and transformers, for the
-    transformers family, another 6 s a rank). CUDA cannot be used in a
+    those modules from this process, which imports them once (and what a family names to
+    preload: transformers and its Llama, another 6 s a rank). CUDA cannot be used in a
     forked child once the parent has touched it, so GPU machines spawn."""
     if options.resolved_backend() == "nccl" or torch.cuda.is_available():
         return "spawn"
     importlib.import_module("torch._dynamo")  # see above: inherited by the forked ranks
-    if "transformers" in options.only:
-        # transformers and its Llama take about 6 s of CPU to import: once here, not per rank.
-        try:
-            importlib.import_module("seqpar_kernels.integrations.transformers")
-            importlib.import_module("transformers.models.llama.modeling_llama")
-        except ImportError:
-            pass  # the family reports itself skipped (bench_transformers.py)
+    for family in found_families().values():
+        if family.name in options.only:
+            for module in family.preload:  # seconds of CPU to import: once here, not per rank
+                try:
+                    importlib.import_module(module)
+                except ImportError:
+                    pass  # the family reports itself skipped
     return "fork"

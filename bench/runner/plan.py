@@ -1,5 +1,5 @@
 """What a run will do and about how long it takes: each family's three sizes, declared by
-its modules, the plan printed before the first case, and the estimate of what is left
+its FAMILY, the plan printed before the first case, and the estimate of what is left
 printed as the run goes.
 
     --quick   tiny shapes, few rounds: shows that everything runs (seconds a family)
@@ -7,17 +7,15 @@ printed as the run goes.
               suite, within DEFAULT_BUDGET_S (bench/runner/budget.py sizes its timed rounds to fit)
     --full    the suite's largest sizes (minutes a family on a CPU)
 
-A family module declares its sizes as a module-level SIZES = Sizes(quick=Size(...),
+A family declares its sizes in its FAMILY (bench/runner/family.py) as Sizes(quick=Size(...),
 default=Size(...), full=Size(...)): what each size runs, in a line, and about how many
 seconds it takes on the reference machine (REFERENCE; `python -m bench --only <family>`
 with --quick, none or --full, its CPU seconds and wall time: bench/README.md lists the
-measurements), and on a GPU node where measured. A family is the modules `--only` runs
-under one name (bench/runner/suite.py's BENCHES); its estimate is the sum of its modules'. A
-module without SIZES has no estimate: the plan says so (tests/test_bench_smoke.py asks
-every module for one). As the run goes, what is left is the remaining families'
-estimates scaled by the pace so far (measured / estimated time of the families done),
-so a slower or busier machine than the reference gets a later estimate after the first
-family.
+measurements), and on a GPU node where measured. A name `--only` takes runs its family and
+those the family names to run after it; its estimate is the sum of theirs. As the run
+goes, what is left is the remaining families' estimates scaled by the pace so far
+(measured / estimated time of the families done), so a slower or busier machine than the
+reference gets a later estimate after the first family.
 """
 
 from __future__ import annotations
@@ -25,7 +23,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # family.py imports Sizes from here
+    from bench.runner.family import Family
 
 SIZE_NAMES = ("quick", "default", "full")
 # The machine the declared CPU seconds are for, a CI runner's: 2 cores, the default 4
@@ -46,7 +47,7 @@ def size_name(quick: bool, full: bool) -> str:
 @dataclass(frozen=True)
 class Size:
     runs: str  # what this size runs on CPU, in a line: shapes, cases
-    cpu_s: float  # seconds on REFERENCE (0 for a module that runs only on a GPU)
+    cpu_s: float  # seconds on REFERENCE (0 for a family that runs only on a GPU)
     gpu_runs: str = ""  # what it runs on GPUs, where that differs
     gpu_s: float | None = None  # seconds on one GPU node (every GPU over NCCL); None: not measured
 
@@ -63,18 +64,12 @@ class Sizes:
         return getattr(self, size)
 
 
-def module_size(module: ModuleType, size: str) -> Size | None:
-    """The module's declared Size at `size`, None where it declares none."""
-    sizes = getattr(module, "SIZES", None)
-    return sizes.at(size) if isinstance(sizes, Sizes) else None
-
-
-def family_estimate(modules: tuple[ModuleType, ...], size: str, on_gpu: bool) -> float | None:
-    """Seconds of the family's modules at `size` (CPU or GPU), None where any is unknown."""
+def family_estimate(families: tuple[Family, ...], size: str, on_gpu: bool) -> float | None:
+    """Seconds of `families` at `size` (CPU or GPU), None where any is not measured."""
     total = 0.0
-    for module in modules:
-        declared = module_size(module, size)
-        seconds = None if declared is None else (declared.gpu_s if on_gpu else declared.cpu_s)
+    for family in families:
+        declared = family.sizes.at(size)
+        seconds = declared.gpu_s if on_gpu else declared.cpu_s
         if seconds is None:
             return None
         total += seconds
@@ -110,11 +105,11 @@ class RunPlan:
     """The families of a run with their estimates; tracks what is done, so that what is
     left is the remaining estimates at the pace measured so far."""
 
-    families: dict[str, tuple[ModuleType, ...]]  # name -> modules, in run order
+    families: dict[str, tuple[Family, ...]]  # name -> the families it runs, in run order
     size: str
     on_gpu: bool
-    own: dict[str, tuple[ModuleType, ...]] = field(init=False)  # name -> the modules it runs first
-    runs_with: dict[str, str] = field(init=False)  # a family whose modules all ran before -> where
+    own: dict[str, tuple[Family, ...]] = field(init=False)  # name -> the families it runs first
+    runs_with: dict[str, str] = field(init=False)  # a name whose families all ran before -> where
     estimates: dict[str, float | None] = field(init=False)
     elapsed: dict[str, float] = field(default_factory=dict)  # finished family -> seconds
     # This machine's seconds per reference second (bench/runner/budget.py calibrates it): the
@@ -124,13 +119,17 @@ class RunPlan:
     _family_started: float = 0.0
 
     def __post_init__(self) -> None:
-        # A module two families share (the ring's probe) runs once, with the first of them.
-        first: dict[ModuleType, str] = {}
-        for name, modules in self.families.items():
-            for module in modules:
-                first.setdefault(module, name)
-        self.own = {name: tuple(m for m in modules if first[m] == name) for name, modules in self.families.items()}
-        self.runs_with = {name: first[modules[0]] for name, modules in self.families.items() if not self.own[name]}
+        # A family two names run (the ring's probe) runs once, with the first of them.
+        first: dict[str, str] = {}
+        for name, families in self.families.items():
+            for family in families:
+                first.setdefault(family.name, name)
+        self.own = {
+            name: tuple(f for f in families if first[f.name] == name) for name, families in self.families.items()
+        }
+        self.runs_with = {
+            name: first[families[0].name] for name, families in self.families.items() if not self.own[name]
+        }
         self.estimates = self._estimates(self.size)
 
     def _estimates(self, size: str) -> dict[str, float | None]:
@@ -158,7 +157,7 @@ class RunPlan:
             if name in self.runs_with:
                 lines.append(f"  {name:<{width}}  {duration(0):>10}  (runs with {self.runs_with[name]})")
                 continue
-            declared = [size for module in own if (size := module_size(module, self.size)) is not None]
+            declared = [family.sizes.at(self.size) for family in own]
             runs = "; ".join(text for size in declared if (text := (self.on_gpu and size.gpu_runs) or size.runs))
             lines.append(f"  {name:<{width}}  {duration(self.estimates[name]):>10}  {runs or '(no sizes declared)'}")
         return lines

@@ -106,7 +106,7 @@ def _ring_progress_line(row: Row) -> str:
 def usp_line(row: Row) -> str:
     """The part of a USP row's line that says how it went (progress and summary): the
     speed against its baseline, what it is compared with (the first two parts of the
-    detail column, bench_usp.py's), the bytes per group."""
+    detail column, bench/families/usp.py's), the bytes per group."""
     compared = "; ".join(row.detail.split("; ")[:2])
     sent = (f"Ulysses group {_bytes(row.bytes_sent_ulysses_group)} + ring group "
             f"{_bytes(row.bytes_sent_ring_group)} " + ("= theory" if row.volume_at_theory else
@@ -165,7 +165,7 @@ def hybrid_line(row: Row) -> str:
 def inference_line(row: Row) -> str:
     """The part of an inference row's line that says how it went (progress and summary):
     ours against one process, the bytes a call sends, the KV cache a rank holds against
-    the whole; a turn row adds what method="auto" chose (bench_inference.py's detail)."""
+    the whole; a turn row adds what method="auto" chose (bench/families/inference.py's detail)."""
     parts = [f"{_ms(row.ours_s)} vs one process {_ms(row.baseline_s)}: x{row.speedup:.2f} (won "
              f"{row.ours_faster_share:.0%} of {row.reps} rounds, noise {row.noise:.0%})", _sent(row),
              f"KV per rank {_bytes(row.kv_bytes_per_rank)} of {_bytes(row.kv_bytes_whole)}"]  # fmt: skip

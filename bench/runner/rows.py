@@ -9,27 +9,27 @@ from dataclasses import dataclass
 
 # Row.bench of the families whose rows read differently from a fused-vs-unfused row
 # (progress lines, the summary, the targets, the plot).
-# bench_kernels.py: the kernels alone, no collective (attention_merge_: the ring's merge)
+# bench/families/kernels.py: the kernels alone, no collective (attention_merge_: the ring's merge)
 KERNEL_BENCHES = ("pack", "unpack", "merge")
-RING_BENCHES = ("ring", "ring-train")  # bench_ring.py: ring_attention vs single-device SDPA
-STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench_ring_step.py (GPU): the Triton step kernel
-STEP_TILES_BENCH = "ring-step-tiles"  # bench_ring_step.py (GPU): candidate tiles vs the shipped ones
-PROBE_BENCH = "ring-probe"  # bench_ring_probe.py (GPU): the single-GPU overlap probe
+RING_BENCHES = ("ring", "ring-train")  # bench/families/ring.py: ring_attention vs single-device SDPA
+STEP_BENCHES = ("ring-step-fwd", "ring-step-bwd")  # bench/families/ring_step.py (GPU): the Triton step kernel
+STEP_TILES_BENCH = "ring-step-tiles"  # bench/families/ring_step.py (GPU): candidate tiles vs the shipped ones
+PROBE_BENCH = "ring-probe"  # bench/families/ring_probe.py (GPU): the single-GPU overlap probe
 RING_ALL = RING_BENCHES + STEP_BENCHES + (STEP_TILES_BENCH, PROBE_BENCH)
-USP_BENCHES = ("usp", "usp-train")  # bench_usp.py: usp_attention on every grid U x R of the ranks
-LOSS_BENCH = "loss"  # bench_loss.py: the fused LM loss against materialised logits, one rank's tokens
-# bench_transformers.py: a transformers model's training step, one process against each mode
+USP_BENCHES = ("usp", "usp-train")  # bench/families/usp.py: usp_attention on every grid U x R of the ranks
+LOSS_BENCH = "loss"  # bench/families/loss.py: the fused LM loss against materialised logits, one rank's tokens
+# bench/families/transformers.py: a transformers model's training step, one process against each mode
 TRANSFORMERS_BENCH = "transformers"
-# bench_video.py: a diffusers video transformer's call under each mode of the diffusers integration
+# bench/families/video.py: a diffusers video transformer's call under each mode of the diffusers integration
 VIDEO_BENCH = "video"
-# bench_memory.py: peak memory per rank of a training step at growing lengths, one rank
+# bench/families/memory.py: peak memory per rank of a training step at growing lengths, one rank
 # against P ranks, tiled MLPs and activation offload; "<configuration> fit" rows hold a
 # configuration's bytes per token
 MEMORY_BENCH = "memory"
-# bench_hybrid.py: hybrid models' mixers on P ranks, their state passed across ranks,
+# bench/families/hybrid.py: hybrid models' mixers on P ranks, their state passed across ranks,
 # against the same function on the whole sequence in one process
 HYBRID_BENCH = "hybrid"
-# bench_inference.py: a KV cache sharded across ranks against one process holding it whole:
+# bench/families/inference.py: a KV cache sharded across ranks against one process holding it whole:
 # the ops (a first prompt's attention, a decode step's, a next turn's) and generate's
 # first token and decode step
 INFERENCE_PREFILL_BENCH = "inference-prefill"
@@ -81,7 +81,7 @@ class Row:
     # A plain device copy of as many bytes (read + written) as ours moves, timed side by
     # side with it (kernels rows): the practical ceiling of a data-movement kernel.
     copy_gbps: float | None = None
-    # Ring attention (bench_ring.py, bench_ring_step.py, bench_ring_probe.py); empty
+    # Ring attention (bench/families/ring.py, bench/families/ring_step.py, bench/families/ring_probe.py); empty
     # elsewhere. In ring / ring-train rows ours is the ring on P ranks and the baseline
     # single-device SDPA of the whole sequence.
     layout: str = ""  # contiguous | zigzag
@@ -103,26 +103,26 @@ class Row:
     # Largest error / plain torch's error in the same dtype, against an exact result
     # (the flash-attention rule: at most targets.FLASH_RULE_FACTOR).
     error_vs_plain: float | None = None
-    # USP (bench_usp.py): the row's grid, U Ulysses ranks per ring slot x R ring slots,
+    # USP (bench/families/usp.py): the row's grid, U Ulysses ranks per ring slot x R ring slots,
     # and the bytes rank 0 sent in each group (their sum is bytes_sent_ours); empty elsewhere.
     ulysses_degree: int | None = None
     ring_degree: int | None = None
     bytes_sent_ulysses_group: int | None = None
     bytes_sent_ring_group: int | None = None
-    # The LM loss (bench_loss.py): the most bytes the CPU allocator held during one forward
+    # The LM loss (bench/families/loss.py): the most bytes the CPU allocator held during one forward
     # + backward of ours and of the baseline (empty where it was not run), and ours' bound.
-    # A transformers row (bench_transformers.py): the largest over the ranks of a mode's
-    # step, and the single process's; no bound. A memory row (bench_memory.py): the
+    # A transformers row (bench/families/transformers.py): the largest over the ranks of a mode's
+    # step, and the single process's; no bound. A memory row (bench/families/memory.py): the
     # configuration's largest over the ranks, and one rank's.
     ours_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     peak_bound_bytes: int | None = None
-    # A hybrid row (bench_hybrid.py): what rank 0 would send per layer (forward + backward)
+    # A hybrid row (bench/families/hybrid.py): what rank 0 would send per layer (forward + backward)
     # if the mixer gathered its inputs, or ran under Ulysses' all-to-alls (the formulas);
     # bytes_sent_ours is the state passing's. Empty elsewhere.
     bytes_if_gathered: int | None = None
     bytes_if_ulysses: int | None = None
-    # An inference row (bench_inference.py): the keys and values the largest rank holds
+    # An inference row (bench/families/inference.py): the keys and values the largest rank holds
     # (its cache shard; generate: its ShardedCache) and one process's whole cache.
     kv_bytes_per_rank: int | None = None
     kv_bytes_whole: int | None = None

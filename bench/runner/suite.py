@@ -20,58 +20,11 @@ from pathlib import Path
 import torch
 
 import seqpar_kernels
-from bench.families import (
-    fsdp as bench_fsdp,
-)
-from bench.families import (
-    hybrid as bench_hybrid,
-)
-from bench.families import (
-    inference as bench_inference,
-)
-from bench.families import (
-    kernels as bench_kernels,
-)
-from bench.families import (
-    loss as bench_loss,
-)
-from bench.families import (
-    memory as bench_memory,
-)
-from bench.families import (
-    reshard as bench_reshard,
-)
-from bench.families import (
-    ring as bench_ring,
-)
-from bench.families import (
-    ring_probe as bench_ring_probe,
-)
-from bench.families import (
-    ring_step as bench_ring_step,
-)
-from bench.families import (
-    transformers as bench_transformers,
-)
-from bench.families import (
-    ulysses as bench_ulysses,
-)
-from bench.families import (
-    usp as bench_usp,
-)
-from bench.families import (
-    variants as bench_variants,
-)
-from bench.families import (
-    varlen as bench_varlen,
-)
-from bench.families import (
-    video as bench_video,
-)
 from bench.runner import hardware
 from bench.runner.budget import Budget, calibrate
 from bench.runner.cases import failed_row
 from bench.runner.context import Context, machine_threads
+from bench.runner.family import found_families, runs
 from bench.runner.plan import RunPlan
 from bench.runner.plot import write_figures
 from bench.runner.report import write_report
@@ -79,44 +32,6 @@ from bench.runner.results import progress_line, summary_table, write_results
 from bench.runner.rows import Row, is_failed
 from bench.runner.targets import target_checks
 from seqpar_kernels.extension import build_info
-
-# The benchmark families, one module each, under the names --only selects them by: each
-# name runs its modules' run(ctx) in order. "ring" is ring attention on P ranks, then
-# (GPU) the single-GPU overlap probe; "usp" every grid U x R
-# of the P ranks, pure Ulysses, pure ring and the hybrids; "varlen" packed documents
-# (ring, Ulysses, USP with varlen= against the same tokens as one dense sequence);
-# "loss" the fused LM loss against materialised logits (one process: rank 0);
-# "transformers" a transformers model's training step, one process against each mode of
-# the integration (skipped, with the reason, where transformers is not installed);
-# "memory" the peak memory per rank of a training step at growing lengths (one rank
-# against P ranks, tiled MLPs, activation offload) and the bytes per token;
-# "ring-step" (GPU) the step alone, both step backends against SDPA, which writes the
-# table of step_backend="auto"; "ring-probe" (GPU) the overlap probe alone; "video" a
-# diffusers video transformer (Latte, Wan) under each mode of the diffusers integration
-# against diffusers' own context parallelism where it runs;
-# "hybrid" hybrid models' mixers (short convolution, Mamba2's and Mamba's scans, the gated
-# delta rule) with their state passed across ranks, against one process, and their bytes
-# against gathering and Ulysses; "inference" a KV cache sharded across the ranks against one
-# process holding it whole (a prompt's prefill, a decode step, a next turn; generate's first
-# token and decode step, skipped without transformers 5), its bytes per rank and per call.
-BENCHES = {
-    "reshard": (bench_reshard,),
-    "ulysses": (bench_ulysses,),
-    "kernels": (bench_kernels,),
-    "ring": (bench_ring, bench_ring_probe),
-    "ring-step": (bench_ring_step,),
-    "ring-probe": (bench_ring_probe,),
-    "usp": (bench_usp,),
-    "varlen": (bench_varlen,),
-    "variants": (bench_variants,),
-    "hybrid": (bench_hybrid,),
-    "loss": (bench_loss,),
-    "transformers": (bench_transformers,),
-    "video": (bench_video,),
-    "memory": (bench_memory,),
-    "fsdp": (bench_fsdp,),
-    "inference": (bench_inference,),
-}
 
 # The case column of the row recorded when a bench raises outside its cases.
 BENCH_STOPPED = "(bench stopped here)"
@@ -167,36 +82,9 @@ def run_metadata(ctx: Context, started: datetime.datetime, load_at_start: float 
     }
     if ctx.on_gpu:
         metadata["calibration"] = hardware.calibration(ctx.device, ctx.device_name)
-    if "ring" in only:
-        metadata["ring_reference"] = bench_ring.REFERENCE_NOTE
-    if "usp" in only:
-        metadata["usp_baseline"] = bench_usp.BASELINE_NOTE
-    if "variants" in only:
-        metadata["variants_baseline"] = bench_variants.BASELINE_NOTE
-    if "hybrid" in only:
-        metadata["hybrid_baseline"] = bench_hybrid.BASELINE_NOTE
-    if "varlen" in only:
-        metadata["varlen_baseline"] = bench_varlen.BASELINE_NOTE
-        metadata["varlen_layouts"] = bench_varlen.layout_table_metadata()
-    if "loss" in only:
-        metadata["loss_baseline"] = bench_loss.BASELINE_NOTE
-    if "memory" in only:
-        metadata["memory_baseline"] = bench_memory.BASELINE_NOTE
-    if "transformers" in only:
-        metadata["transformers_baseline"] = bench_transformers.BASELINE_NOTE
-        skipped = bench_transformers.transformers_unavailable()
-        if skipped is not None:
-            metadata["transformers_skipped"] = skipped
-    if "inference" in only:
-        metadata["inference_baseline"] = bench_inference.BASELINE_NOTE
-        skipped = bench_inference.generate_unavailable()
-        if skipped is not None:
-            metadata["inference_generate_skipped"] = skipped
-    if "video" in only:
-        metadata["video_baseline"] = bench_video.BASELINE_NOTE
-        skipped = bench_video.diffusers_unavailable()
-        if skipped is not None:
-            metadata["video_skipped"] = skipped
+    families = found_families()
+    for name in only:  # each family's own entries: its baseline's note, why a part was skipped
+        metadata.update((key, value) for key, value in families[name].metadata().items() if value is not None)
     return metadata
 
 
@@ -242,13 +130,13 @@ class ResultsFiles:
 def run_bench(ctx: Context, name: str, results: ResultsFiles, done: set) -> None:
     """One bench, its rows into results as they are made (a case that raises is a FAILED
     row: bench/runner/cases.py's run_case); an error outside its cases stops only this bench
-    (all of its modules' remaining cases). done: the modules this run has already run
-    ("ring" and "ring-probe" share one), each run once."""
+    (all of its families' remaining cases). done: the names of the families this run has
+    already run ("ring" runs "ring-probe" after it), each run once."""
     ctx.record_row = results.add
     try:
-        for family in BENCHES[name]:
-            if family not in done:
-                done.add(family)
+        for family in runs()[name]:
+            if family.name not in done:
+                done.add(family.name)
                 family.run(ctx)
         return
     except Exception as error:  # noqa: BLE001 - recorded, the run exits non-zero at the end
@@ -286,7 +174,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | No
     ctx.log("ours = seqpar fused path (sizes passed); baseline = unfused (permute/contiguous/cat + "
             "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss, transformers: see their own "
             "notes)")  # fmt: skip
-    plan = RunPlan({name: BENCHES[name] for name in only}, ctx.size, ctx.on_gpu)
+    plan = RunPlan({name: runs()[name] for name in only}, ctx.size, ctx.on_gpu)
     budget = Budget(plan, calibration, budget_s if ctx.size != "quick" else None)
     for line in budget.plan_lines(ctx.world_size, ctx.backend, machine_threads()):
         ctx.log(line)

@@ -15,7 +15,7 @@ never asserted.
     ring: zigzag                               >= ZIGZAG_IDEAL_TARGET of ideal (single device / P)
     ring: overlap efficiency                   >= OVERLAP_TARGET where step compute > transfer
     GPU: step kernel                           forward / backward >= STEP_TARGETS x SDPA's best
-    loss: peak memory                          the fused loss within its bound (bench_loss.py)
+    loss: peak memory                          the fused loss within its bound (bench/families/loss.py)
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ FLASH_RULE_FACTOR = ERROR_FACTOR
 # A case where ours won fewer than this share of the paired rounds is slower beyond noise;
 # the CPU target allows a median slower than the baseline's only within that band.
 CLEARLY_SLOWER_SHARE = 0.25
-# bench_varlen.py's rows: packed documents against one dense sequence (or the balanced
+# bench/families/varlen.py's rows: packed documents against one dense sequence (or the balanced
 # plan against the contiguous one), no unfused baseline.
 VARLEN_BENCHES = tuple(f"varlen-{kind}{suffix}" for kind in ("ring", "ulysses", "usp", "layout")
                        for suffix in ("", "-train"))  # fmt: skip

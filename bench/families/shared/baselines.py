@@ -7,7 +7,7 @@ into the output layout (cat), one collective per tensor. Ours does each side in 
 kernel and sends q, k and v in one collective.
 
 Ring attention's baseline is torch SDPA over the whole sequence on one device (sdpa);
-the GPU step kernel's is SDPA restricted to one backend (bench_ring_step.py: sdpa_with);
+the GPU step kernel's is SDPA restricted to one backend (bench/families/ring_step.py: sdpa_with);
 the merge kernel's is ring-flash-attention's merge in ATen ops (unfused_attention_merge_).
 """
 

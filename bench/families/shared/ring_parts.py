@@ -1,5 +1,5 @@
-"""The ring's parts timed apart, shared by the ring benchmark (bench_ring.py) and the
-single-GPU overlap probe (bench_ring_probe.py): the ring driver run with its exchange
+"""The ring's parts timed apart, shared by the ring benchmark (bench/families/ring.py) and the
+single-GPU overlap probe (bench/families/ring_probe.py): the ring driver run with its exchange
 replaced (seqpar_kernels.testing's ReplacedExchange), and the timing candidate names of
 the parts."""
 

@@ -1,11 +1,11 @@
 """kimi_delta_attention and lightning_attention (seqpar_kernels/parallel/gated_delta.py):
 Kimi's delta attention (a decay per key channel) and MiniMax's lightning attention (no
 delta, a constant decay per head), sequence-parallel. The one-process engine against
-transformers' recurrent_kimi_delta_attention (run in fp64), the per-channel sequential
-pass's backward by gradcheck, and both ops against their recurrences written out token
-by token on the whole sequence (per document for packed ones), forward and every
-gradient, every layout, world sizes 1-3; fp32 within twice plain PyTorch's error; bad
-inputs on every rank."""
+transformers' recurrent_kimi_delta_attention (run in fp64; the per-channel sequential
+pass's backward by gradcheck is in tests/test_recurrent_gated_delta.py), and both ops
+against their recurrences written out token by token on the whole sequence (per
+document for packed ones), forward and every gradient, every layout, world sizes 1-3;
+fp32 within twice plain PyTorch's error; bad inputs on every rank."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from conftest import pool_for
 from on_ranks import on_every_rank, raises, timeout_group
 from recurrent_cases import check_against_reference
-from test_recurrent_gated_delta import _Float64
+from test_recurrent_gated_delta import _Float64, engine_runner
 
 import seqpar_kernels as sp
-from seqpar_kernels.engine.gated_delta import chunk_gated_delta_rule, chunk_states
+from seqpar_kernels.engine.gated_delta import chunk_gated_delta_rule
 
 
 def kda_recurrence(q, k, v, g, beta, scale=None, use_qk_l2norm=False, initial_state=None, dtype=torch.float64):
@@ -75,16 +75,7 @@ def test_engine_is_transformers_kda_recurrence():
     modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     generator = torch.Generator().manual_seed(3)
     inputs = kda_inputs(2, 19, 3, 5, 4, generator=generator)
-    initial = torch.randn(2, 3, 5, 4, generator=generator, dtype=torch.float64)
-    dout = torch.randn(2, 19, 3, 4, generator=generator, dtype=torch.float64)
-    dfinal = torch.randn(initial.shape, generator=generator, dtype=torch.float64)
-
-    def outputs_and_gradients(function, **options):
-        leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
-        out, final = function(*leaves[:5], initial_state=leaves[5], **options)
-        torch.autograd.backward([out, final], [dout, dfinal])
-        return [out.detach(), final.detach(), *(leaf.grad for leaf in leaves)]
-
+    outputs_and_gradients, _ = engine_runner(inputs, 3, 5, 4, generator)
     ours = outputs_and_gradients(chunk_gated_delta_rule, use_qk_l2norm=True)
     with _Float64():
         theirs = outputs_and_gradients(modeling.recurrent_kimi_delta_attention, output_final_state=True,
@@ -92,18 +83,6 @@ def test_engine_is_transformers_kda_recurrence():
     for name, mine, expected in zip(["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial"], ours, theirs):
         assert mine.dtype == torch.float64
         torch.testing.assert_close(mine, expected, atol=1e-10, rtol=0, msg=name)
-
-
-def test_per_channel_chunk_states_backward_is_the_gradient_of_its_forward():
-    generator = torch.Generator().manual_seed(5)
-    batch, heads, chunks, size, key_dim, value_dim = 1, 2, 3, 3, 2, 3
-    w, k_decayed = (0.5 * torch.randn(batch, heads, chunks, size, key_dim, generator=generator, dtype=torch.float64)
-                    for _ in range(2))  # fmt: skip
-    u = torch.randn(batch, heads, chunks, size, value_dim, generator=generator, dtype=torch.float64)
-    decay = torch.rand(batch, heads, chunks, key_dim, generator=generator, dtype=torch.float64)
-    initial = torch.randn(2, batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
-    leaves = [x.requires_grad_() for x in (w, u, k_decayed, decay, initial)]
-    assert torch.autograd.gradcheck(lambda *xs: chunk_states(*xs, [0, 1, 3], "torch"), leaves)
 
 
 def _fp32_tolerance(reference, inputs, sequence_inputs, generator) -> float:

@@ -22,15 +22,16 @@ from on_ranks import on_every_rank  # noqa: E402
 
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)  # fmt: skip
-# (config class, model class, what the tiny config sets): 4 linear heads of 16, a
-# convolution of kernel 3, a dense then a MoE layer; MiniMax's lightning layer in blocks
-# of 8 tokens beside a softmax attention layer.
+# (config class, model class, what the tiny config sets): one delta-attention layer of 4
+# heads of 16 with a convolution of kernel 3 (Kimi Linear's with a MoE, BailingHybrid's
+# with a dense MLP); MiniMax's lightning layer in blocks of 8 tokens beside a softmax
+# attention layer, MoE.
 LINEAR_FAMILIES = {
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
-                    dict(num_hidden_layers=2, layer_types=["linear_attention"] * 2, linear_head_dim=16,
-                         linear_num_heads=4, linear_conv_kernel_dim=3, mlp_layer_types=["dense", "sparse"], **_MOE)),
+                    dict(num_hidden_layers=1, layer_types=["linear_attention"], linear_head_dim=16, linear_num_heads=4,
+                         linear_conv_kernel_dim=3, mlp_layer_types=["sparse"], **_MOE)),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
-                       dict(num_hidden_layers=2, layer_types=["linear_attention"] * 2, short_conv_kernel_size=3,
+                       dict(num_hidden_layers=1, layer_types=["linear_attention"], short_conv_kernel_size=3,
                             first_k_dense_replace=1, n_group=1, topk_group=1, num_mtp_layers=0, **_MOE)),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
                 dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=8,
@@ -51,20 +52,39 @@ def run_cases(cases):
     return integration.run_parity_cases(cases)
 
 
-# Per world size: Ulysses on contiguous pieces, the ring balanced on packed documents
-# (2 ranks) and on uneven pieces of 29 tokens (3 ranks), USP's 2 x 2 grid once.
+# Per world size: (family, mode, layout, batch, extra): each family on the ring balanced
+# or Ulysses, packed documents, 3 ranks' uneven pieces, USP's 2 x 2 grid once.
 _CASES = {
-    2: [("ulysses", "contiguous", "dense", {}), ("ring", "balanced", "packed", dict(per_document=True))],
-    3: [("ring", "balanced", "dense", dict(seqlen=29))],
-    4: [("usp", "balanced", "packed", dict(ulysses=2, per_document=True))],
+    2: [("kimi_linear", "ulysses", "contiguous", "dense", {}), ("minimax", "ulysses", "contiguous", "dense", {}),
+        ("bailing_hybrid", "ring", "balanced", "dense", {}),
+        ("minimax", "ring", "balanced", "packed", dict(per_document=True))],
+    3: [("kimi_linear", "ring", "balanced", "packed", dict(per_document=True))],
+    4: [("minimax", "usp", "balanced", "dense", dict(ulysses=2))],
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", sorted(_CASES), ids=lambda size: f"P{size}")
 def test_families_match_the_single_process_model(world_size):
-    if not _here():
-        pytest.skip(f"transformers {transformers.__version__} has none of {sorted(LINEAR_FAMILIES)}")
-    cases = [_case(family, mode, layout, batch, **extra) for family in _here()
-             for mode, layout, batch, extra in _CASES[world_size]]  # fmt: skip
+    if not any(case[0] in _here() for case in _CASES[world_size]):
+        pytest.skip(f"transformers {transformers.__version__} has none of this world size's families")
+    cases = [_case(family, mode, layout, batch, **extra) for family, mode, layout, batch, extra in _CASES[world_size]
+             if family in _here()]  # fmt: skip
     failures = [failure for per_rank in pool_for(world_size).run(run_cases, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
+
+
+def test_lightning_attention_runs_its_own_forward_outside_an_applied_model():
+    """apply() replaces MiniMaxLightningAttention's class forward: a model it did not set up
+    runs transformers' own, unchanged (the logits bitwise those of before any apply)."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    if "minimax" not in _here():
+        pytest.skip(f"transformers {transformers.__version__} has no MiniMax")
+    spec = LINEAR_FAMILIES["minimax"]
+    ids = torch.randint(0, integration.VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = integration._family_model("minimax", spec=spec)(input_ids=ids).logits
+        sp_transformers.apply(integration._family_model("minimax", spec=spec), "ring")
+        after = integration._family_model("minimax", spec=spec)(input_ids=ids).logits
+    assert type(integration._family_model("minimax", spec=spec).model.layers[0].self_attn).forward.seqpar_original
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

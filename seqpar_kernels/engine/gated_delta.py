@@ -6,6 +6,13 @@ Per value head, with the state S (dk, dv):
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
 
+Two variants run the same code: Kimi's delta attention, g_t one log decay per key
+channel (exp(g_t) the diagonal matrix diag(exp(g_t)), applied before the delta step),
+where the decays inside a chunk no longer factor out of its pairwise products
+(decayed_products: (C, C, dk) values a chunk, so chunks of CHANNEL_CHUNK_SIZE); and
+linear attention (MiniMax's lightning attention), beta None: no delta, S_t = exp(g_t)
+S_{t-1} + k_t v_t^T (T = I, W = 0 below).
+
 q and k L2-normalised if asked (x / sqrt(|x|^2 + 1e-6)), then q scaled (dk**-0.5 by
 default); each q/k head serves Hv // Hk consecutive value heads. Computed in fp32 (fp64
 for fp64 inputs), as transformers' torch_chunk_gated_delta_rule computes it: chunks of
@@ -21,7 +28,8 @@ state, beta = 0 adds nothing), per chunk, gc the cumulative g inside it, G = gc[
     h <- exp(G) h + (exp(G - gc) k)^T V'
 
 Only the last two lines are sequential: `chunk_states` runs them (a torch loop, or on
-CUDA the Triton kernels of kernels/gated_delta_kernels.py, whose products are TF32),
+CUDA, for a decay per head, the Triton kernels of kernels/gated_delta_kernels.py, whose
+products are TF32),
 forward and backward; the rest are batched matmuls over every chunk, differentiated by
 autograd.
 

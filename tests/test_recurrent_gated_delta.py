@@ -78,7 +78,7 @@ def engine_runner(inputs, value_heads, key_dim, value_dim, generator):
     return run, initial
 
 
-class _Float64(TorchFunctionMode):
+class Float64(TorchFunctionMode):
     """Runs code written for fp32 in fp64: every torch.float32 argument read as float64
     (transformers' references cast their inputs to fp32)."""
 
@@ -103,7 +103,7 @@ def test_engine_is_transformers_chunked_and_recurrent_form(length, key_heads, va
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
     # By name: with kernels installed, transformers 5.25 on holds them as Func modules, without __name__.
     for form in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        with _Float64():
+        with Float64():
             theirs = outputs_and_gradients(getattr(modeling, form), output_final_state=True,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm)  # fmt: skip
         for name, mine, expected in zip(names, ours, theirs):

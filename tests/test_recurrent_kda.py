@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import pool_for
 from on_ranks import on_every_rank, raises, timeout_group
 from recurrent_cases import check_against_reference
-from test_recurrent_gated_delta import _Float64, engine_runner
+from test_recurrent_gated_delta import Float64, engine_runner
 
 import seqpar_kernels as sp
 from seqpar_kernels.engine.gated_delta import chunk_gated_delta_rule
@@ -77,7 +77,7 @@ def test_engine_is_transformers_kda_recurrence():
     inputs = kda_inputs(2, 19, 3, 5, 4, generator=generator)
     outputs_and_gradients, _ = engine_runner(inputs, 3, 5, 4, generator)
     ours = outputs_and_gradients(chunk_gated_delta_rule, use_qk_l2norm=True)
-    with _Float64():
+    with Float64():
         theirs = outputs_and_gradients(modeling.recurrent_kimi_delta_attention, output_final_state=True,
                                        use_qk_l2norm_in_kernel=True)  # fmt: skip
     for name, mine, expected in zip(["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial"], ours, theirs):

@@ -146,16 +146,17 @@ def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[fr
 
 def ulysses_bytes(
     seq_lens: Sequence[int], rank: int, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    element_size: int, return_lse: bool = False,
+    element_size: int, return_lse: bool = False, value_dim: int | None = None,
 ) -> CallBytes:  # fmt: skip
     """Bytes ulysses_attention (or the Ulysses half of usp_attention) sends from `rank`.
 
-    seq_lens: every rank's rows; q (batch, S_r, num_heads, head_dim), k and v
-    (batch, S_r, num_kv_heads, head_dim). Rank j works on n_j q heads (torch.tensor_split
-    of num_heads) and the m_j kv heads they read (kv_heads_read); row = batch x head_dim x
-    element size. Sums over j != r:
-        forward   (S_r (n_j + 2 m_j) + S_j n_r) x row     q, k, v out; out back
-        backward  (S_r n_j + S_j (n_r + 2 m_r)) x row     dout out; dq, dk, dv back
+    seq_lens: every rank's rows; q (batch, S_r, num_heads, D), k (batch, S_r,
+    num_kv_heads, D) and v (batch, S_r, num_kv_heads, Dv) with D = head_dim, Dv =
+    value_dim (None: D); out like q with Dv. Rank j works on n_j q heads
+    (torch.tensor_split of num_heads) and the m_j kv heads they read (kv_heads_read);
+    unit = batch x element size. Sums over j != r:
+        forward   (S_r (n_j D + m_j (D + Dv)) + S_j n_r Dv) x unit     q, k, v out; out back
+        backward  (S_r n_j Dv + S_j (n_r D + m_r (D + Dv))) x unit     dout out; dq, dk, dv back
     return_lse: the fp32 lse of this rank's heads goes back too (USP), forward
     S_j x n_r x batch x 4 more. With heads and lengths even: (P-1)/P x (q + k + v + out)
     bytes each way. K and V repeated to num_heads heads before the exchange would send
@@ -163,11 +164,13 @@ def ulysses_bytes(
     world_size = len(seq_lens)
     q_heads = tensor_split_sizes(num_heads, world_size)
     kv_heads = [len(heads) for heads in kv_heads_read(num_heads, num_kv_heads, world_size)]
-    row = batch * head_dim * element_size
+    unit, key, value = batch * element_size, head_dim, value_dim or head_dim
     others = [j for j in range(world_size) if j != rank]
     own_len, own_q, own_kv = seq_lens[rank], q_heads[rank], kv_heads[rank]
-    forward = sum(own_len * (q_heads[j] + 2 * kv_heads[j]) + seq_lens[j] * own_q for j in others) * row
-    backward = sum(own_len * q_heads[j] + seq_lens[j] * (own_q + 2 * own_kv) for j in others) * row
+    forward = sum(own_len * (q_heads[j] * key + kv_heads[j] * (key + value)) + seq_lens[j] * own_q * value
+                  for j in others) * unit  # fmt: skip
+    backward = sum(own_len * q_heads[j] * value + seq_lens[j] * (own_q * key + own_kv * (key + value))
+                   for j in others) * unit  # fmt: skip
     if return_lse:
         forward += sum(seq_lens[j] for j in others) * own_q * batch * FP32_BYTES
     return CallBytes(forward, backward)
@@ -175,12 +178,13 @@ def ulysses_bytes(
 
 def ring_bytes(
     seq_lens: Sequence[int], rank: int, *, batch: int, num_kv_heads: int, head_dim: int, element_size: int,
-    steps: int | None = None,
+    steps: int | None = None, value_dim: int | None = None,
 ) -> CallBytes:  # fmt: skip
     """Bytes ring_attention sends from `rank` (engine/ring_driver.py's loops).
 
-    seq_lens: every rank's rows, in ring order; k and v (batch, S_r, num_kv_heads,
-    head_dim); kv = batch x num_kv_heads x head_dim x 2, the K|V elements of one row.
+    seq_lens: every rank's rows, in ring order; k (batch, S_r, num_kv_heads, head_dim)
+    and v (batch, S_r, num_kv_heads, value_dim; None: head_dim); kv = batch x
+    num_kv_heads x (head_dim + value_dim), the K|V elements of one row.
     steps: the ring's last step m: P-1 (None), or under a window or chunks the farthest
     ring offset some rank sees (window_ring_steps; StepMasks.reach in general). At step s
     the rank holds rank r-s's block (n_{r-s} rows): it passes it on at steps 0..m-1 and
@@ -191,7 +195,7 @@ def ring_bytes(
     forward m x (k + v bytes), backward m x (k + v bytes + fp32 dk + dv bytes)."""
     world_size = len(seq_lens)
     last = world_size - 1 if steps is None else steps
-    kv = batch * num_kv_heads * head_dim * 2
+    kv = batch * num_kv_heads * (head_dim + (value_dim or head_dim))
     held = [seq_lens[(rank - step) % world_size] for step in range(last + 1)]  # rows held at each step
     kv_bytes = sum(held[:last]) * kv * element_size
     return CallBytes(kv_bytes, kv_bytes + sum(held[1:]) * kv * FP32_BYTES)
@@ -210,11 +214,13 @@ def window_ring_steps(window_left: int, piece_len: int, world_size: int) -> int:
 def usp_bytes(
     seq_lens: Sequence[int], ring_index: int, ulysses_index: int, *, ulysses_size: int, batch: int, num_heads: int,
     num_kv_heads: int, head_dim: int, element_size: int, return_lse: bool = False, ring_steps: int | None = None,
+    value_dim: int | None = None,
 ) -> tuple[CallBytes, CallBytes]:  # fmt: skip
     """(Ulysses group, ring group) bytes usp_attention sends from the rank at
     (ring_index i, ulysses_index j).
 
-    seq_lens: every piece's rows, in piece order i * U + j; q, k, v as ulysses_bytes'.
+    seq_lens: every piece's rows, in piece order i * U + j; q, k, v (value_dim) as
+    ulysses_bytes'.
         Ulysses group  ulysses_bytes over slot i's U pieces, for Ulysses rank j
                        (return_lse: its lse back too)
         ring group     ring_bytes over the R slots' lengths L, for slot i, with the m_j
@@ -223,11 +229,12 @@ def usp_bytes(
     ulysses = ulysses_bytes(
         _slot_pieces(seq_lens, ring_index, ulysses_size), ulysses_index, batch=batch, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size, return_lse=return_lse,
+        value_dim=value_dim,
     )  # fmt: skip
     kv_heads = len(kv_heads_read(num_heads, num_kv_heads, ulysses_size)[ulysses_index])
     ring = ring_bytes(
         _slot_lengths(seq_lens, ulysses_size), ring_index, batch=batch, num_kv_heads=kv_heads, head_dim=head_dim,
-        element_size=element_size, steps=ring_steps,
+        element_size=element_size, steps=ring_steps, value_dim=value_dim,
     )  # fmt: skip
     return ulysses, ring
 

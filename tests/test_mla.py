@@ -1,0 +1,124 @@
+"""Multi-head latent attention: v of another head dim (Dv) than q and k (D), as the
+training form of DeepSeek-V3's attention has it (D = nope + rope dims, Dv smaller).
+
+The ops (ring contiguous and zigzag, Ulysses, USP, packed documents, windows, chunks,
+softcap, sinks) against fp64 attention written out (tools/reference.py), gradients
+too, on 2 and 3 gloo ranks (test_attention_variants.run_cases: its rule, cases and
+helpers); one realistic head dim (192/128); opcheck of the engine's custom ops; the
+ring's bytes against the formula with k and v counted apart; the checks that refuse
+what the Triton kernels cannot take.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import pool_for
+from on_ranks import on_every_rank, rank_and_world, timeout_group
+from test_attention_variants import case, run_cases
+
+import seqpar_kernels as sp
+from seqpar_kernels.engine.step_backends import AUTO
+from seqpar_kernels.testing import ring_attention_with_step_kernels
+from seqpar_kernels.traffic import ring_bytes
+
+# D = 24 (16 nope + 8 rope), Dv = 16: the tiny MLA shape; one case with Dv > D; by world
+# size, so that each runs once.
+# fmt: off
+MLA_CASES = {
+    2: [
+        case("mla-ring-zigzag-softcap-sinks", "ring", layout="zigzag", D=24, Dv=16, softcap=1.5, sinks=True, B=2),
+        case("mla-ring-wider-v", "ring", D=8, Dv=20, chunk=4, causal=False),
+        case("mla-ulysses-docs-window-sinks", "ulysses", D=24, Dv=16, window=(4, -1), sinks=True, documents=(0.5,)),
+        case("mla-192-128", "ring", layout="zigzag", D=192, Dv=128, H=2, H_kv=2, per_rank=4),
+    ],
+    3: [
+        case("mla-ring", "ring", D=24, Dv=16),
+        case("mla-ring-docs-window", "ring", layout="balanced", D=24, Dv=16, window=(3, -1), documents=(0.3, 0.7)),
+        case("mla-ulysses", "ulysses", D=24, Dv=16, H=6, H_kv=3),
+        # Fewer heads than ranks: a rank without heads still returns out of v's head dim.
+        case("mla-ulysses-fewer-heads", "ulysses", D=24, Dv=16, H=2, H_kv=1, softcap=1.0),
+    ],
+}
+GRID_CASE = case("mla-usp-docs-softcap", "usp", grid=2, layout="balanced", D=24, Dv=16, softcap=1.5, documents=(0.4,))
+# fmt: on
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_value_head_dim_matches_fp64_attention(world_size):
+    failures = [failure for per_rank in pool_for(world_size).run(run_cases, MLA_CASES[world_size], torch.float32)
+                for failure in per_rank]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+def test_usp_value_head_dim_matches_fp64_attention():
+    failures = [failure for per_rank in pool_for(4).run(run_cases, [GRID_CASE], torch.float32) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_low_precision_value_head_dim_within_twice_plain_torch_error():
+    cases = [case("mla-bf16-ring", "ring", D=24, Dv=16, per_rank=8, window=(6, -1)),
+             case("mla-bf16-ulysses", "ulysses", D=24, Dv=16, per_rank=8, softcap=1.0)]  # fmt: skip
+    failures = [failure for per_rank in pool_for(2).run(run_cases, cases, torch.bfloat16) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@on_every_rank
+def run_ring_bytes(zigzag: bool):
+    """(measured forward bytes, measured backward bytes, formula's) of this rank."""
+    rank, world_size = rank_and_world()
+    group = timeout_group()
+    batch, per_rank, kv_heads, head_dim, value_dim = 1, 4, 2, 24, 16
+    q = torch.randn(batch, per_rank, 4, head_dim, requires_grad=True)
+    k = torch.randn(batch, per_rank, kv_heads, head_dim, requires_grad=True)
+    v = torch.randn(batch, per_rank, kv_heads, value_dim, requires_grad=True)
+    layout = "zigzag" if zigzag else "contiguous"
+    with sp.comm_stats() as forward:
+        out = sp.ring_attention(q, k, v, group=group, causal=True, layout=layout)
+    with sp.comm_stats() as backward:
+        out.sum().backward()
+    lengths = [per_rank] * world_size
+    formula = ring_bytes(lengths, rank, batch=batch, num_kv_heads=kv_heads, head_dim=head_dim,
+                         value_dim=value_dim, element_size=4)  # fmt: skip
+    return forward.bytes_sent, backward.bytes_sent, formula
+
+
+def test_ring_bytes_count_k_and_v_apart():
+    for forward, backward, (want_forward, want_backward) in pool_for(3).run(run_ring_bytes, False):
+        assert (forward, backward) == (want_forward, want_backward)
+
+
+@on_every_rank
+def opcheck_ops():
+    """The ring's and the local attention's custom ops with v of another head dim: the
+    fake kernels' shapes, autograd, schema (torch.library.opcheck)."""
+    rank, world_size = rank_and_world()
+    gen = torch.Generator().manual_seed(rank)
+    seq_lens = [3 + r for r in range(world_size)]
+    q = torch.randn(1, seq_lens[rank], 4, 24, generator=gen, requires_grad=True)
+    k = torch.randn(1, seq_lens[rank], 2, 24, generator=gen, requires_grad=True)
+    v = torch.randn(1, seq_lens[rank], 2, 16, generator=gen, requires_grad=True)
+    ring = torch.ops.seqpar.ring_attention_forward.default
+    args = (q, k, v, True, 0.2, False, torch.distributed.group.WORLD.group_name, AUTO, seq_lens)
+    torch.library.opcheck(ring, args)
+    out, lse = ring(*(t.detach() if torch.is_tensor(t) else t for t in args))
+    backward_args = (torch.randn(out.shape, generator=gen), *(t.detach() for t in (q, k, v)), out, lse, *args[3:])
+    torch.library.opcheck(torch.ops.seqpar.ring_attention_backward.default, backward_args)
+    local = torch.ops.seqpar.local_attention_forward.default
+    torch.library.opcheck(local, (q, k, v, True, 0.2), dict(window_left=2))
+    return out.shape, local(q, k, v, True, 0.2)[0].shape
+
+
+def test_ops_pass_opcheck():
+    shapes = pool_for(2).run(opcheck_ops)
+    assert shapes == [((1, 3 + rank, 4, 16),) * 2 for rank in range(2)]
+
+
+def test_triton_refuses_value_head_dim_at_the_entry():
+    q, k, v = torch.randn(1, 4, 2, 24), torch.randn(1, 4, 2, 24), torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="one head dim for q, k and v; v's head dim 16 differs from q's 24"):
+        ring_attention_with_step_kernels(q, k, v, "triton")
+    with pytest.raises(ValueError, match=r"v head dim must be in \[1, 256\], got 0"):
+        sp.ulysses_attention(q, k, v[..., :0])
+    with pytest.raises(ValueError, match="k and v must share batch, sequence length and heads"):
+        sp.ulysses_attention(q, k, v[:, :3])

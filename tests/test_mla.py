@@ -122,3 +122,53 @@ def test_triton_refuses_value_head_dim_at_the_entry():
         sp.ulysses_attention(q, k, v[..., :0])
     with pytest.raises(ValueError, match="k and v must share batch, sequence length and heads"):
         sp.ulysses_attention(q, k, v[:, :3])
+
+
+# ----------------------------------------------------------------------------------
+# The MLA families through apply
+# ----------------------------------------------------------------------------------
+
+# Tiny configs: q/k head dim 24 (16 nope + 8 rope), v head dim 12; one dense layer and
+# one MoE layer. The latent models expand k and v to every q head (kv heads = heads).
+_LATENT = dict(num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=12, head_dim=8, first_k_dense_replace=1, n_routed_experts=4,
+               num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32)  # fmt: skip
+MLA_FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _LATENT),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", _LATENT),
+    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM",  # one layer of two attentions
+                      dict(_LATENT, num_hidden_layers=1, num_layers=1, moe_topk=2, expert_ffn_hidden_size=32,
+                           ffn_hidden_size=64)),
+    # GQA of q/k head dim 24 and v head dim 16, a full layer, then a sliding one with sinks.
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",
+                      dict(num_hidden_layers=2, head_dim=24, v_head_dim=16, num_key_value_heads=1, sliding_window=5,
+                           layer_types=["full_attention", "sliding_attention"], n_routed_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32)),
+}  # fmt: skip
+
+
+def _family_case(mode, layout, batch, family, **extra):
+    from test_transformers_integration import _case
+
+    return _case(mode, layout, batch, family=family, family_spec=MLA_FAMILIES[family], **extra)
+
+
+def _run_families(world_size, cases):
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_integration import run_parity_cases
+
+    here = [one for one in cases if hasattr(transformers, one["family_spec"][0])]
+    failures = [failure for per_rank in pool_for(world_size).run(run_parity_cases, here) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_mla_families_match_the_single_process_model_under_ulysses():
+    _run_families(2, [_family_case("ulysses", "contiguous", "packed", "deepseek_v3"),
+                      _family_case("ulysses", "contiguous", "dense", "mimo_v2_flash")])  # fmt: skip
+
+
+def test_mla_families_match_the_single_process_model_under_ring_and_usp():
+    _run_families(4, [_family_case("ring", "balanced", "packed", "glm4_moe_lite"),
+                      _family_case("ring", "contiguous", "dense", "longcat_flash"),
+                      _family_case("usp", "balanced", "dense", "deepseek_v3", ulysses=2),
+                      _family_case("usp", "contiguous", "dense", "mimo_v2_flash", ulysses=2)])  # fmt: skip

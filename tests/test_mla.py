@@ -172,3 +172,17 @@ def test_mla_families_match_the_single_process_model_under_ring_and_usp():
                       _family_case("ring", "contiguous", "dense", "longcat_flash"),
                       _family_case("usp", "balanced", "dense", "deepseek_v3", ulysses=2),
                       _family_case("usp", "contiguous", "dense", "mimo_v2_flash", ulysses=2)])  # fmt: skip
+
+
+def test_generate_over_a_sharded_cache_matches_one_process():
+    # DeepSeek-V3 caches the latents: the decode steps read them expanded by the layer,
+    # a next turn expands the gathered shard; MiMo-V2-Flash caches k and v of two head dims.
+    pytest.importorskip("transformers", minversion="5")
+    from test_generation import _case, run_generate
+
+    cases = [
+        _case("ring", layout="balanced", family="deepseek_v3", family_spec=MLA_FAMILIES["deepseek_v3"], next_turn=True),
+        _case("ulysses", family="mimo_v2_flash", family_spec=MLA_FAMILIES["mimo_v2_flash"], next_turn=True),
+    ]
+    failures = [failure for per_rank in pool_for(2).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)

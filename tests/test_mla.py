@@ -5,8 +5,11 @@ The ops (ring contiguous and zigzag, Ulysses, USP, packed documents, windows, ch
 softcap, sinks) against fp64 attention written out (tools/reference.py), gradients
 too, on 2 and 3 gloo ranks (test_attention_variants.run_cases: its rule, cases and
 helpers); one realistic head dim (192/128); opcheck of the engine's custom ops; the
-ring's bytes against the formula with k and v counted apart; the checks that refuse
-what the Triton kernels cannot take.
+ring's and Ulysses' bytes against the formulas with k and v counted apart; the checks
+that refuse what the Triton kernels cannot take. The MLA families (DeepSeek-V3,
+GLM-4.7-Flash, LongCat-Flash; MiMo-V2-Flash's GQA with Dv != D) through apply against
+transformers' single-process run (test_transformers_integration.run_parity_cases), and
+generate over a sharded cache (test_generation.run_generate).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from test_attention_variants import case, run_cases
 import seqpar_kernels as sp
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.testing import ring_attention_with_step_kernels
-from seqpar_kernels.traffic import ring_bytes
+from seqpar_kernels.traffic import ring_bytes, ulysses_bytes
 
 # D = 24 (16 nope + 8 rope), Dv = 16: the tiny MLA shape; one case with Dv > D; by world
 # size, so that each runs once.
@@ -64,28 +67,33 @@ def test_low_precision_value_head_dim_within_twice_plain_torch_error():
 
 
 @on_every_rank
-def run_ring_bytes(zigzag: bool):
-    """(measured forward bytes, measured backward bytes, formula's) of this rank."""
+def run_bytes():
+    """{function: ((forward, backward) measured, the formula's)} of this rank: the ring
+    and Ulysses with k and v of different head dims."""
     rank, world_size = rank_and_world()
     group = timeout_group()
-    batch, per_rank, kv_heads, head_dim, value_dim = 1, 4, 2, 24, 16
-    q = torch.randn(batch, per_rank, 4, head_dim, requires_grad=True)
-    k = torch.randn(batch, per_rank, kv_heads, head_dim, requires_grad=True)
-    v = torch.randn(batch, per_rank, kv_heads, value_dim, requires_grad=True)
-    layout = "zigzag" if zigzag else "contiguous"
-    with sp.comm_stats() as forward:
-        out = sp.ring_attention(q, k, v, group=group, causal=True, layout=layout)
-    with sp.comm_stats() as backward:
-        out.sum().backward()
+    batch, per_rank, heads, kv_heads, head_dim, value_dim = 1, 4, 4, 2, 24, 16
+    sizes = dict(batch=batch, num_kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim, element_size=4)
     lengths = [per_rank] * world_size
-    formula = ring_bytes(lengths, rank, batch=batch, num_kv_heads=kv_heads, head_dim=head_dim,
-                         value_dim=value_dim, element_size=4)  # fmt: skip
-    return forward.bytes_sent, backward.bytes_sent, formula
+    formulas = {"ring_attention": ring_bytes(lengths, rank, **sizes),
+                "ulysses_attention": ulysses_bytes(lengths, rank, num_heads=heads, **sizes)}  # fmt: skip
+    results = {}
+    for function, formula in formulas.items():
+        q = torch.randn(batch, per_rank, heads, head_dim, requires_grad=True)
+        k = torch.randn(batch, per_rank, kv_heads, head_dim, requires_grad=True)
+        v = torch.randn(batch, per_rank, kv_heads, value_dim, requires_grad=True)
+        with sp.comm_stats() as forward:
+            out = getattr(sp, function)(q, k, v, group=group, causal=True, seq_lens=lengths)
+        with sp.comm_stats() as backward:
+            out.sum().backward()
+        results[function] = ((forward.bytes_sent, backward.bytes_sent), tuple(formula))
+    return results
 
 
-def test_ring_bytes_count_k_and_v_apart():
-    for forward, backward, (want_forward, want_backward) in pool_for(3).run(run_ring_bytes, False):
-        assert (forward, backward) == (want_forward, want_backward)
+def test_bytes_count_k_and_v_apart():
+    for per_rank in pool_for(3).run(run_bytes):
+        for function, (measured, formula) in per_rank.items():
+            assert measured == formula, function
 
 
 @on_every_rank
@@ -170,8 +178,7 @@ def test_mla_families_match_the_single_process_model_under_ulysses():
 def test_mla_families_match_the_single_process_model_under_ring_and_usp():
     _run_families(4, [_family_case("ring", "balanced", "packed", "glm4_moe_lite"),
                       _family_case("ring", "contiguous", "dense", "longcat_flash"),
-                      _family_case("usp", "balanced", "dense", "deepseek_v3", ulysses=2),
-                      _family_case("usp", "contiguous", "dense", "mimo_v2_flash", ulysses=2)])  # fmt: skip
+                      _family_case("usp", "balanced", "dense", "deepseek_v3", ulysses=2)])  # fmt: skip
 
 
 def test_generate_over_a_sharded_cache_matches_one_process():

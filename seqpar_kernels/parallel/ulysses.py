@@ -237,7 +237,8 @@ def ulysses_attention(
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
         headdim) with nheads % nheads_kv == 0 (GQA, MQA). Rank r holds the r-th piece
         of the sequence; pieces may differ in length. fp16, bf16 or fp32; head dim up
-        to 256; any strides.
+        to 256; v's head dim headdim_v may differ (multi-head latent attention: v
+        travels at its own width); any strides.
     causal: mask by global position (rank order is sequence order).
     softmax_scale: default 1/sqrt(headdim).
     seq_lens: every rank's seqlen_local. If None they are exchanged, in the one small
@@ -257,7 +258,7 @@ def ulysses_attention(
         After the exchange a rank holds whole sequences of its heads, so every variant is
         local: the step backends over the whole sequence's mask (the Triton kernels on
         GPUs); each rank's sinks.grad holds its heads' gradients, the others 0.
-    Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
+    Returns (batch, seqlen_local, nheads, headdim_v), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
     divide evenly (seqpar_kernels.traffic.ulysses_bytes for any split); two all-to-alls

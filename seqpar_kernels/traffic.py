@@ -274,7 +274,8 @@ def decode_attention_bytes(group_sizes: Sequence[int], *, batch: int, num_querie
                            head_dim: int) -> int:  # fmt: skip
     """Bytes decode_attention sends from any rank: its fp32 partial (out and lse) of the
     batch x num_queries x num_heads rows to every other rank of each group in turn
-    (group_sizes: [P] for a group; [U, R] for a USP grid; a mesh's dims).
+    (group_sizes: [P] for a group; [U, R] for a USP grid; a mesh's dims); head_dim: the
+    out's, v's head dim.
         sum over groups of (size - 1) x batch x num_queries x num_heads x (head_dim + 1) x 4
     Independent of the cache's length."""
     return sum(size - 1 for size in group_sizes) * batch * num_queries * num_heads * (head_dim + 1) * FP32_BYTES
@@ -289,12 +290,15 @@ PASS_KV, PASS_Q = "pass-kv", "pass-q"
 def prefill_attention_bytes(
     cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], rank: int, *, method: str, batch: int,
     num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, ulysses_size: int = 1,
+    value_dim: int | None = None,
 ) -> int:  # fmt: skip
     """Bytes prefill_attention sends from `rank` by `method` (PASS_KV or PASS_Q).
 
     cache_seq_lens: every rank's cached rows S_j (k_cache.shape[1]); chunk_seq_lens: every
     rank's rows C_j of the new chunk; q (batch, C_r, num_heads, head_dim), k and v of the
-    chunk and of the cache num_kv_heads heads, element_size bytes each. ulysses_size: U
+    chunk and of the cache num_kv_heads heads, element_size bytes each; v's head dim
+    Dv = value_dim (None: head_dim; below, 2 x head_dim is head_dim + Dv and the
+    partials' head_dim + 1 is Dv + 1). ulysses_size: U
     of USP's grid (ranks in piece order i * U + j; pass-Q only), 1 for one group.
         pass-kv  each rank's block travels the ring: its cached and new K and V, their
                  positions and its cache's lengths. Block j, with e the element size:
@@ -315,7 +319,8 @@ def prefill_attention_bytes(
                  (U = 1: the one group's formula)."""
     world_size = len(cache_seq_lens)
     if method == PASS_KV and ulysses_size == 1:
-        block = [batch * ((cache + chunk) * (2 * num_kv_heads * head_dim * element_size + POSITION_BYTES)
+        kv_dims = head_dim + (value_dim or head_dim)
+        block = [batch * ((cache + chunk) * (num_kv_heads * kv_dims * element_size + POSITION_BYTES)
                           + POSITION_BYTES) for cache, chunk in zip(cache_seq_lens, chunk_seq_lens)]  # fmt: skip
         return sum(block[(rank - step) % world_size] for step in range(world_size - 1))
     if method != PASS_Q:
@@ -326,12 +331,12 @@ def prefill_attention_bytes(
     query_rows = (ulysses_size - 1) * mine + (ring_size - 1) * slot
     partial_rows = sum(slots) - slot + slot - mine
     return batch * (query_rows * (num_heads * head_dim * element_size + POSITION_BYTES)
-                    + partial_rows * num_heads * (head_dim + 1) * FP32_BYTES)  # fmt: skip
+                    + partial_rows * num_heads * ((value_dim or head_dim) + 1) * FP32_BYTES)  # fmt: skip
 
 
 def prefill_attention_method(
     cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], *, batch: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, element_size: int,
+    head_dim: int, element_size: int, value_dim: int | None = None,
 ) -> str:  # fmt: skip
     """The method prefill_attention's method="auto" takes: PASS_Q where it sends fewer
     bytes over all ranks together than PASS_KV (prefill_attention_bytes summed over the
@@ -339,7 +344,7 @@ def prefill_attention_method(
     cached tokens dominate the chunk's; pass-KV for a first prompt or a long chunk. The
     same on every rank, from every rank's lengths."""
     sizes = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 element_size=element_size)  # fmt: skip
+                 element_size=element_size, value_dim=value_dim)  # fmt: skip
     ranks = range(len(cache_seq_lens))
     totals = {method: sum(prefill_attention_bytes(cache_seq_lens, chunk_seq_lens, rank, method=method, **sizes)
                           for rank in ranks) for method in (PASS_KV, PASS_Q)}  # fmt: skip

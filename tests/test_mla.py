@@ -23,7 +23,14 @@ from test_attention_variants import case, run_cases
 import seqpar_kernels as sp
 from seqpar_kernels.engine.step_backends import AUTO
 from seqpar_kernels.testing import ring_attention_with_step_kernels
-from seqpar_kernels.traffic import ring_bytes, ulysses_bytes
+from seqpar_kernels.traffic import (
+    PASS_KV,
+    PASS_Q,
+    decode_attention_bytes,
+    prefill_attention_bytes,
+    ring_bytes,
+    ulysses_bytes,
+)
 
 # D = 24 (16 nope + 8 rope), Dv = 16: the tiny MLA shape; one case with Dv > D; by world
 # size, so that each runs once.
@@ -68,8 +75,9 @@ def test_low_precision_value_head_dim_within_twice_plain_torch_error():
 
 @on_every_rank
 def run_bytes():
-    """{function: ((forward, backward) measured, the formula's)} of this rank: the ring
-    and Ulysses with k and v of different head dims."""
+    """{function: (measured, the formula's)} of this rank, k and v of different head
+    dims: the ring's and Ulysses' (forward, backward); prefill_attention's by each method
+    and decode_attention's."""
     rank, world_size = rank_and_world()
     group = timeout_group()
     batch, per_rank, heads, kv_heads, head_dim, value_dim = 1, 4, 4, 2, 24, 16
@@ -87,6 +95,29 @@ def run_bytes():
         with sp.comm_stats() as backward:
             out.sum().backward()
         results[function] = ((forward.bytes_sent, backward.bytes_sent), tuple(formula))
+    # Inference: this rank caches 3 + rank rows, holds 2 + rank of a new chunk after them.
+    caches, chunks = [3 + r for r in range(world_size)], [2 + r for r in range(world_size)]
+    cache_start, chunk_start = sum(caches[:rank]), sum(caches) + sum(chunks[:rank])
+    k_cache, v_cache = (
+        torch.randn(1, caches[rank], kv_heads, head_dim),
+        torch.randn(1, caches[rank], kv_heads, value_dim),
+    )
+    cache = dict(k_cache=k_cache, v_cache=v_cache, cache_lengths=torch.tensor([caches[rank]]),
+                 cache_positions=torch.arange(cache_start, cache_start + caches[rank])[None])  # fmt: skip
+    q, k = torch.randn(1, chunks[rank], heads, head_dim), torch.randn(1, chunks[rank], kv_heads, head_dim)
+    v = torch.randn(1, chunks[rank], kv_heads, value_dim)
+    q_positions = torch.arange(chunk_start, chunk_start + chunks[rank])[None]
+    for method in (PASS_KV, PASS_Q):
+        with sp.comm_stats() as sent:
+            sp.prefill_attention(q, k, v, **cache, q_positions=q_positions, method=method, group=group,
+                                 chunk_seq_lens=chunks, cache_seq_lens=caches, check_ranks=False)  # fmt: skip
+        formula = prefill_attention_bytes(caches, chunks, rank, method=method, num_heads=heads, **sizes)
+        results[f"prefill_attention {method}"] = (sent.bytes_sent, formula)
+    with sp.comm_stats() as sent:
+        sp.decode_attention(q[:, :1], **cache, q_positions=q_positions[:, :1] * 0 + sum(caches), group=group,
+                            check_ranks=False)  # fmt: skip
+    formula = decode_attention_bytes([world_size], batch=batch, num_queries=1, num_heads=heads, head_dim=value_dim)
+    results["decode_attention"] = (sent.bytes_sent, formula)
     return results
 
 

@@ -342,7 +342,7 @@ def prefill_attention(
     if method == AUTO:
         method = PASS_Q if grid is not None else prefill_attention_method(
             cache_seq_lens, chunk_seq_lens, batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2],
-            head_dim=q.shape[3], element_size=q.element_size(),
+            head_dim=q.shape[3], element_size=q.element_size(), value_dim=v.shape[3],
         )  # fmt: skip
     new = (k, v, q_positions, new_lengths)
     with torch.no_grad():

@@ -161,13 +161,18 @@ def measure(case: WindowCase, ctx: Context) -> Row:
     with comm_stats() as dense_bytes:
         dense()
     timings = time_side_by_side({"ours": ours, "baseline": dense}, ctx)
+    detail = f"ring steps {steps} of {ctx.world_size - 1}; {accuracy.detail}"
+    return _row(ctx, case, timings, accuracy, volume, dense_bytes.bytes_sent, detail)
+
+
+def _row(ctx: Context, case: AttentionCase, timings, accuracy: Accuracy, volume, baseline_bytes: int, detail: str):
+    """The Row of a case timed ours against the baseline, checked, its bytes measured."""
     return timed_row(
         ctx, timings,
         bench=case.bench, case=case.label(ctx.world_size), shape=case.shape(ctx.world_size),
         dtype=short_dtype(case.dtype), check=accuracy.check, layout=case.layout, error_vs_plain=accuracy.vs_plain,
         bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory, volume_at_theory=volume.at_theory,
-        bytes_sent_baseline=dense_bytes.bytes_sent,
-        detail=f"ring steps {steps} of {ctx.world_size - 1}; {accuracy.detail}",
+        bytes_sent_baseline=baseline_bytes, detail=detail,
     )  # fmt: skip
 
 
@@ -209,13 +214,8 @@ def measure_mla(case: MlaCase, ctx: Context) -> Row:
     with comm_stats() as padded_bytes:
         padded()
     timings = time_side_by_side({"ours": ours, "baseline": padded}, ctx)
-    return timed_row(
-        ctx, timings,
-        bench=case.bench, case=case.label(ctx.world_size), shape=case.shape(ctx.world_size),
-        dtype=short_dtype(case.dtype), check=accuracy.check, layout=case.layout, error_vs_plain=accuracy.vs_plain,
-        bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory, volume_at_theory=volume.at_theory,
-        bytes_sent_baseline=padded_bytes.bytes_sent, detail=f"v zero-padded to D in the baseline; {accuracy.detail}",
-    )  # fmt: skip
+    detail = f"v zero-padded to D in the baseline; {accuracy.detail}"
+    return _row(ctx, case, timings, accuracy, volume, padded_bytes.bytes_sent, detail)
 
 
 def run(ctx: Context) -> list[Row]:

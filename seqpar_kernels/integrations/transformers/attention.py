@@ -290,11 +290,31 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
                                 cache_lengths=step.cache_lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
     # The cache keeps the keys as rotary embeddings left them (fp32 under autocast): in q's dtype, as the chunk's.
-    stored_keys, stored_values = _autocast(*cache.layers[module.layer_idx].gathered(step.index))
+    stored_keys, stored_values = _autocast(*_stored_keys_and_values(describe, module, cache, step, k, v))
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
                              cache_positions=step.cache_positions, cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,
                              cache_seq_lens=step.cache_seq_lens, **variants, **settings.group_kwargs())  # fmt: skip
+
+
+def _stored_keys_and_values(describe, module, cache, step, k, v):
+    """The cached keys and values of this rank's shard (batch, width, H_kv, D) and (...,
+    Dv) as the attention reads them. Multi-head latent attention layers (DeepSeek-V3 and
+    its kin: an expand_kv method) cache the compressed latents (kv_nope, k_rot), each
+    (batch, width, 1, rank): expanded by the layer's own expand_kv, as its forward does
+    for the chunk. What still differs from the chunk's k (B, C, H_kv, D), v (..., Dv)
+    raises, naming the layer."""
+    stored = cache.layers[module.layer_idx].gathered(step.index)
+    if hasattr(module, "expand_kv"):
+        stored = tuple(x.transpose(1, 2) for x in module.expand_kv(*(x.transpose(1, 2) for x in stored)))
+    for name, cached, new in zip(("keys", "values"), stored, (k, v)):
+        if cached.shape[2:] != new.shape[2:]:
+            raise ValueError(
+                f"{describe}: layer {module.layer_idx} ({type(module).__name__}) caches {name} of (heads, head dim) "
+                f"{tuple(cached.shape[2:])} where its attention reads {tuple(new.shape[2:])}: a cache of something "
+                "other than its keys and values, which a next turn over a sharded cache cannot read"
+            )
+    return stored
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):

@@ -1,4 +1,5 @@
-"""Inkling 2 (transformers' inkling2 text models) under sequence parallelism.
+"""Inkling 2 (transformers' inkling2 and inkling2_loop text models) under sequence
+parallelism.
 
 Its decoder layers ("hybrid_sliding" and "hybrid" layer types) mix the sequence in four
 places, each served here or by the package's mixers:
@@ -13,13 +14,13 @@ places, each served here or by the package's mixers:
                        dynamic ones (per-token taps) get their windows from
                        causal_conv1d (the previous rank's last kernel - 1 inputs)
     post convs         static short convolutions: mixers.py
-The block attention residuals (Inkling2BlockAttentionResidual) call the attention
-interface over the layers' outputs of each token, not over the sequence: they run
-transformers' eager attention on this rank's tokens.
+The block attention residuals (Inkling2BlockAttentionResidual) and the looped variant's
+message residuals call the attention interface over the layers' outputs of each token,
+not over the sequence: they run transformers' eager attention on this rank's tokens.
 
-What is not served raises at apply(): the ring and USP modes, the looped variant
-(inkling2_loop: its loop passes are not checked here); and at the call: a KV cache,
-packed documents (a varlen plan), a batch without shard_batch's sequence_shard.
+What is not served raises at apply(): the ring and USP modes, tensor parallelism; and at
+the call: a KV cache, packed documents (a varlen plan), a batch without shard_batch's
+sequence_shard.
 """
 
 from __future__ import annotations
@@ -37,12 +38,8 @@ from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["DistanceBias", "install", "attention", "serves", "MODEL_TYPES", "LAYER_TYPES"]
 
-# The configs served, and those refused at apply() with the reason.
-MODEL_TYPES = ("inkling2", "inkling2_text")
-REFUSED_MODEL_TYPES = {
-    "inkling2_loop": "its looped layers and message gates are not checked against transformers' run",
-    "inkling2_loop_text": "its looped layers and message gates are not checked against transformers' run",
-}
+# The configs served: Inkling 2 and its looped variant (the same layers, run again with messages).
+MODEL_TYPES = ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
 # The role apply() records on each module whose attention-interface calls this module serves.
 ROLE_ATTRIBUTE = "seqpar_inkling_role"
@@ -64,9 +61,9 @@ def _config_of(model):
 
 
 def serves(model) -> bool:
-    """Whether the model is an Inkling 2 model (served or refused here)."""
+    """Whether the model is an Inkling 2 model (install() serves it or raises)."""
     types = {getattr(model.config, "model_type", None), getattr(_config_of(model), "model_type", None)}
-    return bool(types & (set(MODEL_TYPES) | set(REFUSED_MODEL_TYPES)))
+    return bool(types & set(MODEL_TYPES))
 
 
 def install(model, settings: SequenceParallelism) -> tuple[str, ...]:
@@ -74,10 +71,6 @@ def install(model, settings: SequenceParallelism) -> tuple[str, ...]:
     else replaces the relative bias and dynamic convolutions' forwards and marks the
     attention and residual modules. Returns the layer types served (LAYER_TYPES)."""
     name = type(model).__name__
-    model_type = getattr(_config_of(model), "model_type", None)
-    if model_type in REFUSED_MODEL_TYPES:
-        raise ValueError(f"apply: {name} ({model_type}) is not served sequence-parallel: "
-                         f"{REFUSED_MODEL_TYPES[model_type]}")  # fmt: skip
     if settings.mode != "ulysses":
         raise ValueError(
             f"apply: {name}'s attention layers ({', '.join(LAYER_TYPES)}) add a per-query relative position bias "
@@ -94,7 +87,7 @@ def install(model, settings: SequenceParallelism) -> tuple[str, ...]:
             module.forward = functools.partial(_dynamic_convolution, module, settings)
         elif kind.endswith(("SlidingAttention", "FullAttention")):
             setattr(module, ROLE_ATTRIBUTE, "sequence")
-        elif kind.endswith("BlockAttentionResidual"):
+        elif kind.endswith(("BlockAttentionResidual", "MessageAttentionResidual")):
             setattr(module, ROLE_ATTRIBUTE, "layers")
     return LAYER_TYPES
 

@@ -31,6 +31,7 @@ import sys
 
 import torch
 
+from seqpar_kernels.integrations.transformers.generation import running_step
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard
@@ -164,6 +165,9 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, None, scaling=scaling, dropout=dropout)[0]
     bias, sinks = kwargs.get("position_bias"), kwargs.get("sinks")
+    if running_step() is not None:
+        raise ValueError(f"{describe}: generate over a sharded cache is not served for Inkling 2 (its convolution "
+                         "states and per-query bias); generate from the model in one process")  # fmt: skip
     if dropout and module.training:
         raise ValueError(f"{describe}: attention dropout {dropout} while training is not supported")
     if not isinstance(bias, DistanceBias):

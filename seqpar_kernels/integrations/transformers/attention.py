@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.integrations.transformers import inkling
 from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.generation import install as install_generation
 from seqpar_kernels.integrations.transformers.generation import running_step
@@ -218,6 +219,8 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
     settings = _settings_of(module, mode)
     mask = _layer_mask(describe, module, attention_mask, kwargs)
+    if getattr(module, inkling.ROLE_ATTRIBUTE, None) is not None:  # Inkling 2's bias, sinks and residuals
+        return inkling.attention(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings), None
     cache = running_step()
     if cache is not None and _scales_queries_by_row(module) and (cache.real_lengths.shape[0] > 1
                                                                   or cache.step.kind == "chunk"):  # fmt: skip
@@ -375,6 +378,8 @@ def apply(
         images and videos of shard_batch(..., model=model) (vision.install). Or PEFT's
         PeftModel of one, before or after get_peft_model: the model under it switches,
         adapters and all (adapters.transformers_model; prompt learning raises).
+        Inkling 2 and Inkling 2 Loop run in mode "ulysses" only (inkling.install raises
+        for the others, naming why).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
@@ -418,6 +423,8 @@ def apply(
     language = model if vision_language is None else vision_language.language_model
     mixers = _check_layers(model)
     router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
+    if inkling.serves(model):  # raises for what it cannot run, before anything changes
+        inkling.install(model, settings)
     if settings.tensor_size > 1:
         if vision_language is not None or mixers:
             raise ValueError(

@@ -5,8 +5,8 @@ against transformers' own single-process run (its torch fallbacks: loss and ever
 parameter's gradient, fp32), Ulysses, the ring balanced and USP, packed documents against
 each document run alone (the state restarts at every document).
 
-Kimi Linear and BailingHybrid are configured with delta-attention layers only: their
-full-attention layers are multi-head latent attention, tested on its own. The parity
+Kimi Linear and BailingHybrid each have a delta-attention layer and a full-attention
+layer of multi-head latent attention (v of another head size than q and k). The parity
 harness is tests/test_transformers_integration.py's (run_parity_cases)."""
 
 from __future__ import annotations
@@ -22,17 +22,30 @@ from on_ranks import on_every_rank  # noqa: E402
 
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)  # fmt: skip
+# Their full-attention layers: multi-head latent attention (k and v for every q head), q/k
+# of 16 + 8 rotary dims (head_dim: the rotary size), v of 12.
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    v_head_dim=12,
+)
 # (config class, model class, what the tiny config sets): one delta-attention layer of 4
 # heads of 16 with a convolution of kernel 3 (Kimi Linear's with a MoE, BailingHybrid's
 # with a dense MLP); MiniMax's lightning layer in blocks of 8 tokens beside a softmax
 # attention layer, MoE.
 LINEAR_FAMILIES = {
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
-                    dict(num_hidden_layers=1, layer_types=["linear_attention"], linear_head_dim=16, linear_num_heads=4,
-                         linear_conv_kernel_dim=3, mlp_layer_types=["sparse"], **_MOE)),
+                    dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_head_dim=16,
+                         linear_num_heads=4, linear_conv_kernel_dim=3, mlp_layer_types=["sparse", "sparse"], **_MLA,
+                         **_MOE)),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
-                       dict(num_hidden_layers=1, layer_types=["linear_attention"], short_conv_kernel_size=3,
-                            first_k_dense_replace=1, n_group=1, topk_group=1, num_mtp_layers=0, **_MOE)),
+                       dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            short_conv_kernel_size=3, first_k_dense_replace=2, n_group=1, topk_group=1,
+                            num_mtp_layers=0, **_MLA, **_MOE)),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
                 dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=8,
                      num_local_experts=4, num_experts_per_tok=2)),

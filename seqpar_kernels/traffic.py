@@ -5,6 +5,8 @@ formulas of what each collective sends, the one place they are written.
     reshard_bytes              all_to_all_reshard (DSP's switch)
     gather_bytes               gather_sequence
     usp_gather_bytes           usp_gather: over the Ulysses group, then the ring
+    sparse_gradient_bytes      a gather's backward that sums every rank's gradient of its rows
+    sparse_attention_bytes     sparse_attention (indexer-sparse, DSA), forward and backward (CallBytes)
     ulysses_bytes              ulysses_attention, forward and backward (CallBytes)
     kv_heads_read              the kv heads each rank's q heads read, which Ulysses sends
     ring_bytes                 ring_attention, forward and backward (CallBytes)
@@ -131,6 +133,28 @@ def usp_gather_bytes(
     row = _slot_pieces(seq_lens, ring_index, ulysses_size)
     slots = _slot_lengths(seq_lens, ulysses_size)
     return gather_bytes(row, ulysses_index, row_bytes) + gather_bytes(slots, ring_index, row_bytes)
+
+
+def sparse_gradient_bytes(seq_lens: Sequence[int], rank: int, row_bytes: int) -> int:
+    """Bytes `rank` sends in the backward of a gather whose every rank used every row
+    (sparse_attention's K and V): each other rank's rows of its gradient, summed there.
+        (T - seq_lens[rank]) x row_bytes"""
+    return (sum(seq_lens) - seq_lens[rank]) * row_bytes
+
+
+def sparse_attention_bytes(
+    seq_lens: Sequence[int], rank: int, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+    element_size: int,
+) -> CallBytes:  # fmt: skip
+    """Bytes sparse_attention sends from `rank`: its K and V rows to every other rank,
+    and in the backward every other rank's rows of dK and dV.
+        forward   (P-1) x S_r x B x H_kv x (D + Dv) x element size
+        backward  (T - S_r) x B x H_kv x (D + Dv) x element size
+    Independent of topk: every row is gathered, chosen or not. indexer_topk adds
+    gather_bytes(seq_lens, rank, B x D_i x element size) for its keys, and
+    sparse_placement gather_bytes(seq_lens, rank, 8) for the rows (once per placement)."""
+    row_bytes = batch * kv_heads * (head_dim + value_dim) * element_size
+    return CallBytes(gather_bytes(seq_lens, rank, row_bytes), sparse_gradient_bytes(seq_lens, rank, row_bytes))
 
 
 def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[frozenset[int]]:

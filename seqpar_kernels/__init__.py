@@ -10,6 +10,8 @@ Public API:
                                                             Mamba2's SSD and Mamba's selective scan)
     gated_delta_rule                                       (Gated DeltaNet's mixer over the sharded
                                                             sequence, its state passed across ranks)
+    sparse_placement, indexer_topk, sparse_attention       (indexer-sparse attention, DSA: the top-k
+                                                            keys of every rank, then attention over them)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     sequence_parallel_logprobs                             (each token's log-probability and entropy,
@@ -43,6 +45,7 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.sparse import indexer_topk, sparse_attention, sparse_placement
 from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
 from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
 from seqpar_kernels.parallel.ulysses import ulysses_attention
@@ -68,6 +71,9 @@ __all__ = [
     "ssd_scan",
     "selective_scan",
     "gated_delta_rule",
+    "sparse_placement",
+    "indexer_topk",
+    "sparse_attention",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
     "sequence_parallel_logprobs",

@@ -7,6 +7,7 @@ against transformers' single-process model, and the refusals."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from on_ranks import on_every_rank, raises, rank_and_world, timeout_group
@@ -115,3 +116,77 @@ def test_bad_input_raises_on_every_rank():
     from conftest import pool_for
 
     assert pool_for(2).run(run_bad_inputs) == [[None], [None]]
+
+
+# DeepSeek-V3.2 and GLM-5 (its second layer reusing the first's indices), tiny: MLA with
+# Dv != D, 2 indexer heads (ties), top-5 of 37 tokens; settings for the parity runner.
+_DSA = dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=8, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, index_n_heads=2, index_head_dim=16,
+            index_topk=5, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1,
+            topk_group=1, first_k_dense_replace=1)  # fmt: skip
+DSA_FAMILIES = {
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", _DSA),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(_DSA, indexer_types=["full", "shared"])),
+}
+
+
+def _model_case(family: str, mode: str, layout: str, batch: str) -> dict:
+    return dict(id=f"{family}-{mode}-{layout}-{batch}", mode=mode, layout=layout, batch=batch, family=family,
+                family_spec=DSA_FAMILIES[family])  # fmt: skip
+
+
+def _tiny(config_class: str, model_class: str, **settings):
+    import transformers
+
+    sizes = dict(vocab_size=96, pad_token_id=0, hidden_size=32, intermediate_size=32, num_attention_heads=2)
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**sizes, **settings}))
+
+
+@on_every_rank
+def run_usp_refusal():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    _, world = rank_and_world()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    model = _tiny(*DSA_FAMILIES["deepseek_v32"][:2], **dict(_DSA, num_key_value_heads=2))
+    return [raises(lambda: sp_transformers.apply(model, "usp", mesh=mesh), r"modes 'ulysses' and 'ring'.*usp")]
+
+
+def test_compressed_sparse_attention_is_refused():
+    """DeepSeek-V4 and GLM-5-next: apply raises, naming what the package lacks."""
+    modeling_glm5_next = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    v4 = _tiny("DeepseekV4Config", "DeepseekV4ForCausalLM", num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
+               q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
+    with pytest.raises(ValueError, match="deepseek_v4.*no sequence-parallel compressor"):
+        sp_transformers.apply(v4, "ring")
+    config = modeling_glm5_next.Glm5NextTextConfig(
+        vocab_size=96, pad_token_id=0, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_hidden_layers=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=0,
+        qk_nope_head_dim=16, v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        index_head_dim=16, index_n_heads=2)  # fmt: skip
+    with pytest.raises(ValueError, match="glm5_next.*pooled key blocks"):
+        sp_transformers.apply(modeling_glm5_next.Glm5NextTextModel(config), "ring")
+
+
+def test_dsa_models_match_transformers():
+    """Loss and every gradient (fp32) of DeepSeek-V3.2 and GLM-5 through apply +
+    shard_batch + causal_lm_loss on 2 and 3 ranks, against transformers' model in one
+    process (eager); Ulysses and ring, contiguous and balanced, dense and packed."""
+    from conftest import pool_for
+
+    pytest.importorskip("transformers.models.glm_moe_dsa")
+    from test_transformers_integration import run_parity_cases
+
+    cases = {2: [_model_case("deepseek_v32", "ulysses", "contiguous", "dense"),
+                 _model_case("glm_moe_dsa", "ring", "balanced", "packed")],
+             3: [_model_case("deepseek_v32", "ring", "balanced", "packed"),
+                 _model_case("glm_moe_dsa", "ulysses", "contiguous", "dense")]}  # fmt: skip
+    failures = [failure for world, runs in cases.items() for row in pool_for(world).run(run_parity_cases, runs)
+                for failure in row]  # fmt: skip
+    failures += [failure for row in pool_for(2).run(run_usp_refusal) for failure in row if failure]
+    assert not failures, "\n".join(failures)

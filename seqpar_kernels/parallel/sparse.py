@@ -66,6 +66,11 @@ class SparsePlacement:
         """Whether each query row may see each key row (broadcast): causal, within its document."""
         return (key_rows <= query_rows) & (self.document[key_rows] == self.document[query_rows])
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (B, S_local, ...) as (B, T, ...) in global order. Backward: every
+        rank's gradient of this rank's rows, summed. Bytes: traffic.gather_bytes."""
+        return _gather(x, self)[:, self.slot_of_row]
+
     def allowed(self) -> torch.Tensor:
         """(S_local, T) bool: the keys of the whole sequence each of this rank's queries may see."""
         return self.allows(self.rows[:, None], torch.arange(self.total, device=self.rows.device)[None])
@@ -214,7 +219,7 @@ def indexer_topk(
                                    placement_options, local_checks, agreed)  # fmt: skip
     head_dim = index_q.shape[-1]
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    keys = _gather(index_k, placement)[:, placement.slot_of_row]  # (B, T, D_i) in global order
+    keys = placement.gather(index_k)  # (B, T, D_i)
     scores = torch.relu(torch.matmul(index_q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * scale)
     index_scores = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # (B, S_local, T)
     index_scores = index_scores.masked_fill(~placement.allowed(), float("-inf"))

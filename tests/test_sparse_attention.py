@@ -85,8 +85,18 @@ def run_sparse_cases(layout: str, documents: bool):
             assert_within_rule(got, piece(want), piece(yardstick), torch.float32, f"rank {rank} {name}")
         except AssertionError as error:
             failures.append(str(error))
-    expected_bytes = traffic.sparse_attention_bytes(placement.sizes, rank, batch=B, kv_heads=H_KV, head_dim=D,
-                                                    value_dim=DV, element_size=4).sent(with_backward=True)  # fmt: skip
+    # Every rank's distinct kept rows, by the rank that holds them: what each asks of each.
+    holder = torch.bucketize(placement.slot_of_row, torch.tensor(placement.sizes).cumsum(0), right=True)
+    asked = []
+    for asking in range(world):
+        if layout == "zigzag":
+            queries = zigzag_piece(torch.arange(S)[None], asking, world)[0]
+        else:
+            queries = contiguous_piece(torch.arange(S)[None], even_lengths(S, world), asking)[0]
+        needed = keep[:, queries].any(0).any(0)  # (S,): the global rows its queries keep
+        asked.append(torch.bincount(holder[needed], minlength=world).tolist())
+    expected_bytes = traffic.sparse_attention_bytes(asked, rank, batch=B, kv_heads=H_KV, head_dim=D, value_dim=DV,
+                                                    element_size=4).sent(with_backward=True)  # fmt: skip
     if stats.bytes_sent != expected_bytes:
         failures.append(f"rank {rank}: sent {stats.bytes_sent} bytes, the formula says {expected_bytes}")
     return failures

@@ -10,10 +10,10 @@ highest; under sequence parallelism those keys live on any rank. indexer_topk ga
 every rank's indexer keys (one key of index_head_dim per token: small), scores all of
 them in global order for this rank's queries and takes torch.topk over each full row, as
 the model does in one process, so that the indices (ties included) are the model's.
-sparse_attention gathers every rank's K and V rows (an all-gather whose backward sums
-every rank's share of dK, dV back to the rank holding the row) and attends each query to
-its chosen rows; the value head size may differ from q/k's (MLA). Bytes:
-traffic.sparse_attention_bytes.
+sparse_attention fetches the distinct K and V rows this rank's queries keep from the
+ranks holding them (all-to-alls: the counts, the positions, the rows; the backward sends
+their dK, dV back, summed into the holder's) and attends each query to its chosen rows;
+the value head size may differ from q/k's (MLA). Bytes: traffic.sparse_attention_bytes.
 
 The indices are not differentiable (the models' indexers run under no_grad; an indexer
 trained by a KL loss against the attention's scores, DeepSeek's warm-up stage, is the
@@ -156,6 +156,70 @@ def _gather(x: torch.Tensor, placement: SparsePlacement) -> torch.Tensor:
     return _GatherRows.apply(x, placement.group, placement.sizes)
 
 
+@dataclass(frozen=True)
+class _FetchPlan:
+    """Which rows this rank asks of each rank (asked: its counts, in rank order) and
+    which of its own rows each rank asks of it (served: local positions, grouped by the
+    asking rank; serving: their counts)."""
+
+    group: GroupInfo
+    asked: list[int]
+    serving: list[int]
+    served: torch.Tensor
+
+
+def _fetch_plan(placement: SparsePlacement, needed: torch.Tensor) -> _FetchPlan:
+    """needed: (N,) sorted distinct rank-order slots this rank reads. Two all-to-alls:
+    the counts, then the rows' local positions on their ranks."""
+    group, sizes = placement.group, placement.sizes
+    starts = torch.tensor([0, *sizes], device=needed.device).cumsum(0)
+    owner = torch.bucketize(needed, starts[1:], right=True)
+    asked = torch.bincount(owner, minlength=group.world_size)
+    local = needed - starts[owner]
+    if group.world_size == 1:
+        return _FetchPlan(group, asked.tolist(), asked.tolist(), local)
+    serving = torch.empty_like(asked)
+    dist.all_to_all_single(serving, asked, group=group.process_group())
+    asked_list, serving_list = asked.tolist(), serving.tolist()
+    served = local.new_empty(sum(serving_list))
+    dist.all_to_all_single(served, local, serving_list, asked_list, group=group.process_group())
+    own = asked_list[group.rank]
+    record_sent(8 * (group.world_size - 1) + 8 * (len(needed) - own))
+    return _FetchPlan(group, asked_list, serving_list, served)
+
+
+def _exchange(rows: torch.Tensor, plan: _FetchPlan, out_counts, in_counts, row_bytes: int) -> torch.Tensor:
+    """(sum(in_counts), ...) rows -> (sum(out_counts), ...), grouped by rank both ways."""
+    if plan.group.world_size == 1:
+        return rows
+    received = rows.new_empty((sum(out_counts), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), out_counts, in_counts, group=plan.group.process_group())
+    record_sent((sum(in_counts) - in_counts[plan.group.rank]) * row_bytes)
+    return received
+
+
+class _FetchRows(torch.autograd.Function):
+    """x (B, S_local, ...) -> (B, N, ...): the rows the plan asks for, from the ranks
+    holding them. Backward: their gradients sent back and summed into each holder's."""
+
+    @staticmethod
+    def forward(ctx, x, plan: _FetchPlan):
+        ctx.plan, ctx.shape = plan, x.shape
+        rows = x[:, plan.served].transpose(0, 1)  # (served, B, ...): what the other ranks asked of this one
+        row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+        return _exchange(rows, plan, plan.asked, plan.serving, row_bytes).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        rows = grad.transpose(0, 1)
+        row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+        returned = _exchange(rows, plan, plan.serving, plan.asked, row_bytes)
+        grad_x = grad.new_zeros(ctx.shape)
+        grad_x.index_add_(1, plan.served, returned.transpose(0, 1))
+        return grad_x, None
+
+
 def _checked_placement(describe, local_len, device, placement, options, local_checks, agreed) -> SparsePlacement:
     """Runs local_checks() so that a bad input on any rank raises on every rank (one
     small all-gather, which also finds every rank's length), then the placement."""
@@ -245,7 +309,7 @@ def sparse_attention(
     Returns (B, S_local, H, Dv) in q's dtype: softmax(softmax_scale q . k_j) over the
     chosen j, computed in fp32 (fp64 for fp64 inputs); softmax_scale defaults to D**-0.5.
     Differentiable in q, k, v. placement, or sparse_placement's keywords. Bytes:
-    traffic.sparse_attention_bytes (the K and V rows gathered; dK, dV sent back)."""
+    traffic.sparse_attention_bytes (only the rows kept travel; dK, dV go back)."""
     describe = "sparse_attention"
 
     def local_checks():
@@ -278,12 +342,17 @@ def sparse_attention(
     if not bool(keep.any(-1).all()):
         raise ValueError(f"{describe}: some query keeps none of its indices {tuple(indices.shape)} (each must "
                          "choose one key it may see: causal, in its document)")  # fmt: skip
-    total, groups = placement.total, heads // kv_heads
+    groups = heads // kv_heads
     dtype = torch.promote_types(q.dtype, torch.float32)
-    # One gather of each chosen row: (B * S_local * K,) places in the rank-order K and V.
-    flat = (placement.slot_of_row[chosen] + torch.arange(batch, device=q.device).view(-1, 1, 1) * total).flatten()
-    chosen_k = _gather(k, placement).reshape(batch * total, kv_heads, head_dim)[flat]
-    chosen_v = _gather(v, placement).reshape(batch * total, kv_heads, v.shape[-1])[flat]
+    # Only the rows some query here keeps travel, each once (for every batch row).
+    slots = placement.slot_of_row[chosen]
+    needed = torch.unique(slots[keep])
+    plan = _fetch_plan(placement, needed)
+    fetched = len(needed)
+    place = torch.searchsorted(needed, slots).clamp(max=max(fetched - 1, 0))
+    flat = (place + torch.arange(batch, device=q.device).view(-1, 1, 1) * fetched).flatten()
+    chosen_k = _FetchRows.apply(k, plan).reshape(batch * fetched, kv_heads, head_dim)[flat]
+    chosen_v = _FetchRows.apply(v, plan).reshape(batch * fetched, kv_heads, v.shape[-1])[flat]
     shape = (batch, local_len, chosen.shape[-1], kv_heads)
     scores = torch.einsum("bshgd,bskhd->bshgk", q.reshape(batch, local_len, kv_heads, groups, head_dim).to(dtype),
                           chosen_k.view(*shape, head_dim).to(dtype)) * scale  # fmt: skip

@@ -164,11 +164,20 @@ def run_usp_refusal():
     return [raises(lambda: sp_transformers.apply(model, "usp", mesh=mesh), r"modes 'ulysses' and 'ring'.*usp")]
 
 
-def test_compressed_sparse_attention_is_refused():
-    """DeepSeek-V4 and GLM-5-next: apply raises, naming what the package lacks."""
+def test_what_dsa_layers_cannot_run_raises():
+    """In one process: packed position ids without shard_batch's batch, and a KV cache,
+    raise in the forward; DeepSeek-V4 and GLM-5-next at apply, naming what is missing."""
     modeling_glm5_next = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 
     import seqpar_kernels.integrations.transformers as sp_transformers
+
+    model = _tiny(*DSA_FAMILIES["deepseek_v32"][:2], **dict(_DSA, num_key_value_heads=2))
+    sp_transformers.apply(model, "ring")
+    ids = torch.zeros(1, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match="not every rank's global positions"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]]), use_cache=False)
+    with pytest.raises(ValueError, match="KV cache"):
+        model(input_ids=ids, position_ids=torch.arange(9)[None], use_cache=True)
 
     v4 = _tiny("DeepseekV4Config", "DeepseekV4ForCausalLM", num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
                q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip

@@ -127,11 +127,18 @@ def _enter_layer(module, args, kwargs):
     if shard is None and position_ids is None:
         raise ValueError(f"{describe}: pass position_ids or shard_batch's batch (where this rank's tokens sit)")
     varlen = shard.varlen if shard is not None else None
-    placement = sparse_placement(hidden.shape[1], group=settings.groups()[0],
-                                 rows=global_rows(shard, position_ids, hidden.device),
-                                 seq_lens=None if shard is None else list(shard.seq_lens),
-                                 cu_seqlens=None if varlen is None else list(varlen.layout.cu_seqlens),
-                                 device=hidden.device)  # fmt: skip
+    try:
+        placement = sparse_placement(hidden.shape[1], group=settings.groups()[0],
+                                     rows=global_rows(shard, position_ids, hidden.device),
+                                     seq_lens=None if shard is None else list(shard.seq_lens),
+                                     cu_seqlens=None if varlen is None else list(varlen.layout.cu_seqlens),
+                                     device=hidden.device)  # fmt: skip
+    except ValueError as error:  # raised on every rank alike: the ranks' rows are gathered first
+        if shard is not None:
+            raise
+        raise ValueError(f"{describe}: position_ids {tuple(position_ids.shape)} are not every rank's global "
+                         "positions (counted from 0 on every rank, or packed documents): pass the model the batch "
+                         f"made by shard_batch ({error})") from error  # fmt: skip
     kwargs["attention_mask"] = IndexedMask(mask, placement, hidden.shape[0])
     if module.indexer is not None:
         module.indexer.seqpar_placement = placement

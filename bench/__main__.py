@@ -37,9 +37,11 @@ under --out.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from bench.launch import Options, launch
+from bench.plan import DEFAULT_BUDGET_S
 from bench.suite import BENCHES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -64,12 +66,19 @@ def parse_options(argv: list[str] | None = None) -> Options:
         action="store_true",
         help="the default sizes, 10 to 30 timed rounds a case, the dk/dv tiles of the sweep (the short GPU check)",
     )
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help=f"the run's time budget: timed rounds sized to end within it (default: "
+                             f"{DEFAULT_BUDGET_S:.0f} for the default sizes, none for --quick and --full; "
+                             f"0: none)")  # fmt: skip
     parser.add_argument("--only", choices=list(BENCHES), action="append", default=None,
                         help="run only this benchmark (repeatable; default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default: {DEFAULT_OUT})")  # fmt: skip
     args = parser.parse_args(argv)
+    budget = args.budget if args.budget is not None else (None if args.quick or args.full else DEFAULT_BUDGET_S)
     return Options(
+        budget_s=budget or None,  # 0: none
+        started=time.monotonic(),
         world_size=args.world_size,
         backend=args.backend,
         quick=args.quick,

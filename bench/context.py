@@ -8,7 +8,7 @@ import gc
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,13 @@ import torch.distributed as dist
 from bench import hardware
 from bench.plan import size_name
 from bench.rows import Row
+
+
+@dataclass
+class RoundsClock:
+    """Seconds this rank spent in timed rounds (what the budget's repeats sizing changes)."""
+
+    seconds: float = 0.0
 
 
 @dataclass
@@ -39,6 +46,10 @@ class Context:
     short: bool = False
     # Takes entries for the run's JSON (bench/suite.py: written at once; rank 0's count).
     record_metadata: Callable[[dict], None] | None = None
+    # Of the timed rounds (bench/budget.py: the budget's sizing; bench/timing.py applies it).
+    repeat_scale: float = 1.0
+    # The seconds spent in timed rounds, shared by the copies families make (dataclasses.replace).
+    rounds_clock: RoundsClock = field(default_factory=RoundsClock)
 
     @property
     def size(self) -> str:

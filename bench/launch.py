@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from bench import hardware
-from bench.context import Context
+from bench.budget import Budget, Calibration, calibrate
+from bench.context import Context, machine_threads
 from bench.plan import RunPlan, size_name
 from bench.suite import BENCHES, run_suite
 
@@ -47,6 +48,8 @@ class Options:
     full: bool = False  # the suite's largest sizes (bench/plan.py); neither: the default sizes
     plan_only: bool = False  # print the plan (sizes, estimates) and run nothing
     short: bool = False  # the default sizes with SHORT_REPETITIONS, the dk/dv tiles of the sweep (the GPU check)
+    budget_s: float | None = None  # seconds the run may take (bench/budget.py); None: none
+    started: float | None = None  # time.monotonic() at the command's start (the budget counts from it)
 
     @property
     def size(self) -> str:
@@ -112,7 +115,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
         **(QUICK_REPETITIONS if options.quick else SHORT_REPETITIONS if options.short else REPETITIONS),
     )  # fmt: skip
     try:
-        run_suite(ctx, list(options.only), options.out)
+        run_suite(ctx, list(options.only), options.out, options.budget_s, options.started)
     finally:
         dist.destroy_process_group()
 
@@ -124,9 +127,7 @@ def _started_rank(rank: int, world_size: int, init_method: str, options: Options
 def launch(options: Options) -> None:
     check_options(options)
     if options.plan_only:
-        plan = RunPlan({name: BENCHES[name] for name in options.only}, options.size,
-                       on_gpu=options.resolved_backend() == "nccl")  # fmt: skip
-        print("\n".join(plan.lines(options.resolved_world_size(), options.resolved_backend())), flush=True)
+        print("\n".join(plan_lines(options)), flush=True)
         return
     if under_torchrun():
         run_rank(
@@ -148,6 +149,21 @@ def launch(options: Options) -> None:
             )  # fmt: skip
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def plan_lines(options: Options) -> list[str]:
+    """The plan of the run `options` describe, calibrated in this one process: the compute
+    probe with a rank's threads, times the ranks per core beyond one (no round trip)."""
+    world_size, backend = options.resolved_world_size(), options.resolved_backend()
+    plan = RunPlan({name: BENCHES[name] for name in options.only}, options.size, on_gpu=backend == "nccl")
+    calibration = None
+    if backend != "nccl":  # the probes time CPU work
+        torch.set_num_threads(threads_per_rank(world_size))
+        alone = calibrate(1, lambda: None, lambda values: values)
+        crowding = max(1.0, world_size * torch.get_num_threads() / machine_threads())
+        calibration = Calibration(alone.compute_s * crowding, 0.0)
+    budget = Budget(plan, calibration, options.budget_s)
+    return budget.plan_lines(world_size, backend, machine_threads())
 
 
 def start_method(options: Options) -> str:

@@ -4,7 +4,7 @@ printed as the run goes.
 
     --quick   tiny shapes, few rounds: shows that everything runs (seconds a family)
     default   every family at representative sizes: every number, check and target of the
-              suite, within DEFAULT_BUDGET_S on the reference machine
+              suite, within DEFAULT_BUDGET_S (bench/budget.py sizes its timed rounds to fit)
     --full    the suite's largest sizes (minutes a family on a CPU)
 
 A family module declares its sizes as a module-level SIZES = Sizes(quick=Size(...),
@@ -32,8 +32,10 @@ SIZE_NAMES = ("quick", "default", "full")
 # gloo ranks.
 REFERENCE_CORES, REFERENCE_WORLD_SIZE = 2, 4
 REFERENCE = f"{REFERENCE_WORLD_SIZE} gloo ranks on {REFERENCE_CORES} cores"
-# The default run's whole budget on the reference machine.
-DEFAULT_BUDGET_S = 600.0
+# The default run's budget (python -m bench, bench/budget.py): with scripts/setup.sh
+# already set up (12 s on the reference machine), setup and bench end inside 10 minutes on
+# a 2-core machine like CI's, with a margin for the interpreter's start and a busier machine.
+DEFAULT_BUDGET_S = 540.0
 
 
 def size_name(quick: bool, full: bool) -> str:
@@ -115,6 +117,9 @@ class RunPlan:
     runs_with: dict[str, str] = field(init=False)  # a family whose modules all ran before -> where
     estimates: dict[str, float | None] = field(init=False)
     elapsed: dict[str, float] = field(default_factory=dict)  # finished family -> seconds
+    # This machine's seconds per reference second (bench/budget.py calibrates it): the
+    # other sizes' totals in the heading are scaled by it.
+    factor: float = 1.0
     _started: float = field(default_factory=time.perf_counter)
     _family_started: float = 0.0
 
@@ -145,8 +150,9 @@ class RunPlan:
         else:
             others = "; ".join(f"{flags[size]}: about {self._total_text(size)}"
                                for size in SIZE_NAMES if size != self.size)  # fmt: skip
-            lines = [f"plan: {self.size} sizes, about {self._total_text(self.size)} in all ({others}; "
-                     f"{machine_note(world_size, backend, self.on_gpu)})"]  # fmt: skip
+            note = machine_note(world_size, backend, self.on_gpu) if self.factor == 1.0 else "calibrated"
+            lines = [f"plan: {self.size} sizes, about {self._total_text(self.size, self.estimates)} for the "
+                     f"families ({others}; {note})"]  # fmt: skip
         width = max(len(name) for name in self.families)
         for name, own in self.own.items():
             if name in self.runs_with:
@@ -157,9 +163,12 @@ class RunPlan:
             lines.append(f"  {name:<{width}}  {duration(self.estimates[name]):>10}  {runs or '(no sizes declared)'}")
         return lines
 
-    def _total_text(self, size: str) -> str:
-        """The families' estimates at `size`, summed, naming those without one."""
-        estimates = self._estimates(size)
+    def _total_text(self, size: str, estimates: dict[str, float | None] | None = None) -> str:
+        """The families' estimates at `size` (on this machine: times factor), summed, naming
+        those without one."""
+        if estimates is None:
+            estimates = {name: None if seconds is None else seconds * self.factor
+                         for name, seconds in self._estimates(size).items()}  # fmt: skip
         unknown = [name for name, seconds in estimates.items() if seconds is None]
         if len(unknown) == len(estimates):
             return "? (not measured)"

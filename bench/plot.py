@@ -11,6 +11,8 @@ process's, the bytes a call sends and the KV cache a rank holds against the whol
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -25,13 +27,15 @@ from bench.rows import (  # noqa: E402
     KERNEL_BENCHES,
     LOSS_BENCH,
     MEMORY_BENCH,
-    RING_ALL,
+    PROBE_BENCH,
+    RING_BENCHES,
     STEP_BENCHES,
     STEP_TILES_BENCH,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
     VIDEO_BENCH,
     Row,
+    is_failed,
     usp_grid_label,
 )
 from bench.targets import (  # noqa: E402
@@ -500,79 +504,258 @@ def _plot_inference(left, right, rows: list[Row]) -> None:
                         "inference: bytes sent per call, KV cache held")  # fmt: skip
 
 
-def plot_results(rows: list[Row], metadata: dict, path: Path) -> Path:
-    on_gpu = metadata["device_type"] == "cuda"
-    general = [
-        row
-        for row in rows
-        if row.bench
-        not in RING_ALL
-        + USP_BENCHES
-        + INFERENCE_BENCHES
-        + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH)
-    ]
-    ring = [row for row in rows if row.bench in RING_ALL and row.bench not in STEP_BENCHES + (STEP_TILES_BENCH,)]
-    steps = [row for row in rows if row.bench in STEP_BENCHES]
-    tiles = [row for row in rows if row.bench == STEP_TILES_BENCH]
-    usp = [row for row in rows if row.bench in USP_BENCHES]
-    loss = [row for row in rows if row.bench == LOSS_BENCH]
-    hf = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
-    video = [row for row in rows if row.bench == VIDEO_BENCH]
-    memory = [row for row in rows if row.bench == MEMORY_BENCH]
-    hybrid = [row for row in rows if row.bench == HYBRID_BENCH]
-    inference = [row for row in rows if row.bench in INFERENCE_BENCHES]
-    # One line of two panels each: the fused-vs-unfused benches; ring attention; (GPU)
-    # the step kernels; USP; the LM loss; the transformers training step; video
-    # transformers; memory; the hybrid mixers; inference.
-    panels = (general, ring, steps, usp, loss, hf, video, memory, hybrid, inference)
-    panel_rows = [len(panel) for panel in panels if panel] or [0]
-    heights = [max(4.5, 0.32 * count + 2.5) for count in panel_rows]
-    figure, axes = plt.subplots(
-        len(panel_rows), 2, figsize=(16, sum(heights)), squeeze=False,
-        gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
-    )  # fmt: skip
-    line = iter(axes)
-    if general or not any(panels[1:]):
-        left, right = next(line)
-        _plot_speedups(left, general, on_gpu)
-        _plot_kernel_bandwidth(right, general, on_gpu)
-    if ring:
-        left, right = next(line)
-        _plot_ring_efficiency(left, ring)
-        _plot_ring_times(right, ring)
-    if steps:
-        left, right = next(line)
-        _plot_step_tflops(left, steps, on_gpu)
-        _plot_step_tiles(right, tiles)
-    if usp:
-        left, right = next(line)
-        _plot_usp_times(left, usp)
-        _plot_usp_bytes(right, usp)
-    if loss:
-        left, right = next(line)
-        _plot_loss(left, right, loss)
-    if hf:
-        left, right = next(line)
-        _plot_transformers(left, right, hf, on_gpu)
-    if video:
-        left, right = next(line)
-        _plot_video(left, right, video)
-    if memory:
-        left, right = next(line)
-        _plot_memory(left, right, memory)
-    if hybrid:
-        left, right = next(line)
-        _plot_hybrid(left, right, hybrid)
-    if inference:
-        left, right = next(line)
-        _plot_inference(left, right, inference)
-    ranks = f"{metadata['backend']} x {metadata['world_size']} ranks"
-    figure.suptitle(
-        f"seqpar-kernels bench: {metadata['device']}, {ranks}, torch {metadata['torch']}, "
-        f"triton {metadata.get('triton', 'unknown')}, commit {metadata['git_commit']}, {metadata['date']}",
-        fontsize=10,
-    )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+def _plot_general(axes, rows: list[Row], on_gpu: bool) -> None:
+    _plot_speedups(axes[0], rows, on_gpu)
+    if len(axes) > 1:
+        _plot_kernel_bandwidth(axes[1], rows, on_gpu)
+
+
+def _plot_ring(axes, rows: list[Row], on_gpu: bool) -> None:
+    _plot_ring_efficiency(axes[0], rows)
+    _plot_ring_times(axes[1], rows)
+
+
+def _plot_steps(axes, rows: list[Row], on_gpu: bool) -> None:
+    _plot_step_tflops(axes[0], [row for row in rows if row.bench in STEP_BENCHES], on_gpu)
+    _plot_step_tiles(axes[1], [row for row in rows if row.bench == STEP_TILES_BENCH])
+
+
+def _plot_usp(axes, rows: list[Row], on_gpu: bool) -> None:
+    _plot_usp_times(axes[0], rows)
+    _plot_usp_bytes(axes[1], rows)
+
+
+# A family's figure: a line of panels per kind of row it made, in this order: (the benches
+# of the kind, how many panels, what draws them). Rows of no kind here (reshard, Ulysses,
+# varlen, variants) are fused-vs-baseline rows: their speedups, and the kernels' bandwidth
+# where there are kernel rows.
+PANEL_KINDS = (
+    (RING_BENCHES + (PROBE_BENCH,), 2, _plot_ring),
+    (STEP_BENCHES + (STEP_TILES_BENCH,), 2, _plot_steps),
+    (USP_BENCHES, 2, _plot_usp),
+    ((LOSS_BENCH,), 2, lambda axes, rows, on_gpu: _plot_loss(*axes, rows)),
+    ((TRANSFORMERS_BENCH,), 2, lambda axes, rows, on_gpu: _plot_transformers(*axes, rows, on_gpu)),
+    ((VIDEO_BENCH,), 2, lambda axes, rows, on_gpu: _plot_video(*axes, rows)),
+    ((MEMORY_BENCH,), 2, lambda axes, rows, on_gpu: _plot_memory(*axes, rows)),
+    ((HYBRID_BENCH,), 2, lambda axes, rows, on_gpu: _plot_hybrid(*axes, rows)),
+    (INFERENCE_BENCHES, 2, lambda axes, rows, on_gpu: _plot_inference(*axes, rows)),
+)
+# Figures are drawn at this many pixels an inch: 16 inches wide, 1600 pixels.
+DPI = 100
+FIGURE_WIDTH_IN = 16
+# The headline figure: four panels readable at 100% on a laptop's screen.
+HEADLINE_SIZE_IN = (16, 10)
+
+
+def _panel_lines(rows: list[Row]) -> list[tuple[int, object, list[Row]]]:
+    """The lines of panels of a family's rows: (panels, draw, rows), in PANEL_KINDS' order."""
+    lines, rest = [], list(rows)
+    for benches, count, draw in PANEL_KINDS:
+        mine = [row for row in rest if row.bench in benches]
+        if mine:
+            lines.append((count, draw, mine))
+            rest = [row for row in rest if row.bench not in benches]
+    if rest:
+        kernels = any(row.bench in KERNEL_BENCHES for row in rest)
+        lines.insert(0, (2 if kernels else 1, _plot_general, rest))
+    return lines
+
+
+def panel_data(axis) -> int:
+    """The data an axis shows: its bars and points, and its lines with markers (reference
+    lines such as a target have none)."""
+    marked = [line for line in axis.lines if line.get_marker() not in (None, "None", "", " ")]
+    return len(axis.patches) + len(axis.collections) + len(marked)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A written PNG and what each of its panels showed."""
+
+    path: Path
+    width_px: int
+    height_px: int
+    panels: dict[str, int]  # panel title -> data drawn (bars, points, marked lines; panel_data)
+
+    def record(self, folder: Path) -> dict:
+        """The JSON's entry: the file relative to the results folder, its size, its panels."""
+        return {"file": str(self.path.relative_to(folder)), "width_px": self.width_px,
+                "height_px": self.height_px, "panels": self.panels}  # fmt: skip
+
+
+def _title(metadata: dict) -> str:
+    """The machine and the software, as every figure names them."""
+    return (f"{metadata['device']}, {metadata['backend']} x {metadata['world_size']} ranks, "
+            f"{metadata.get('cpu_count', '?')} cores, torch {metadata['torch']}, commit {metadata['git_commit']}, "
+            f"{metadata['date']}")  # fmt: skip
+
+
+def _save(figure, path: Path) -> Figure:
+    """Saves at DPI with the figure's own size (no tight bounding box: the pixels are known)."""
+    panels = {}
+    for axis in figure.axes:
+        if axis.axison:
+            title = axis.get_title() or axis.get_xlabel() or f"panel {len(panels) + 1}"
+            panels[title] = panel_data(axis)
+    width, height = figure.canvas.get_width_height()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=DPI)
     plt.close(figure)
-    return path
+    return Figure(path, width, height, panels)
+
+
+def family_figure(name: str, rows: list[Row], metadata: dict, path: Path) -> Figure:
+    """A family's rows as a figure: a line of panels per kind of row (PANEL_KINDS)."""
+    on_gpu = metadata["device_type"] == "cuda"
+    lines = _panel_lines(rows)
+    heights = [max(4.5, 0.32 * len(mine) + 2.5) for _, _, mine in lines]
+    figure = plt.figure(figsize=(FIGURE_WIDTH_IN, sum(heights)), dpi=DPI)
+    grid = figure.add_gridspec(len(lines), 2, width_ratios=[3, 2], height_ratios=heights)
+    for index, (count, draw, mine) in enumerate(lines):
+        axes = [figure.add_subplot(grid[index, :])] if count == 1 else [figure.add_subplot(grid[index, column])
+                                                                          for column in range(2)]  # fmt: skip
+        draw(axes, mine, on_gpu)
+    figure.suptitle(f"seqpar-kernels bench, {name}: {_title(metadata)}", fontsize=10)
+    figure.tight_layout()
+    return _save(figure, path)
+
+
+# The headline's first panel: the benches whose baseline is the unfused way or a peer's,
+# with what that baseline is (bench/README.md's table).
+HEADLINE_BASELINES = {
+    "reshard": "unfused (tensor_split, contiguous, cat)",
+    "pack": "unfused (DeepSpeed's permute + contiguous)",
+    "unpack": "unfused (cat of the pieces)",
+    "ulysses": "DeepSpeed-Ulysses",
+    "ulysses-exchange": "DeepSpeed-Ulysses' exchange",
+    "merge": "ring-flash-attention's merge",
+}
+MODE_COLORS = {"ulysses": "tab:orange", "ring": "tab:blue", "usp": "tab:purple"}
+
+
+def _not_run(axis, what: str) -> None:
+    axis.text(0.5, 0.5, f"{what}: not in this run", ha="center", va="center", transform=axis.transAxes)
+
+
+def _headline_speedups(axis, rows: list[Row]) -> None:
+    """Per bench, the median speedup over its cases, a line from the least to the most."""
+    benches = [bench for bench in HEADLINE_BASELINES if any(row.bench == bench for row in rows)]
+    for position, bench in enumerate(benches):
+        speedups = sorted(row.speedup for row in rows if row.bench == bench)
+        middle = statistics.median(speedups)
+        axis.barh(position, middle - 1, left=1, color=BENCH_COLORS.get(bench, "gray"), height=0.6)
+        axis.plot([speedups[0], speedups[-1]], [position, position], color="black", marker="|", markersize=12)
+        axis.text(max(speedups[-1], middle), position, f"  x{middle:.2f} ({len(speedups)} cases)", va="center",
+                  fontsize=9)  # fmt: skip
+    if not benches:
+        _not_run(axis, "fused against unfused")
+    axis.axvline(1.0, color="black", linewidth=1)
+    axis.set_yticks(range(len(benches)), [f"{bench}\nvs {HEADLINE_BASELINES[bench]}" for bench in benches], fontsize=9)
+    axis.invert_yaxis()
+    axis.set_xscale("log", base=2)
+    axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}x"))
+    axis.set_xlabel("speedup: baseline time / ours (median over cases, line: least to most; log)")
+    axis.set_title("fused against unfused and the peers' way")
+
+
+def _headline_bytes(axis, rows: list[Row]) -> None:
+    """Bytes sent by rank 0 against the formula's, every row with both: on the diagonal when equal."""
+    counted = [row for row in rows if row.bytes_sent_ours and row.bytes_sent_theory]
+    if not counted:
+        _not_run(axis, "bytes counted")
+        axis.set_title("bytes against the formula")
+        return
+    families = list(dict.fromkeys(row.bench.split("-")[0] for row in counted))
+    for family in families:
+        mine = [row for row in counted if row.bench.split("-")[0] == family]
+        axis.scatter([row.bytes_sent_theory for row in mine], [row.bytes_sent_ours for row in mine], s=24, label=family)
+    values = [value for row in counted for value in (row.bytes_sent_theory, row.bytes_sent_ours)]
+    axis.plot([min(values), max(values)], [min(values), max(values)], color="black", linewidth=1)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("bytes by the formula (seqpar_kernels.traffic)")
+    axis.set_ylabel("bytes sent by rank 0 (comm_stats)")
+    at = sum(bool(row.volume_at_theory) for row in counted)
+    axis.set_title(f"bytes against the formula: {at} of {len(counted)} cases on it")
+    axis.legend(fontsize=8, ncol=2, loc="upper left")
+
+
+def _headline_times(axis, rows: list[Row]) -> None:
+    """A training step's seconds against its tokens, one line per mode and the single
+    process's (the transformers family); else attention's per USP grid."""
+    steps = [row for row in rows if row.bench == TRANSFORMERS_BENCH]
+    if steps:
+        lines = {}
+        for row in steps:
+            mode, tokens = row.case.split()[0], int(row.case.rsplit("T=", 1)[1])
+            lines.setdefault(mode, []).append((tokens, row.ours_s))
+            lines.setdefault("single process", []).append((tokens, row.baseline_s))
+        what = "a transformers training step"
+    else:
+        attention = [row for row in rows if row.bench == "usp"]
+        lines = {}
+        for row in attention:
+            tokens = int(row.case.split(" S=", 1)[1].split()[0])
+            lines.setdefault(usp_grid_label(row.ulysses_degree, row.ring_degree), []).append((tokens, row.ours_s))
+        what = "USP attention (forward)"
+    if not lines:
+        _not_run(axis, "time against length")
+        axis.set_title("time against sequence length per mode")
+        return
+    for mode, points in lines.items():
+        points = sorted(dict(points).items())
+        axis.plot([t for t, _ in points], [seconds * 1e3 for _, seconds in points], marker="o",
+                  color=MODE_COLORS.get(mode, "gray"), linestyle="--" if mode == "single process" else "-",
+                  label=mode)  # fmt: skip
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens in the sequence (log)")
+    axis.set_ylabel("ms per call (median; log)")
+    axis.set_title(f"time against sequence length per mode: {what}")
+    axis.legend(fontsize=8)
+
+
+def _headline_accuracy(axis, rows: list[Row]) -> None:
+    """Per bench, the largest error against the exact result as a multiple of plain
+    PyTorch's (the tests' rule: at most 2)."""
+    judged = [row for row in rows if row.error_vs_plain is not None]
+    benches = list(dict.fromkeys(row.bench for row in judged))
+    worst = [max(row.error_vs_plain for row in judged if row.bench == bench) for bench in benches]
+    axis.barh(range(len(benches)), worst, color="tab:green", height=0.6)
+    for position, (bench, value) in enumerate(zip(benches, worst)):
+        count = sum(row.bench == bench for row in judged)
+        axis.text(value, position, f"  {value:.2f} (worst of {count})", va="center", fontsize=9)
+    if not benches:
+        _not_run(axis, "accuracy against plain PyTorch")
+    axis.axvline(2.0, color="red", linestyle="--", linewidth=1, label="2x: the rule")
+    axis.set_yticks(range(len(benches)), benches, fontsize=9)
+    axis.invert_yaxis()
+    axis.set_xlim(0, max(worst + [2.0]) * 1.4)
+    axis.set_xlabel("error against the exact result / plain PyTorch's error (at most 2)")
+    axis.set_title("accuracy against plain PyTorch")
+    axis.legend(fontsize=8, loc="lower right")
+
+
+def headline_figure(rows: list[Row], metadata: dict, path: Path) -> Figure:
+    """Four panels: fused against unfused and the peers' way, bytes against the formula,
+    time against sequence length per mode, accuracy against plain PyTorch; the machine
+    in the title. HEADLINE_SIZE_IN at DPI: 1600 x 1000 pixels."""
+    figure, axes = plt.subplots(2, 2, figsize=HEADLINE_SIZE_IN, dpi=DPI)
+    _headline_speedups(axes[0][0], rows)
+    _headline_bytes(axes[0][1], rows)
+    _headline_times(axes[1][0], rows)
+    _headline_accuracy(axes[1][1], rows)
+    figure.suptitle(f"seqpar-kernels bench: {_title(metadata)}", fontsize=12)
+    figure.tight_layout()
+    return _save(figure, path)
+
+
+def write_figures(family_rows: dict[str, list[Row]], metadata: dict, stem: Path, families: bool = True) -> list[Figure]:
+    """<stem>.png, the headline figure, and (families) <stem>/<family>.png for each family
+    that made rows (failed rows left out)."""
+    measured = {name: [row for row in rows if not is_failed(row)] for name, rows in family_rows.items()}
+    figures = [headline_figure([row for rows in measured.values() for row in rows], metadata, stem.with_suffix(".png"))]
+    for name, rows in measured.items():
+        if rows and families:
+            figures.append(family_figure(name, rows, metadata, stem / f"{name}.png"))
+    return figures

@@ -21,6 +21,7 @@ import torch
 
 import seqpar_kernels
 from bench import (
+    bench_fsdp,
     bench_hybrid,
     bench_inference,
     bench_kernels,
@@ -38,10 +39,12 @@ from bench import (
     bench_video,
     hardware,
 )
+from bench.budget import Budget, calibrate
 from bench.cases import failed_row
-from bench.context import Context
+from bench.context import Context, machine_threads
 from bench.plan import RunPlan
-from bench.plot import plot_results
+from bench.plot import write_figures
+from bench.report import write_report
 from bench.results import progress_line, summary_table, write_results
 from bench.rows import Row, is_failed
 from bench.targets import target_checks
@@ -81,6 +84,7 @@ BENCHES = {
     "transformers": (bench_transformers,),
     "video": (bench_video,),
     "memory": (bench_memory,),
+    "fsdp": (bench_fsdp,),
     "inference": (bench_inference,),
 }
 
@@ -232,12 +236,17 @@ def run_bench(ctx: Context, name: str, results: ResultsFiles, done: set) -> None
     ctx.barrier()
 
 
-def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
-    """Runs the benches in `only`; rank 0 writes the results as it goes, then the summary
-    and the plot. Raises SystemExit(1) on rank 0 when any case failed on any rank."""
+def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | None = None,
+              run_started: float | None = None) -> None:  # fmt: skip
+    """Runs the benches in `only` within budget_s seconds where given (bench/budget.py),
+    counted from run_started (time.monotonic(); default: now); rank 0 writes the results
+    as it goes, then the summary, the figures and the report. Raises SystemExit(1) on
+    rank 0 when any case failed on any rank."""
     started = datetime.datetime.now()
-    clock = time.perf_counter()
+    run_started = time.monotonic() if run_started is None else run_started
     load_at_start = load_average()
+    # The declared GPU estimates stand as they are: the probes time CPU work.
+    calibration = None if ctx.on_gpu else calibrate(ctx.world_size, ctx.barrier, ctx.reduce_over_ranks)
     ctx.log(
         f"seqpar-kernels bench: {ctx.device_name}, {ctx.backend} x {ctx.world_size} ranks, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads per rank, "
@@ -248,39 +257,64 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path) -> None:
             "all_to_all_single); x = baseline time / ours (ring, usp, varlen, loss, transformers: see their own "
             "notes)")  # fmt: skip
     plan = RunPlan({name: BENCHES[name] for name in only}, ctx.size, ctx.on_gpu)
-    for line in plan.lines(ctx.world_size, ctx.backend):
+    budget = Budget(plan, calibration, budget_s if ctx.size != "quick" else None)
+    for line in budget.plan_lines(ctx.world_size, ctx.backend, machine_threads()):
         ctx.log(line)
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
-    results.metadata["plan"] = plan.record()  # per family: the estimate, then the time taken
+    timed = {}  # family -> seconds of timed rounds (rank 0's)
+    results.metadata["plan"] = budget.family_record(timed)  # per family: the estimate, then the time taken
+    results.metadata["budget"] = budget.record(None)
     ctx.record_metadata = results.add_metadata
     ctx.log(f"results so far: {stem}.csv and .json, rewritten after every case")
-    done = set()
+    done, family_rows = set(), {}
     for name in only:
+        ctx.repeat_scale = budget.start(name)
         ctx.log(plan.start(name))
+        first, rounds = len(results.rows), ctx.rounds_clock.seconds
         run_bench(ctx, name, results, done)
+        family_rows[name] = results.rows[first:]
+        timed[name] = ctx.rounds_clock.seconds - rounds
         ctx.log(plan.finish(name))
-        results.metadata["plan"] = plan.record()
+        # Every rank sizes the rest alike: from the slowest rank's times.
+        elapsed, run_elapsed = ctx.reduce_over_ranks(
+            torch.tensor([plan.elapsed[name], time.monotonic() - run_started], dtype=torch.float64)
+        ).tolist()
+        plan.elapsed[name] = elapsed
+        note = budget.finish(name, elapsed, run_elapsed)
+        if note:
+            ctx.log(f"budget: {note}")
+        results.metadata.update(plan=budget.family_record(timed), budget=budget.record(None))
     rows = results.rows
     failed = ctx.reduce_over_ranks(torch.tensor([sum(is_failed(row) for row in rows)])).item()
     if not ctx.is_root:
         return
     paths = results.write(complete=True)
     metadata = results.metadata
-    print(summary_table(rows, target_checks(rows, ctx.on_gpu)), flush=True)
+    checks = target_checks(rows, ctx.on_gpu)
+    print(summary_table(rows, checks), flush=True)
     print(f"\nmachine load (1-min average, this run's ranks included): {load_at_start} at start, "
           f"{metadata['load_average_end']} at end, on {os.cpu_count()} cores", flush=True)  # fmt: skip
     try:
-        paths.append(plot_results([row for row in rows if not is_failed(row)], metadata,
-                                  stem.with_suffix(".png")))  # fmt: skip
+        figures = write_figures(family_rows, metadata, stem, families=not ctx.short)
+        paths += [figure.path for figure in figures]
         plot_failed = False
     except Exception:  # noqa: BLE001 - the CSV and JSON are written; say so and exit non-zero
         print(f"FAILED plot:\n{traceback.format_exc()}", end="", flush=True)
-        plot_failed = True
+        figures, plot_failed = [], True
+    run_elapsed = time.monotonic() - run_started
+    metadata.update(budget=budget.record(run_elapsed), figures=[figure.record(stem.parent) for figure in figures])
+    # The short GPU check's folder keeps its few files (scripts/gpu_check.sh): the headline figure only.
+    report = None if ctx.short else write_report(stem, family_rows, checks, metadata, figures,
+                                                 budget.report_lines(run_elapsed))  # fmt: skip
+    results.write(complete=True)
     written = ", ".join(str(path) for path in paths)
-    print(f"\nwrote {written} ({time.perf_counter() - clock:.0f} s)", flush=True)
+    print(f"\nwrote {written}", flush=True)
+    print(budget.summary_line(run_elapsed), flush=True)
     if failed or plot_failed:
         what = [f"{failed} failed cases (any rank)"] if failed else []
         what += ["the plot failed"] if plot_failed else []
         print(f"bench: {' and '.join(what)}: exit status 1", flush=True)
+    print(f"report: {report or 'none with --short (the headline figure only)'}", flush=True)
+    if failed or plot_failed:
         raise SystemExit(1)

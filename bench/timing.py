@@ -63,15 +63,23 @@ def _time_once(fn: Callable[[], object], ctx: Context, collective: bool) -> floa
     return time.perf_counter() - begin
 
 
+# The fewest timed rounds of a case whatever the budget (bench/budget.py): a median of three.
+MIN_REPS = 3
+
+
 def _repetitions(round_seconds: float, ctx: Context, collective: bool) -> int:
     """Timed rounds for a case: at least ctx.reps, more for cheap cases (up to
     ctx.max_reps) so that each case gets about ctx.seconds_per_case of samples: on
-    shared cores a cheap case's median needs many samples to settle. Every rank must
-    run the same number of rounds, so collective cases agree on the slowest estimate."""
+    shared cores a cheap case's median needs many samples to settle. All three scaled
+    by ctx.repeat_scale (the budget's), never below MIN_REPS (or ctx.reps where fewer).
+    Every rank must run the same number of rounds, so collective cases agree on the
+    slowest estimate."""
     if collective:
         round_seconds = ctx.reduce_over_ranks(torch.tensor([round_seconds], dtype=torch.float64)).item()
-    affordable = int(ctx.seconds_per_case / max(round_seconds, 1e-9))
-    return max(ctx.reps, min(ctx.max_reps, affordable))
+    least = max(min(ctx.reps, MIN_REPS), round(ctx.reps * ctx.repeat_scale))
+    most = max(least, round(ctx.max_reps * ctx.repeat_scale))
+    affordable = int(ctx.seconds_per_case * ctx.repeat_scale / max(round_seconds, 1e-9))
+    return max(least, min(most, affordable))
 
 
 def time_side_by_side(
@@ -103,6 +111,7 @@ def time_side_by_side(
     # Python's collector pausing inside one sample would be noise charged to one side.
     gc.collect()
     gc.disable()
+    begin = time.perf_counter()
     try:
         samples = torch.zeros(reps, len(names), dtype=torch.float64)
         for rep in range(reps):
@@ -111,6 +120,7 @@ def time_side_by_side(
                 samples[rep, index] = _time_once(candidates[names[index]], ctx, collective)
     finally:
         gc.enable()
+        ctx.rounds_clock.seconds += time.perf_counter() - begin
     if collective:
         samples = ctx.reduce_over_ranks(samples)
     return {name: Timing(tuple(samples[:, index].tolist())) for index, name in enumerate(names)}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_bench_budget import assert_figures_readable
+
 from bench import hardware
 from bench.bench_inference import generate_unavailable
 from bench.cases import failed_row
@@ -139,8 +141,11 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
     assert all("auto chose pass-kv" in detail for detail in turns[2:]), turns
     # Memory: every configuration at both lengths (its loss one rank's), then its fitted line;
     # the log-prob path at both lengths, below the materialised logits.
-    memory = [row for row in rows if row["bench"] == "memory"]
+    memory = [row for row in rows if row["bench"] == "memory" and not row["case"].startswith("fsdp: ")]
     if importlib.util.find_spec("transformers") is not None:
+        # FSDP2 over dp x cp and over dp beside SP alone: each rank's state bytes at the formula (check above).
+        fsdp = [row["case"] for row in rows if row["case"].startswith("fsdp: ")]
+        assert fsdp == ["fsdp: SP alone", "fsdp: FSDP2 dp x cp", "fsdp: FSDP2 dp"], fsdp
         measured = [row for row in memory if row["check"] != "fit"]
         assert len(measured) == 12 and all(row["check"] == "matches" for row in measured), memory
         logprobs = [row for row in measured if row["case"].startswith("logprobs ")]
@@ -149,6 +154,9 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
         assert all(int(row["ours_peak_bytes"]) > 0 for row in measured), memory
         fits = [row for row in memory if row["check"] == "fit"]
         assert len(fits) == 5 and all("bytes per token" in row["detail"] for row in fits), fits
+    # The figures (the headline and each family's) and the report, named on the last line.
+    assert_figures_readable(tmp_path)
+    assert result.stdout.splitlines()[-1] == f"report: {next(tmp_path.glob('*.md'))}", result.stdout[-500:]
 
 
 def test_every_family_declares_its_sizes_and_the_default_fits_the_budget():
@@ -458,7 +466,7 @@ def test_step_bench_writes_the_table_of_the_source_tree():
 
 def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
     # GPU rows cannot be measured here; the plot of a GPU run is drawn from made-up ones.
-    from bench.plot import plot_results
+    from bench.plot import family_figure
     from bench.rows import Row
 
     def row(bench, case, ours, baseline):
@@ -471,8 +479,8 @@ def test_plot_draws_the_gpu_step_rows_and_the_tile_sweep(tmp_path):
             row("ring-step-tiles", "forward (128, 128, 8, 3) causal S=4096 D=128 bf16", 450.0, 420.0)]  # fmt: skip
     metadata = dict(device_type="cuda", backend="nccl", world_size=1, device="NVIDIA H100 80GB HBM3",
                     torch="2.14.1", git_commit="abc", date="2026-11-23")  # fmt: skip
-    path = plot_results(rows, metadata, tmp_path / "plot.png")
-    assert path.exists() and path.stat().st_size > 0
+    figure = family_figure("ring-step", rows, metadata, tmp_path / "plot.png")
+    assert figure.path.exists() and all(count > 0 for count in figure.panels.values()), figure.panels
 
 
 def test_tile_override_replaces_one_kernels_gpu_tiles_for_the_block():

@@ -13,15 +13,15 @@ from optional_dependency import run_under_oldest_releases
 
 OLDEST_SUPPORTED = {"transformers": "4.56.2", "trl": "1.15.0", "diffusers": "0.35.2"}
 
-# test file: its tests to rerun (pytest -k over the test names); two ranks where a test
-# runs at several world sizes, three for the diffusers file (one pool more, not four).
+# test file: its tests to rerun (pytest -k over the test names): each public path once, at two
+# ranks (one rank pool for the whole session); the modes themselves do not depend on the release.
 SELECTIONS = {
-    "test_transformers_integration.py": "one_group and 2 or usp and 2 or cannot_be_honoured or register or adamw "
-    "or family or masks_are_read or head or refuses",
-    "test_transformers_trainer.py": "P2-ring or replicas and packed or mixin",
+    "test_transformers_integration.py": "one_group and 2 or cannot_be_honoured or register or family "
+    "or masks_are_read or head or refuses",
+    "test_transformers_trainer.py": "P2-ring or mixin",
     "test_transformers_vision.py": "match_one_process and 2 or trainer or cannot_be_honoured",
     "test_transformers_post_training.py": "test_dpo_matches",
-    "test_diffusers_integration.py": "latte_and_wan and 3 or more_transformers or cannot_run or pipelines",
+    "test_diffusers_integration.py": "latte_and_wan and 2 or more_transformers or cannot_run or pipelines",
 }
 
 

@@ -8,8 +8,9 @@ Public API:
     varlen_plan                                            (packed documents: varlen=plan)
     ssd_scan, selective_scan                               (state-space scans of hybrid models:
                                                             Mamba2's SSD and Mamba's selective scan)
-    gated_delta_rule                                       (Gated DeltaNet's mixer over the sharded
-                                                            sequence, its state passed across ranks)
+    gated_delta_rule, kimi_delta_attention,                (Gated DeltaNet's, Kimi's and MiniMax's linear
+    lightning_attention                                     attention over the sharded sequence, their
+                                                            state passed across ranks)
     sparse_placement, indexer_topk, sparse_attention       (indexer-sparse attention, DSA: the top-k
                                                             keys of every rank, then attention over them)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
@@ -34,7 +35,7 @@ from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy_from_logits,
     sequence_parallel_logprobs,
 )
-from seqpar_kernels.parallel.gated_delta import gated_delta_rule
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule, kimi_delta_attention, lightning_attention
 from seqpar_kernels.parallel.inference import (
     decode_attention,
     decode_attention_partial,
@@ -71,6 +72,8 @@ __all__ = [
     "ssd_scan",
     "selective_scan",
     "gated_delta_rule",
+    "kimi_delta_attention",
+    "lightning_attention",
     "sparse_placement",
     "indexer_topk",
     "sparse_attention",

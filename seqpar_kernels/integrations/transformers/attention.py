@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.integrations.transformers import inkling
 from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.generation import install as install_generation
 from seqpar_kernels.integrations.transformers.generation import running_step
@@ -221,6 +222,8 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
         placement = attention_mask.placement
         return sparse_attention(q, k, v, kwargs["indices"], softmax_scale=scaling, placement=placement), None
     mask = _layer_mask(describe, module, attention_mask, kwargs)
+    if getattr(module, inkling.ROLE_ATTRIBUTE, None) is not None:  # Inkling 2's bias, sinks and residuals
+        return inkling.attention(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings), None
     cache = running_step()
     if cache is not None and _scales_queries_by_row(module) and (cache.real_lengths.shape[0] > 1
                                                                   or cache.step.kind == "chunk"):  # fmt: skip
@@ -293,11 +296,31 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
                                 cache_lengths=step.cache_lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
     # The cache keeps the keys as rotary embeddings left them (fp32 under autocast): in q's dtype, as the chunk's.
-    stored_keys, stored_values = _autocast(*cache.layers[module.layer_idx].gathered(step.index))
+    stored_keys, stored_values = _autocast(*_stored_keys_and_values(describe, module, cache, step, k, v))
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
                              cache_positions=step.cache_positions, cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,
                              cache_seq_lens=step.cache_seq_lens, **variants, **settings.group_kwargs())  # fmt: skip
+
+
+def _stored_keys_and_values(describe, module, cache, step, k, v):
+    """The cached keys and values of this rank's shard (batch, width, H_kv, D) and (...,
+    Dv) as the attention reads them. Multi-head latent attention layers (DeepSeek-V3 and
+    its kin: an expand_kv method) cache the compressed latents (kv_nope, k_rot), each
+    (batch, width, 1, rank): expanded by the layer's own expand_kv, as its forward does
+    for the chunk. What still differs from the chunk's k (B, C, H_kv, D), v (..., Dv)
+    raises, naming the layer."""
+    stored = cache.layers[module.layer_idx].gathered(step.index)
+    if hasattr(module, "expand_kv"):
+        stored = tuple(x.transpose(1, 2) for x in module.expand_kv(*(x.transpose(1, 2) for x in stored)))
+    for name, cached, new in zip(("keys", "values"), stored, (k, v)):
+        if cached.shape[2:] != new.shape[2:]:
+            raise ValueError(
+                f"{describe}: layer {module.layer_idx} ({type(module).__name__}) caches {name} of (heads, head dim) "
+                f"{tuple(cached.shape[2:])} where its attention reads {tuple(new.shape[2:])}: a cache of something "
+                "other than its keys and values, which a next turn over a sharded cache cannot read"
+            )
+    return stored
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):
@@ -358,6 +381,8 @@ def apply(
         images and videos of shard_batch(..., model=model) (vision.install). Or PEFT's
         PeftModel of one, before or after get_peft_model: the model under it switches,
         adapters and all (adapters.transformers_model; prompt learning raises).
+        Inkling 2 and Inkling 2 Loop run in mode "ulysses" only (inkling.install raises
+        for the others, naming why).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
@@ -402,6 +427,8 @@ def apply(
     indexed = check_indexed(model, settings)
     mixers = _check_layers(model, INDEXED_LAYER_TYPES if indexed else ())
     router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
+    if inkling.serves(model):  # raises for what it cannot run, before anything changes
+        inkling.install(model, settings)
     if settings.tensor_size > 1:
         if vision_language is not None or mixers:
             raise ValueError(

@@ -5,6 +5,8 @@ formulas of what each collective sends, the one place they are written.
     reshard_bytes              all_to_all_reshard (DSP's switch)
     gather_bytes               gather_sequence
     usp_gather_bytes           usp_gather: over the Ulysses group, then the ring
+    sparse_gradient_bytes      a gather's backward that sums every rank's gradient of its rows
+    sparse_attention_bytes     sparse_attention (indexer-sparse, DSA): the rows asked, forward and backward
     ulysses_bytes              ulysses_attention, forward and backward (CallBytes)
     kv_heads_read              the kv heads each rank's q heads read, which Ulysses sends
     ring_bytes                 ring_attention, forward and backward (CallBytes)
@@ -131,6 +133,35 @@ def usp_gather_bytes(
     row = _slot_pieces(seq_lens, ring_index, ulysses_size)
     slots = _slot_lengths(seq_lens, ulysses_size)
     return gather_bytes(row, ulysses_index, row_bytes) + gather_bytes(slots, ring_index, row_bytes)
+
+
+def sparse_gradient_bytes(seq_lens: Sequence[int], rank: int, row_bytes: int) -> int:
+    """Bytes `rank` sends in the backward of a gather whose every rank used every row
+    (sparse_attention's K and V): each other rank's rows of its gradient, summed there.
+        (T - seq_lens[rank]) x row_bytes"""
+    return (sum(seq_lens) - seq_lens[rank]) * row_bytes
+
+
+def sparse_attention_bytes(
+    asked: Sequence[Sequence[int]], rank: int, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+    element_size: int,
+) -> CallBytes:  # fmt: skip
+    """Bytes sparse_attention sends from `rank`: asked[j][i] is how many distinct rows
+    the queries of rank j keep from rank i (its own included). Forward: the request
+    (the P-1 counts, then the positions of the rows it asks of the others, int64), and
+    the K and V rows the others asked of it; backward: the dK and dV rows it fetched,
+    sent back to their ranks.
+        forward   8 x (P-1) + 8 x sum_{i!=r} asked[r][i] + sum_{j!=r} asked[j][r] x row
+        backward  sum_{i!=r} asked[r][i] x row          row = B x H_kv x (D + Dv) x element size
+    At most (P-1) x S_r rows each way (every row of rank r asked by every rank). indexer_topk
+    adds gather_bytes(seq_lens, rank, B x D_i x element size) for its keys, and
+    sparse_placement gather_bytes(seq_lens, rank, 8) for the rows (once per placement)."""
+    world = len(asked)
+    row = batch * kv_heads * (head_dim + value_dim) * element_size
+    fetched = sum(asked[rank]) - asked[rank][rank]
+    served = sum(asked[other][rank] for other in range(world) if other != rank)
+    request = 8 * (world - 1) + 8 * fetched if world > 1 else 0
+    return CallBytes(request + served * row, fetched * row)
 
 
 def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[frozenset[int]]:

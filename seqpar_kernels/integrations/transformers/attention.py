@@ -55,6 +55,9 @@ from seqpar_kernels.integrations.transformers import inkling
 from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.generation import install as install_generation
 from seqpar_kernels.integrations.transformers.generation import running_step
+from seqpar_kernels.integrations.transformers.indexed import INDEXED_LAYER_TYPES, IndexedMask, global_rows
+from seqpar_kernels.integrations.transformers.indexed import check as check_indexed
+from seqpar_kernels.integrations.transformers.indexed import install as install_indexed
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
 from seqpar_kernels.integrations.transformers.router import router_loss_of
@@ -63,6 +66,7 @@ from seqpar_kernels.integrations.transformers.vision import install as install_v
 from seqpar_kernels.integrations.transformers.vision import vision_language_base
 from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.sparse import sparse_attention
 from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["register", "apply", "IMPLEMENTATIONS", "LayerMask"]
@@ -174,14 +178,6 @@ def _check_call(describe, module, query, key, dropout, kwargs) -> None:
         )
 
 
-def _global_rows(shard: SequenceShard | None, position_ids, device) -> torch.Tensor:
-    """(S_local,) int64: the row of each of this rank's tokens in the full sequence (the
-    packed row under varlen). Without a shard, the position ids (checked to be those)."""
-    if shard is None:
-        return position_ids[0]
-    return shard.take(torch.arange(sum(shard.seq_lens), device=device), dim=0)
-
-
 def _rescale_temperature(module, query: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
     """Llama 4's no-RoPE layers scale the queries by log1p(floor((row + 1) / floor_scale))
     x attn_scale + 1, row the token's row counted from 0 in what the model was given:
@@ -218,6 +214,13 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     seqlen_local, headdim). Returns ((batch, seqlen_local, nheads, headdim), None)."""
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
     settings = _settings_of(module, mode)
+    if isinstance(attention_mask, IndexedMask):  # a DSA layer: the keys its indexer chose (indexed.py)
+        _check_call(describe, module, query, key, dropout, kwargs)
+        if kwargs.get("indices") is None:
+            raise ValueError(f"{describe}: the layer passed no top-k indices (indices=)")
+        q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
+        placement = attention_mask.placement
+        return sparse_attention(q, k, v, kwargs["indices"], softmax_scale=scaling, placement=placement), None
     mask = _layer_mask(describe, module, attention_mask, kwargs)
     if getattr(module, inkling.ROLE_ATTRIBUTE, None) is not None:  # Inkling 2's bias, sinks and residuals
         return inkling.attention(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings), None
@@ -259,7 +262,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
             raise ValueError(
                 f"{describe}: the layer scales its queries by row; pass position_ids or shard_batch's batch"
             )
-        query = _rescale_temperature(module, query, _global_rows(shard, position_ids, query.device))
+        query = _rescale_temperature(module, query, global_rows(shard, position_ids, query.device))
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
     q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
@@ -421,7 +424,8 @@ def apply(
     vision_language = vision_language_base(model, "apply")
     # A vision-language model's vision tower keeps its own attention: each rank encodes whole frames.
     language = model if vision_language is None else vision_language.language_model
-    mixers = _check_layers(model)
+    indexed = check_indexed(model, settings)
+    mixers = _check_layers(model, INDEXED_LAYER_TYPES if indexed else ())
     router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
     if inkling.serves(model):  # raises for what it cannot run, before anything changes
         inkling.install(model, settings)
@@ -444,13 +448,15 @@ def apply(
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     if mixers:
         install(model, settings)
+    if indexed:
+        install_indexed(model)
     if vision_language is not None:
         install_vision(vision_language)
     install_generation(model, settings)
     return settings
 
 
-def _check_layers(model) -> dict:
+def _check_layers(model, indexed_types=()) -> dict:
     """The model's mixers other than attention (mixers.mixers_of), after checking that
     every layer whose type (config.layer_types, or layers_block_type) is not attention
     holds one, or mixes nothing (an MLP layer): a layer of another kind would see this
@@ -458,11 +464,11 @@ def _check_layers(model) -> dict:
     mixers = mixers_of(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
-    if not set(types) - set(ATTENTION_LAYER_TYPES) - set(UNMIXED_LAYER_TYPES):
+    if not set(types) - set(ATTENTION_LAYER_TYPES) - set(UNMIXED_LAYER_TYPES) - set(indexed_types):
         return mixers
     layers = _decoder_layers(model, len(types))
     for index, layer_type in enumerate(types):
-        if layer_type in ATTENTION_LAYER_TYPES or layer_type in UNMIXED_LAYER_TYPES:
+        if layer_type in (*ATTENTION_LAYER_TYPES, *UNMIXED_LAYER_TYPES, *indexed_types):
             continue
         held = [module for module in mixers.values() if any(module is sub for sub in layers[index].modules())] \
             if layers is not None else list(mixers.values())  # fmt: skip

@@ -1,0 +1,92 @@
+"""SequenceParallelTrainer building one DeviceMesh from its arguments: data 2 x sequence 2
+on 4 gloo ranks with FSDP2 (the mixin's own fully_shard over data x sequence), asked for
+by TrainingArguments(fsdp=True) and by accelerate's ParallelismConfig(dp_shard_size=2,
+cp_size=2), against the plain Trainer in one process on the global batch: every step's
+loss and grad_norm, eval_loss, train_loss and every parameter after 3 SGD steps, fp32
+(tolerances: test_transformers_trainer's). The padded batches' replicas hold different
+numbers of real tokens, so a mean of the replicas' means would miss the logged loss.
+And the combinations the Trainer cannot honour raise on every rank, naming the numbers.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from conftest import pool_for  # noqa: E402
+from on_ranks import raises  # noqa: E402
+from test_transformers_trainer import _as_torchrun_started, _case, _differences, _reference, _trainer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    transformers.__version__.startswith("4."),
+    reason="transformers 4.x hands FSDP to accelerate through environment variables, which the mixin leaves alone",
+)
+
+FSDP2 = dict(fsdp=True, fsdp_config={"version": 2})
+CASE = _case("ring", "balanced", replicas=2, args=dict(max_steps=3, **FSDP2))
+
+
+def _parallelism_config(**sizes):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(**sizes)
+
+
+def _trained(case: dict, **overrides) -> dict:
+    """The case's run on this rank: its log, evaluation, the full parameters (rank 0;
+    gathered from FSDP2's shards on every rank) and which ranks share its data index."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = _trainer(case, directory, **overrides)
+        trainer.train()
+        metrics = trainer.evaluate()
+    state = trainer.model.state_dict()
+    weights = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+               for name, tensor in state.items()}  # fmt: skip
+    sharded = all(isinstance(parameter, DTensor) for parameter in trainer.model.parameters())
+    return {"log": trainer.state.log_history, "eval": metrics, "weights": weights if dist.get_rank() == 0 else None,
+            "data_rank": trainer.sequence_parallel.data_rank, "sharded": sharded}  # fmt: skip
+
+
+def run_mesh_trainers() -> dict:
+    """On every rank: the FSDP2 run, the ParallelismConfig run, and what raises."""
+    _as_torchrun_started()
+    results = {"fsdp": _trained(CASE)}
+    mapped = dict(CASE, args=dict(max_steps=3))
+    results["parallelism_config"] = _trained(mapped, parallelism_config=_parallelism_config(dp_shard_size=2,
+                                                                                             cp_size=2))  # fmt: skip
+    refused = {
+        "product": (dict(dp_shard_size=4, cp_size=2), r"dp_replicate_size=1 x dp_shard_size=4 x cp_size=2 = 8 ranks, "
+                    r"the world has 4"),
+        "tensor": (dict(dp_shard_size=2, tp_size=2), r"tp_size=2 asks for tensor parallelism"),
+        "sequence twice": (dict(dp_shard_size=1, cp_size=4), r"sequence_parallel_size=2 and ParallelismConfig "
+                           r"cp_size=4"),
+    }  # fmt: skip
+    problems = {}
+    with tempfile.TemporaryDirectory() as directory:
+        for name, (sizes, match) in refused.items():
+            config = _parallelism_config(**sizes)
+            problems[name] = raises(lambda: _trainer(mapped, directory, parallelism_config=config), match)
+    results["refused"] = {name: problem for name, problem in problems.items() if problem is not None}
+    return results
+
+
+def test_fsdp2_over_data_and_sequence_matches_the_plain_trainer():
+    per_rank = pool_for(4).run(run_mesh_trainers)
+    reference = _reference(CASE)
+    for kind in ("fsdp", "parallelism_config"):
+        problems = _differences(per_rank[0][kind], reference)
+        assert not problems, (kind, problems)
+        # Ranks 0, 1 read replica 0's batches, 2, 3 replica 1's; every rank holds shards.
+        assert [result[kind]["data_rank"] for result in per_rank] == [0, 0, 1, 1]
+        assert all(result[kind]["sharded"] for result in per_rank), kind
+        losses = [[entry.get("loss") for entry in result[kind]["log"]] for result in per_rank]
+        assert all(row == losses[0] for row in losses), losses
+    for rank, result in enumerate(per_rank):
+        assert not result["refused"], (rank, result["refused"])

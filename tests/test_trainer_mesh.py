@@ -19,7 +19,14 @@ pytest.importorskip("accelerate")
 
 from conftest import pool_for  # noqa: E402
 from on_ranks import raises  # noqa: E402
-from test_transformers_trainer import _as_torchrun_started, _case, _differences, _reference, _trainer  # noqa: E402
+from test_transformers_trainer import (  # noqa: E402
+    LOSS_RTOL,
+    _as_torchrun_started,
+    _case,
+    _differences,
+    _reference,
+    _trainer,
+)
 
 pytestmark = pytest.mark.skipif(
     transformers.__version__.startswith("4."),
@@ -36,31 +43,35 @@ def _parallelism_config(**sizes):
     return ParallelismConfig(**sizes)
 
 
-def _trained(case: dict, **overrides) -> dict:
+def _trained(case: dict, evaluate: bool = True, **overrides) -> dict:
     """The case's run on this rank: its log, evaluation, the full parameters (rank 0;
-    gathered from FSDP2's shards on every rank) and which ranks share its data index."""
+    gathered from FSDP2's shards on every rank), its data index, data and sequence sizes, and
+    the meshes its parameters are sharded over."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     with tempfile.TemporaryDirectory() as directory:
         trainer = _trainer(case, directory, **overrides)
         trainer.train()
-        metrics = trainer.evaluate()
-    state = trainer.model.state_dict()
+        metrics = trainer.evaluate() if evaluate else None
     weights = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-               for name, tensor in state.items()}  # fmt: skip
-    sharded = all(isinstance(parameter, DTensor) for parameter in trainer.model.parameters())
+               for name, tensor in trainer.model.state_dict().items()}  # fmt: skip
+    # The meshes the parameters are sharded over: FSDP2's (4,), HSDP's would be (2, 2).
+    meshes = {tuple(p.device_mesh.shape) if isinstance(p, DTensor) else None for p in trainer.model.parameters()}
+    sp = trainer.sequence_parallel
     return {"log": trainer.state.log_history, "eval": metrics, "weights": weights if dist.get_rank() == 0 else None,
-            "data_rank": trainer.sequence_parallel.data_rank, "sharded": sharded}  # fmt: skip
+            "data_rank": sp.data_rank, "meshes": meshes, "sizes": (sp.data_size, sp.pieces)}  # fmt: skip
 
 
 def run_mesh_trainers() -> dict:
     """On every rank: the FSDP2 run, the ParallelismConfig run, and what raises."""
     _as_torchrun_started()
     results = {"fsdp": _trained(CASE)}
-    mapped = dict(CASE, args=dict(max_steps=3))
-    results["parallelism_config"] = _trained(mapped, parallelism_config=_parallelism_config(dp_shard_size=2,
-                                                                                             cp_size=2))  # fmt: skip
+    # The same mesh from ParallelismConfig: one step (its run is the fsdp run's).
+    mapped = dict(CASE, args=dict(max_steps=1))
+    results["parallelism_config"] = _trained(
+        mapped, evaluate=False, parallelism_config=_parallelism_config(dp_shard_size=2, cp_size=2)
+    )
     refused = {
         "product": (dict(dp_shard_size=4, cp_size=2), r"dp_replicate_size=1 x dp_shard_size=4 x cp_size=2 = 8 ranks, "
                     r"the world has 4"),
@@ -77,16 +88,23 @@ def run_mesh_trainers() -> dict:
     return results
 
 
+def _step(result: dict, step: int) -> dict:
+    return next(entry for entry in result["log"] if entry.get("step") == step and "grad_norm" in entry)
+
+
 def test_fsdp2_over_data_and_sequence_matches_the_plain_trainer():
     per_rank = pool_for(4).run(run_mesh_trainers)
-    reference = _reference(CASE)
+    problems = _differences(per_rank[0]["fsdp"], _reference(CASE))
+    assert not problems, problems
     for kind in ("fsdp", "parallelism_config"):
-        problems = _differences(per_rank[0][kind], reference)
-        assert not problems, (kind, problems)
-        # Ranks 0, 1 read replica 0's batches, 2, 3 replica 1's; every rank holds shards.
-        assert [result[kind]["data_rank"] for result in per_rank] == [0, 0, 1, 1]
-        assert all(result[kind]["sharded"] for result in per_rank), kind
+        # Ranks 0, 1 read replica 0's batches, 2, 3 replica 1's; every rank holds shards over all 4.
+        assert [result[kind]["data_rank"] for result in per_rank] == [0, 0, 1, 1], kind
+        assert all(result[kind]["meshes"] == {(4,)} and result[kind]["sizes"] == (2, 2) for result in per_rank), kind
         losses = [[entry.get("loss") for entry in result[kind]["log"]] for result in per_rank]
-        assert all(row == losses[0] for row in losses), losses
+        assert all(row == losses[0] for row in losses), (kind, losses)
+    fsdp, mapped = per_rank[0]["fsdp"], per_rank[0]["parallelism_config"]
+    for key in ("loss", "grad_norm"):
+        expected = _step(fsdp, 1)[key]
+        assert abs(_step(mapped, 1)[key] - expected) <= LOSS_RTOL * abs(expected), key
     for rank, result in enumerate(per_rank):
         assert not result["refused"], (rank, result["refused"])

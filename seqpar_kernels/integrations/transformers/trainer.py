@@ -12,6 +12,9 @@ Started by torchrun (one process per GPU, or per CPU rank: NCCL on GPUs, gloo on
 as the Trainer sets up torch.distributed). The world's ranks form groups of
 sequence_parallel_size consecutive ranks (rank = replica x size + piece); each group
 trains on one sequence split across its ranks, the groups are data-parallel replicas.
+One DeviceMesh holds them (trainer_mesh.py), built from the Trainer's arguments:
+sequence_parallel_size, TrainingArguments' fsdp (FSDP2) or accelerate's
+ParallelismConfig (cp_size, dp_shard_size, dp_replicate_size).
 
 What it gives: step for step, what the plain Trainer gives in one process on the same
 data with the global batch (per-device batch x replicas): every logged loss and
@@ -26,8 +29,10 @@ Where the data does not fill the last global batch, accelerate tops up the repli
 last batches with samples from the start (even_batches); their labels are set to -100,
 so that the step is the one-process Trainer's smaller last batch.
 
-Loss and gradients. The Trainer wraps the model in DDP (or FSDP) over the whole world,
-which averages the gradients over all W = replicas x size ranks. This rank's backward
+Loss and gradients. The Trainer wraps the model in DDP (or accelerate's FSDP1) over the
+whole world, or the mixin shards it with FSDP2 over data x sequence (the world; HSDP:
+replicated over dp_replicate) before the Trainer sees it; either averages the gradients
+over all W = replicas x size ranks. This rank's backward
 gives its tokens' share of its group's loss (sequence_parallel_cross_entropy's
 convention), so the loss it backpropagates is scaled by W x (its group's tokens) / D,
 D the one-process Trainer's denominator: num_items_in_batch counted as the Trainer
@@ -57,9 +62,11 @@ gradient_checkpointing: each layer's input) in host memory (memory.offload_activ
 
 What raises (ValueError, at construction): label smoothing, compute_loss_func,
 compute_metrics and preprocess_logits_for_metrics (they need the logits of the whole
-sequence), DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
-parallelism_config, the "batch_rebalance" sampling strategy, a world size that
-sequence_parallel_size does not divide; when train() or evaluate() makes a dataloader:
+sequence), DataParallel (several GPUs in one process), DeepSpeed, the "batch_rebalance" sampling
+strategy, a world size that sequence_parallel_size does not divide, degrees that do not
+multiply to the world size and what trainer_mesh.trainer_degrees refuses (tensor,
+pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over the mesh
+does not take, saving the optimizer's state of a model it shards); when train() or evaluate() makes a dataloader:
 batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
 IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
 rank: keys shard_batch does not know, ranks of a group holding different batches.

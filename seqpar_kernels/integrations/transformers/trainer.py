@@ -91,6 +91,7 @@ import torch.distributed as dist
 try:
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
     from transformers import Trainer
+    from transformers import __version__ as transformers_version
 except ImportError as error:  # pragma: no cover - exercised only without them
     raise ImportError(
         "SequenceParallelTrainer needs Hugging Face transformers 4.56 or newer and accelerate: "
@@ -233,6 +234,11 @@ class SequenceParallelTrainerMixin:
         if self._degrees.fsdp:
             if uses_fused_head(self):
                 self._refuse(["FSDP2 over the mesh with TRL's DPO and GRPO trainers"])
+            if int(transformers_version.split(".")[0]) < 5:
+                raise ValueError(
+                    f"{describe}: FSDP2 over the mesh needs transformers 5 or newer (whose Trainer takes a model "
+                    f"sharded before it, without wrapping it in DDP); this is {transformers_version}"
+                )
             if training_args.save_strategy != "no" and not training_args.save_only_model:
                 raise ValueError(
                     f"{describe}: a model FSDP2 shards over the mesh saves no optimizer state: pass "
@@ -282,6 +288,21 @@ class SequenceParallelTrainerMixin:
             shard_model(type(self).__name__, self._unwrapped(model), self.sequence_parallel, self._degrees)
             # A model sharded before the Trainer wraps it: the Trainer neither moves it nor wraps it in DDP.
             self.is_distributed_loading_by_transformers = True
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """The Trainer's no_sync between micro-batches for a model sharded before it,
+        from the mesh's degrees (the Trainer's own reads a DistributedConfig that a model
+        sharded by the mixin has not): FSDP2's reduce-scatter waits for the step's last
+        micro-batch; under HSDP only the all-reduce across dp_replicate waits."""
+        if self._degrees.dp_replicate > 1:
+            self.model.set_requires_all_reduce(False)
+        else:
+            self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def _unwrapped(self, model):
         """The model inside DDP, FSDP and torch.compile (whose wrapper accelerate keeps:

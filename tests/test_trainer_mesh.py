@@ -1,11 +1,11 @@
 """SequenceParallelTrainer building one DeviceMesh from its arguments: data 2 x sequence 2
 on 4 gloo ranks with FSDP2 (the mixin's own fully_shard over data x sequence), asked for
 by TrainingArguments(fsdp=True) and by accelerate's ParallelismConfig(dp_shard_size=2,
-cp_size=2), against the plain Trainer in one process on the global batch: every step's
-loss and grad_norm, eval_loss, train_loss and every parameter after 3 SGD steps of 2
-micro-batches each, fp32 (tolerances: test_transformers_trainer's). The padded batches'
-replicas hold different numbers of real tokens, so a mean of the replicas' means would
-miss the logged loss.
+cp_size=2), and HSDP from ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
+against the plain Trainer in one process on the global batch: every step's loss and
+grad_norm, eval_loss, train_loss and every parameter after 3 (HSDP: 2) SGD steps of 2
+micro-batches each, fp32 (tolerances: test_transformers_trainer's). The padded batches
+of sequences of 9 to 40 tokens give the replicas different numbers of real tokens.
 And the combinations the Trainer cannot honour raise on every rank, naming the numbers.
 """
 
@@ -38,6 +38,8 @@ FSDP2 = dict(fsdp=True, fsdp_config={"version": 2})
 # Gradient accumulation: the Trainer defers FSDP2's reduce-scatter to the last micro-batch.
 CASE = _case("ring", "balanced", replicas=2, args=dict(max_steps=3, gradient_accumulation_steps=2, **FSDP2))
 
+HSDP_CASE = _case("ring", "balanced", replicas=4, args=dict(max_steps=2, gradient_accumulation_steps=2))
+
 
 def _parallelism_config(**sizes):
     from accelerate.parallelism_config import ParallelismConfig
@@ -66,13 +68,17 @@ def _trained(case: dict, evaluate: bool = True, **overrides) -> dict:
 
 
 def run_mesh_trainers() -> dict:
-    """On every rank: the FSDP2 run, the ParallelismConfig run, and what raises."""
+    """On every rank: the FSDP2 run, the ParallelismConfig run, an HSDP run, and what raises."""
     _as_torchrun_started()
     results = {"fsdp": _trained(CASE)}
     # The same mesh from ParallelismConfig: one step (its run is the fsdp run's).
     mapped = dict(CASE, args=dict(max_steps=1, gradient_accumulation_steps=2))
     results["parallelism_config"] = _trained(
         mapped, evaluate=False, parallelism_config=_parallelism_config(dp_shard_size=2, cp_size=2)
+    )
+    # HSDP: 2 whole copies (dp_replicate), each sharded over 2 ranks (dp_shard), 4 replicas.
+    results["hsdp"] = _trained(
+        HSDP_CASE, parallelism_config=_parallelism_config(dp_replicate_size=2, dp_shard_size=2, cp_size=1)
     )
     refused = {
         "product": (dict(dp_shard_size=4, cp_size=2), r"dp_replicate_size=1 x dp_shard_size=4 x cp_size=2 = 8 ranks, "
@@ -108,5 +114,9 @@ def test_fsdp2_over_data_and_sequence_matches_the_plain_trainer():
     for key in ("loss", "grad_norm"):
         expected = _step(fsdp, 1)[key]
         assert abs(_step(mapped, 1)[key] - expected) <= LOSS_RTOL * abs(expected), key
+    problems = _differences(per_rank[0]["hsdp"], _reference(HSDP_CASE))
+    assert not problems, ("hsdp", problems)
+    assert [result["hsdp"]["data_rank"] for result in per_rank] == [0, 1, 2, 3]
+    assert all(result["hsdp"]["meshes"] == {(2, 2)} for result in per_rank)
     for rank, result in enumerate(per_rank):
         assert not result["refused"], (rank, result["refused"])

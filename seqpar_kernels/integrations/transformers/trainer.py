@@ -32,16 +32,16 @@ so that the step is the one-process Trainer's smaller last batch.
 Loss and gradients. The Trainer wraps the model in DDP (or accelerate's FSDP1) over the
 whole world, or the mixin shards it with FSDP2 over data x sequence (the world; HSDP:
 replicated over dp_replicate) before the Trainer sees it; either averages the gradients
-over all W = replicas x size ranks. This rank's backward
-gives its tokens' share of its group's loss (sequence_parallel_cross_entropy's
-convention), so the loss it backpropagates is scaled by W x (its group's tokens) / D,
-D the one-process Trainer's denominator: num_items_in_batch counted as the Trainer
-counts it, over every micro-batch of the step and every replica (or, for a model that
-takes no num_items_in_batch, the micro-batch's tokens over the replicas, and the Trainer
-divides by the accumulation steps itself). The average over the world is then the
-one-process gradient, whole before the Trainer clips it. The value this rank returns
-(what the Trainer logs, averaged over the world) is replicas x (its group's loss sum) /
-D: the world's average is the one-process loss.
+over all W = replicas x size ranks. This rank's backward gives its tokens' share of its
+group's loss (sequence_parallel_cross_entropy's convention), so the loss it
+backpropagates is scaled by W x (its group's tokens) / D, D the one-process Trainer's
+denominator: num_items_in_batch counted as the Trainer counts it, over every micro-batch
+of the step and every replica (or, for a model that takes no num_items_in_batch, the
+micro-batch's tokens over the replicas, and the Trainer divides by the accumulation
+steps itself). The average over the world is then the one-process gradient, whole before
+the Trainer clips it. The value this rank returns (what the Trainer logs, averaged over
+the world) is replicas x (its group's loss sum) / D: the world's average is the
+one-process loss.
 
 Router loss. A mixture-of-experts model with output_router_logits=True adds
 router_aux_loss_coef x its load-balancing loss (router.py), a product of two means over
@@ -62,14 +62,15 @@ gradient_checkpointing: each layer's input) in host memory (memory.offload_activ
 
 What raises (ValueError, at construction): label smoothing, compute_loss_func,
 compute_metrics and preprocess_logits_for_metrics (they need the logits of the whole
-sequence), DataParallel (several GPUs in one process), DeepSpeed, the "batch_rebalance" sampling
-strategy, a world size that sequence_parallel_size does not divide, degrees that do not
-multiply to the world size and what trainer_mesh.trainer_degrees refuses (tensor,
-pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over the mesh
-does not take, saving the optimizer's state of a model it shards); when train() or evaluate() makes a dataloader:
-batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
-IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
-rank: keys shard_batch does not know, ranks of a group holding different batches.
+sequence), DataParallel (several GPUs in one process), DeepSpeed, the "batch_rebalance"
+sampling strategy, a world size that sequence_parallel_size does not divide, degrees
+that do not multiply to the world size and what trainer_mesh.trainer_degrees refuses
+(tensor, pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over
+the mesh does not take), saving the optimizer's state of a model the mixin shards; when
+train() or evaluate() makes a dataloader: batches dispatched from rank 0 (accelerate's
+dispatch_batches, its default for an IterableDataset), uneven replica batches
+(even_batches=False); at a batch, on every rank: keys shard_batch does not know, ranks
+of a group holding different batches.
 
 TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over a
 sequence-parallel fused LM head of the model and the reference model (each rank's

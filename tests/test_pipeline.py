@@ -25,10 +25,11 @@ from test_transformers_integration import VOCAB, _config, _model, _relative_erro
 
 LAYERS = 3
 # Each micro-batch: packed documents of 24 tokens, the first `prompt` tokens' labels -100
-# (a prompt): 20, 6, 17 and 13 real targets, so that a mean of the micro-batches' means
-# weighs their tokens up to 20/6 times differently from the global mean.
+# (a prompt): 20, 8, 18 and 14 real targets, so that a mean of the micro-batches' means
+# weighs their tokens up to 20/8 times differently from the global mean. Every one
+# shards to 12 + 12 tokens in the balanced layout too (the stages' buffers have one shape).
 MICRO_BATCHES = (([6, 1, 11, 6], 0), ([14, 10], 16), ([8, 8, 8], 4), ([24], 10))
-# Data 2: the second replica's micro-batches (other documents, other real tokens).
+# Data 2: the second replica's micro-batches (other documents; 21, 12, 23 and 6 real targets).
 SECOND_REPLICA = (([12, 12], 2), ([4, 20], 12), ([24], 0), ([5, 5, 14], 18))
 
 

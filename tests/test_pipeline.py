@@ -179,6 +179,18 @@ def run_refusals():
             lambda: sp_transformers.pipeline(set_up(), pipeline_dim="cp", microbatches=2),
             r"pipeline_dim='cp' is apply\(\)'s sequence_dims=\('cp',\)",
         ),
+        "a model apply() did not set up on a mesh": (
+            lambda: sp_transformers.pipeline(_model(_config(layers=LAYERS)), pipeline_dim="pp", microbatches=2),
+            r"LlamaForCausalLM was not set up by apply\(model, mode, mesh=\.\.\., sequence_dims=\.\.\.\)",
+        ),
+        "1F1B with fewer micro-batches than stages": (
+            lambda: sp_transformers.pipeline(set_up(), pipeline_dim="pp", schedule="1F1B", microbatches=1),
+            r"microbatches=1 must be at least 1 \(1F1B: at least the 2 stages of 'pp'\)",
+        ),
+        "a wrong count of micro-batches": (
+            lambda: pipe.step(_micro_batches(MICRO_BATCHES[:3], seed=0)),
+            r"takes a list of microbatches=2 batches, got 3",
+        ),
         "gradients over the pipeline dim": (
             lambda: sp_transformers.all_reduce_gradients(pipe.module, data_dims="pp", **dims),
             stage + r".*data_dims='pp'",

@@ -303,6 +303,8 @@ def check_within_stages(describe: str, named, groups, arguments: str) -> None:
     for one of the (name, parameter) pairs that hold_per_stage recorded: it would sum
     other layers' gradients (or hang: the stages hold different parameters). Local:
     every rank's stage is recorded alike."""
+    if not _STAGES or not groups:  # no pipeline in this process, or nothing reduced
+        return
     reduced = [_ranks_of(group) for group in groups]
     for name, parameter in named:
         stage = _STAGES.get(parameter)

@@ -8,8 +8,11 @@ Public API:
     varlen_plan                                            (packed documents: varlen=plan)
     ssd_scan, selective_scan                               (state-space scans of hybrid models:
                                                             Mamba2's SSD and Mamba's selective scan)
-    gated_delta_rule                                       (Gated DeltaNet's mixer over the sharded
-                                                            sequence, its state passed across ranks)
+    gated_delta_rule, kimi_delta_attention,                (Gated DeltaNet's, Kimi's and MiniMax's linear
+    lightning_attention                                     attention over the sharded sequence, their
+                                                            state passed across ranks)
+    sparse_placement, indexer_topk, sparse_attention       (indexer-sparse attention, DSA: the top-k
+                                                            keys of every rank, then attention over them)
     sequence_parallel_cross_entropy,                       (the LM loss over every rank's tokens,
     sequence_parallel_cross_entropy_from_logits             logits a chunk of tokens at a time)
     sequence_parallel_logprobs                             (each token's log-probability and entropy,
@@ -32,7 +35,7 @@ from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy_from_logits,
     sequence_parallel_logprobs,
 )
-from seqpar_kernels.parallel.gated_delta import gated_delta_rule
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule, kimi_delta_attention, lightning_attention
 from seqpar_kernels.parallel.inference import (
     decode_attention,
     decode_attention_partial,
@@ -43,6 +46,7 @@ from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.reshard import all_to_all_reshard, gather_sequence, split_sequence
 from seqpar_kernels.parallel.ring import ring_attention, zigzag_gather, zigzag_split
+from seqpar_kernels.parallel.sparse import indexer_topk, sparse_attention, sparse_placement
 from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
 from seqpar_kernels.parallel.training import all_reduce_gradients, shard_batch
 from seqpar_kernels.parallel.ulysses import ulysses_attention
@@ -68,6 +72,11 @@ __all__ = [
     "ssd_scan",
     "selective_scan",
     "gated_delta_rule",
+    "kimi_delta_attention",
+    "lightning_attention",
+    "sparse_placement",
+    "indexer_topk",
+    "sparse_attention",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_cross_entropy_from_logits",
     "sequence_parallel_logprobs",

@@ -5,6 +5,8 @@ formulas of what each collective sends, the one place they are written.
     reshard_bytes              all_to_all_reshard (DSP's switch)
     gather_bytes               gather_sequence
     usp_gather_bytes           usp_gather: over the Ulysses group, then the ring
+    sparse_gradient_bytes      a gather's backward that sums every rank's gradient of its rows
+    sparse_attention_bytes     sparse_attention (indexer-sparse, DSA): the rows asked, forward and backward
     ulysses_bytes              ulysses_attention, forward and backward (CallBytes)
     kv_heads_read              the kv heads each rank's q heads read, which Ulysses sends
     ring_bytes                 ring_attention, forward and backward (CallBytes)
@@ -133,6 +135,35 @@ def usp_gather_bytes(
     return gather_bytes(row, ulysses_index, row_bytes) + gather_bytes(slots, ring_index, row_bytes)
 
 
+def sparse_gradient_bytes(seq_lens: Sequence[int], rank: int, row_bytes: int) -> int:
+    """Bytes `rank` sends in the backward of a gather whose every rank used every row
+    (sparse_attention's K and V): each other rank's rows of its gradient, summed there.
+        (T - seq_lens[rank]) x row_bytes"""
+    return (sum(seq_lens) - seq_lens[rank]) * row_bytes
+
+
+def sparse_attention_bytes(
+    asked: Sequence[Sequence[int]], rank: int, *, batch: int, kv_heads: int, head_dim: int, value_dim: int,
+    element_size: int,
+) -> CallBytes:  # fmt: skip
+    """Bytes sparse_attention sends from `rank`: asked[j][i] is how many distinct rows
+    the queries of rank j keep from rank i (its own included). Forward: the request
+    (the P-1 counts, then the positions of the rows it asks of the others, int64), and
+    the K and V rows the others asked of it; backward: the dK and dV rows it fetched,
+    sent back to their ranks.
+        forward   8 x (P-1) + 8 x sum_{i!=r} asked[r][i] + sum_{j!=r} asked[j][r] x row
+        backward  sum_{i!=r} asked[r][i] x row          row = B x H_kv x (D + Dv) x element size
+    At most (P-1) x S_r rows each way (every row of rank r asked by every rank). indexer_topk
+    adds gather_bytes(seq_lens, rank, B x D_i x element size) for its keys, and
+    sparse_placement gather_bytes(seq_lens, rank, 8) for the rows (once per placement)."""
+    world = len(asked)
+    row = batch * kv_heads * (head_dim + value_dim) * element_size
+    fetched = sum(asked[rank]) - asked[rank][rank]
+    served = sum(asked[other][rank] for other in range(world) if other != rank)
+    request = 8 * (world - 1) + 8 * fetched if world > 1 else 0
+    return CallBytes(request + served * row, fetched * row)
+
+
 def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[frozenset[int]]:
     """The kv heads each rank's q heads read (q heads split by torch.tensor_split over
     the ranks; q head h reads kv head h // (num_heads // num_kv_heads)). Derived from the
@@ -146,16 +177,17 @@ def kv_heads_read(num_heads: int, num_kv_heads: int, world_size: int) -> list[fr
 
 def ulysses_bytes(
     seq_lens: Sequence[int], rank: int, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    element_size: int, return_lse: bool = False,
+    element_size: int, return_lse: bool = False, value_dim: int | None = None,
 ) -> CallBytes:  # fmt: skip
     """Bytes ulysses_attention (or the Ulysses half of usp_attention) sends from `rank`.
 
-    seq_lens: every rank's rows; q (batch, S_r, num_heads, head_dim), k and v
-    (batch, S_r, num_kv_heads, head_dim). Rank j works on n_j q heads (torch.tensor_split
-    of num_heads) and the m_j kv heads they read (kv_heads_read); row = batch x head_dim x
-    element size. Sums over j != r:
-        forward   (S_r (n_j + 2 m_j) + S_j n_r) x row     q, k, v out; out back
-        backward  (S_r n_j + S_j (n_r + 2 m_r)) x row     dout out; dq, dk, dv back
+    seq_lens: every rank's rows; q (batch, S_r, num_heads, D), k (batch, S_r,
+    num_kv_heads, D) and v (batch, S_r, num_kv_heads, Dv) with D = head_dim, Dv =
+    value_dim (None: D); out like q with Dv. Rank j works on n_j q heads
+    (torch.tensor_split of num_heads) and the m_j kv heads they read (kv_heads_read);
+    unit = batch x element size. Sums over j != r:
+        forward   (S_r (n_j D + m_j (D + Dv)) + S_j n_r Dv) x unit     q, k, v out; out back
+        backward  (S_r n_j Dv + S_j (n_r D + m_r (D + Dv))) x unit     dout out; dq, dk, dv back
     return_lse: the fp32 lse of this rank's heads goes back too (USP), forward
     S_j x n_r x batch x 4 more. With heads and lengths even: (P-1)/P x (q + k + v + out)
     bytes each way. K and V repeated to num_heads heads before the exchange would send
@@ -163,11 +195,13 @@ def ulysses_bytes(
     world_size = len(seq_lens)
     q_heads = tensor_split_sizes(num_heads, world_size)
     kv_heads = [len(heads) for heads in kv_heads_read(num_heads, num_kv_heads, world_size)]
-    row = batch * head_dim * element_size
+    unit, key, value = batch * element_size, head_dim, value_dim or head_dim
     others = [j for j in range(world_size) if j != rank]
     own_len, own_q, own_kv = seq_lens[rank], q_heads[rank], kv_heads[rank]
-    forward = sum(own_len * (q_heads[j] + 2 * kv_heads[j]) + seq_lens[j] * own_q for j in others) * row
-    backward = sum(own_len * q_heads[j] + seq_lens[j] * (own_q + 2 * own_kv) for j in others) * row
+    forward = sum(own_len * (q_heads[j] * key + kv_heads[j] * (key + value)) + seq_lens[j] * own_q * value
+                  for j in others) * unit  # fmt: skip
+    backward = sum(own_len * q_heads[j] * value + seq_lens[j] * (own_q * key + own_kv * (key + value))
+                   for j in others) * unit  # fmt: skip
     if return_lse:
         forward += sum(seq_lens[j] for j in others) * own_q * batch * FP32_BYTES
     return CallBytes(forward, backward)
@@ -175,12 +209,13 @@ def ulysses_bytes(
 
 def ring_bytes(
     seq_lens: Sequence[int], rank: int, *, batch: int, num_kv_heads: int, head_dim: int, element_size: int,
-    steps: int | None = None,
+    steps: int | None = None, value_dim: int | None = None,
 ) -> CallBytes:  # fmt: skip
     """Bytes ring_attention sends from `rank` (engine/ring_driver.py's loops).
 
-    seq_lens: every rank's rows, in ring order; k and v (batch, S_r, num_kv_heads,
-    head_dim); kv = batch x num_kv_heads x head_dim x 2, the K|V elements of one row.
+    seq_lens: every rank's rows, in ring order; k (batch, S_r, num_kv_heads, head_dim)
+    and v (batch, S_r, num_kv_heads, value_dim; None: head_dim); kv = batch x
+    num_kv_heads x (head_dim + value_dim), the K|V elements of one row.
     steps: the ring's last step m: P-1 (None), or under a window or chunks the farthest
     ring offset some rank sees (window_ring_steps; StepMasks.reach in general). At step s
     the rank holds rank r-s's block (n_{r-s} rows): it passes it on at steps 0..m-1 and
@@ -191,7 +226,7 @@ def ring_bytes(
     forward m x (k + v bytes), backward m x (k + v bytes + fp32 dk + dv bytes)."""
     world_size = len(seq_lens)
     last = world_size - 1 if steps is None else steps
-    kv = batch * num_kv_heads * head_dim * 2
+    kv = batch * num_kv_heads * (head_dim + (value_dim or head_dim))
     held = [seq_lens[(rank - step) % world_size] for step in range(last + 1)]  # rows held at each step
     kv_bytes = sum(held[:last]) * kv * element_size
     return CallBytes(kv_bytes, kv_bytes + sum(held[1:]) * kv * FP32_BYTES)
@@ -210,11 +245,13 @@ def window_ring_steps(window_left: int, piece_len: int, world_size: int) -> int:
 def usp_bytes(
     seq_lens: Sequence[int], ring_index: int, ulysses_index: int, *, ulysses_size: int, batch: int, num_heads: int,
     num_kv_heads: int, head_dim: int, element_size: int, return_lse: bool = False, ring_steps: int | None = None,
+    value_dim: int | None = None,
 ) -> tuple[CallBytes, CallBytes]:  # fmt: skip
     """(Ulysses group, ring group) bytes usp_attention sends from the rank at
     (ring_index i, ulysses_index j).
 
-    seq_lens: every piece's rows, in piece order i * U + j; q, k, v as ulysses_bytes'.
+    seq_lens: every piece's rows, in piece order i * U + j; q, k, v (value_dim) as
+    ulysses_bytes'.
         Ulysses group  ulysses_bytes over slot i's U pieces, for Ulysses rank j
                        (return_lse: its lse back too)
         ring group     ring_bytes over the R slots' lengths L, for slot i, with the m_j
@@ -223,11 +260,12 @@ def usp_bytes(
     ulysses = ulysses_bytes(
         _slot_pieces(seq_lens, ring_index, ulysses_size), ulysses_index, batch=batch, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size, return_lse=return_lse,
+        value_dim=value_dim,
     )  # fmt: skip
     kv_heads = len(kv_heads_read(num_heads, num_kv_heads, ulysses_size)[ulysses_index])
     ring = ring_bytes(
         _slot_lengths(seq_lens, ulysses_size), ring_index, batch=batch, num_kv_heads=kv_heads, head_dim=head_dim,
-        element_size=element_size, steps=ring_steps,
+        element_size=element_size, steps=ring_steps, value_dim=value_dim,
     )  # fmt: skip
     return ulysses, ring
 
@@ -267,7 +305,8 @@ def decode_attention_bytes(group_sizes: Sequence[int], *, batch: int, num_querie
                            head_dim: int) -> int:  # fmt: skip
     """Bytes decode_attention sends from any rank: its fp32 partial (out and lse) of the
     batch x num_queries x num_heads rows to every other rank of each group in turn
-    (group_sizes: [P] for a group; [U, R] for a USP grid; a mesh's dims).
+    (group_sizes: [P] for a group; [U, R] for a USP grid; a mesh's dims); head_dim: the
+    out's, v's head dim.
         sum over groups of (size - 1) x batch x num_queries x num_heads x (head_dim + 1) x 4
     Independent of the cache's length."""
     return sum(size - 1 for size in group_sizes) * batch * num_queries * num_heads * (head_dim + 1) * FP32_BYTES
@@ -282,12 +321,15 @@ PASS_KV, PASS_Q = "pass-kv", "pass-q"
 def prefill_attention_bytes(
     cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], rank: int, *, method: str, batch: int,
     num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, ulysses_size: int = 1,
+    value_dim: int | None = None,
 ) -> int:  # fmt: skip
     """Bytes prefill_attention sends from `rank` by `method` (PASS_KV or PASS_Q).
 
     cache_seq_lens: every rank's cached rows S_j (k_cache.shape[1]); chunk_seq_lens: every
     rank's rows C_j of the new chunk; q (batch, C_r, num_heads, head_dim), k and v of the
-    chunk and of the cache num_kv_heads heads, element_size bytes each. ulysses_size: U
+    chunk and of the cache num_kv_heads heads, element_size bytes each; v's head dim
+    Dv = value_dim (None: head_dim; below, 2 x head_dim is head_dim + Dv and the
+    partials' head_dim + 1 is Dv + 1). ulysses_size: U
     of USP's grid (ranks in piece order i * U + j; pass-Q only), 1 for one group.
         pass-kv  each rank's block travels the ring: its cached and new K and V, their
                  positions and its cache's lengths. Block j, with e the element size:
@@ -308,7 +350,8 @@ def prefill_attention_bytes(
                  (U = 1: the one group's formula)."""
     world_size = len(cache_seq_lens)
     if method == PASS_KV and ulysses_size == 1:
-        block = [batch * ((cache + chunk) * (2 * num_kv_heads * head_dim * element_size + POSITION_BYTES)
+        kv_dims = head_dim + (value_dim or head_dim)
+        block = [batch * ((cache + chunk) * (num_kv_heads * kv_dims * element_size + POSITION_BYTES)
                           + POSITION_BYTES) for cache, chunk in zip(cache_seq_lens, chunk_seq_lens)]  # fmt: skip
         return sum(block[(rank - step) % world_size] for step in range(world_size - 1))
     if method != PASS_Q:
@@ -319,12 +362,12 @@ def prefill_attention_bytes(
     query_rows = (ulysses_size - 1) * mine + (ring_size - 1) * slot
     partial_rows = sum(slots) - slot + slot - mine
     return batch * (query_rows * (num_heads * head_dim * element_size + POSITION_BYTES)
-                    + partial_rows * num_heads * (head_dim + 1) * FP32_BYTES)  # fmt: skip
+                    + partial_rows * num_heads * ((value_dim or head_dim) + 1) * FP32_BYTES)  # fmt: skip
 
 
 def prefill_attention_method(
     cache_seq_lens: Sequence[int], chunk_seq_lens: Sequence[int], *, batch: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, element_size: int,
+    head_dim: int, element_size: int, value_dim: int | None = None,
 ) -> str:  # fmt: skip
     """The method prefill_attention's method="auto" takes: PASS_Q where it sends fewer
     bytes over all ranks together than PASS_KV (prefill_attention_bytes summed over the
@@ -332,7 +375,7 @@ def prefill_attention_method(
     cached tokens dominate the chunk's; pass-KV for a first prompt or a long chunk. The
     same on every rank, from every rank's lengths."""
     sizes = dict(batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 element_size=element_size)  # fmt: skip
+                 element_size=element_size, value_dim=value_dim)  # fmt: skip
     ranks = range(len(cache_seq_lens))
     totals = {method: sum(prefill_attention_bytes(cache_seq_lens, chunk_seq_lens, rank, method=method, **sizes)
                           for rank in ranks) for method in (PASS_KV, PASS_Q)}  # fmt: skip

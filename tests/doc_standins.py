@@ -212,6 +212,7 @@ def standins(free: set[str], source: str) -> dict:
         "no_logits": lambda: torch.empty(0, dtype=torch.long),
         "replica_batches": lambda: [_batch(30 + 6 * replica, seed=replica) for replica in range(dist.get_world_size())],
         "optimizer": lambda: _LazySGD(made["model"]),
+        "micro_batches": lambda: [_batch(32, seed=index) for index in range(8)],  # a pipeline's step
     }
     for name in free - set(made):
         if name in simple:

@@ -30,10 +30,12 @@ NAMES = ("out", "dq", "dk", "dv", "dsinks")
 
 
 def case(id, mode, *, H=4, H_kv=2, D=16, B=1, per_rank=5, causal=True, layout="contiguous", window=(-1, -1),
-         softcap=0.0, sinks=False, chunk=None, documents=None, grid=None, step_kernels=None):  # fmt: skip
+         softcap=0.0, sinks=False, chunk=None, documents=None, grid=None, step_kernels=None,
+         Dv=None):  # fmt: skip
     """A case: mode "ring", "ulysses" or "usp" (grid: its Ulysses degree), the sequence
-    per_rank x P rows (documents: their lengths as fractions of it, packed: varlen)."""
-    return dict(id=id, mode=mode, H=H, H_kv=H_kv, D=D, B=B, per_rank=per_rank, causal=causal, layout=layout,
+    per_rank x P rows (documents: their lengths as fractions of it, packed: varlen); Dv:
+    v's head dim (None: D)."""
+    return dict(id=id, mode=mode, H=H, H_kv=H_kv, D=D, Dv=Dv or D, B=B, per_rank=per_rank, causal=causal, layout=layout,
                 window=window, softcap=softcap, sinks=sinks, chunk=chunk, documents=documents, grid=grid,
                 step_kernels=step_kernels)  # fmt: skip
 
@@ -58,8 +60,8 @@ def _run(case, dtype, seed, autocast=False):
     def draw(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    q, dout = draw(case["B"], total, case["H"], case["D"]), draw(case["B"], total, case["H"], case["D"])
-    k, v = draw(case["B"], total, case["H_kv"], case["D"]), draw(case["B"], total, case["H_kv"], case["D"])
+    q, dout = draw(case["B"], total, case["H"], case["D"]), draw(case["B"], total, case["H"], case["Dv"])
+    k, v = draw(case["B"], total, case["H_kv"], case["D"]), draw(case["B"], total, case["H_kv"], case["Dv"])
     sinks = draw(case["H"]) if case["sinks"] else None
     cu_seqlens = _bounds(case, total)
     variants = dict(window_size=case["window"], softcap=case["softcap"], chunk_size=case["chunk"])

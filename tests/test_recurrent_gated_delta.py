@@ -59,7 +59,26 @@ def random_inputs(batch, length, key_heads, value_heads, key_dim, value_dim, *, 
     return [x.to(dtype) for x in (q, k, v, g, beta)]
 
 
-class _Float64(TorchFunctionMode):
+def engine_runner(inputs, value_heads, key_dim, value_dim, generator):
+    """(run, initial): run(function, **options) -> [out, final state, every input's and the
+    initial state's gradient] of function(*inputs, initial_state=initial) for a random
+    initial state (batch, value_heads, key_dim, value_dim) and random gradients of the
+    output and the final state (fp64)."""
+    batch, length = inputs[0].shape[:2]
+    initial = torch.randn(batch, value_heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
+    dout = torch.randn(batch, length, value_heads, value_dim, generator=generator, dtype=torch.float64)
+    dfinal = torch.randn(initial.shape, generator=generator, dtype=torch.float64)
+
+    def run(function, **options):
+        leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
+        out, final = function(*leaves[:-1], initial_state=leaves[-1], **options)
+        torch.autograd.backward([out, final], [dout, dfinal])
+        return [out.detach(), final.detach(), *(leaf.grad for leaf in leaves)]
+
+    return run, initial
+
+
+class Float64(TorchFunctionMode):
     """Runs code written for fp32 in fp64: every torch.float32 argument read as float64
     (transformers' references cast their inputs to fp32)."""
 
@@ -79,21 +98,12 @@ def test_engine_is_transformers_chunked_and_recurrent_form(length, key_heads, va
     generator = torch.Generator().manual_seed(3)
     inputs = random_inputs(2, length, key_heads, value_heads, key_dim, value_dim, generator=generator,
                            unit_keys=not use_qk_l2norm)  # fmt: skip
-    initial = torch.randn(2, value_heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
-    dout = torch.randn(2, length, value_heads, value_dim, generator=generator, dtype=torch.float64)
-    dfinal = torch.randn(initial.shape, generator=generator, dtype=torch.float64)
-
-    def outputs_and_gradients(function, **options):
-        leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
-        out, final = function(*leaves[:5], initial_state=leaves[5], **options)
-        torch.autograd.backward([out, final], [dout, dfinal])
-        return [out.detach(), final.detach(), *(leaf.grad for leaf in leaves)]
-
+    outputs_and_gradients, initial = engine_runner(inputs, value_heads, key_dim, value_dim, generator)
     ours = outputs_and_gradients(chunk_gated_delta_rule, use_qk_l2norm=use_qk_l2norm)
     names = ["out", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
     # By name: with kernels installed, transformers 5.25 on holds them as Func modules, without __name__.
     for form in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        with _Float64():
+        with Float64():
             theirs = outputs_and_gradients(getattr(modeling, form), output_final_state=True,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm)  # fmt: skip
         for name, mine, expected in zip(names, ours, theirs):
@@ -112,14 +122,16 @@ def test_engine_output_in_the_input_dtype():
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
 
 
-def test_chunk_states_backward_is_the_gradient_of_its_forward():
-    """The sequential pass's hand-written backward, three runs (one of no chunk), by gradcheck."""
+@pytest.mark.parametrize("decays", [(), ("key_dim",)], ids=["per head", "per key channel"])
+def test_chunk_states_backward_is_the_gradient_of_its_forward(decays):
+    """The sequential pass's hand-written backward, three runs (one of no chunk), by
+    gradcheck; a decay per head, or per key channel (Kimi's delta attention)."""
     generator = torch.Generator().manual_seed(5)
     batch, heads, chunks, size, key_dim, value_dim = 1, 2, 4, 3, 2, 3
     w, k_decayed = (0.5 * torch.randn(batch, heads, chunks, size, key_dim, generator=generator, dtype=torch.float64)
                     for _ in range(2))  # fmt: skip
     u = torch.randn(batch, heads, chunks, size, value_dim, generator=generator, dtype=torch.float64)
-    decay = torch.rand(batch, heads, chunks, generator=generator, dtype=torch.float64)
+    decay = torch.rand(batch, heads, chunks, *(key_dim for _ in decays), generator=generator, dtype=torch.float64)
     initial = torch.randn(3, batch, heads, key_dim, value_dim, generator=generator, dtype=torch.float64)
     leaves = [x.requires_grad_() for x in (w, u, k_decayed, decay, initial)]
     assert torch.autograd.gradcheck(lambda *xs: chunk_states(*xs, [0, 1, 1, 4], "torch"), leaves)

@@ -147,18 +147,18 @@ def test_three_adamw_steps_match():
 
 def test_unknown_mixers_raise_naming_them():
     """A model whose layers mix the sequence in a way the package does not run raises at
-    apply(), naming the module (Kimi Linear's delta attention where this release has it)."""
+    apply(), naming the module (RecurrentGemma's RG-LRU scan where this release has it)."""
     import seqpar_kernels.integrations.transformers as sp_transformers
 
-    if not hasattr(transformers, "KimiLinearConfig"):
-        pytest.skip("no Kimi Linear in this transformers release")
-    config = transformers.KimiLinearConfig(
-        vocab_size=integration.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0, bos_token_id=1,
+    if not hasattr(transformers, "RecurrentGemmaConfig"):
+        pytest.skip("no RecurrentGemma in this transformers release")
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=integration.VOCAB, hidden_size=64, intermediate_size=64, lru_width=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2,
     )  # fmt: skip
-    model = transformers.KimiLinearForCausalLM(config)
-    problem = raises(lambda: sp_transformers.apply(model, "ring"), "KimiLinearDeltaAttention|does not run")
+    model = transformers.RecurrentGemmaForCausalLM(config)
+    problem = raises(lambda: sp_transformers.apply(model, "ring"), "RecurrentGemmaRglru.*does not run")
     assert problem is None, problem
 
 

@@ -5,6 +5,10 @@ Rows (bench column):
                   ranks (contiguous layout, S_l rows each): a window of W keys, the query
                   itself included, at W = S_l / 8, S_l / 2 and 2 S_l
   variants-train  the same, forward + backward
+  variants-mla    multi-head latent attention: ring_attention(q, k, v, causal=True) with
+                  v of head dim Dv < D (DeepSeek-V3's 192 / 128, scaled down on CPUs),
+                  forward + backward; baseline: the same ring with v zero-padded to D
+                  (what a kernel of one head dim needs), its out cut back to Dv
 
 Candidates, timed interleaved:
   ours       the windowed ring: a step whose block no query of the rank sees computes
@@ -13,7 +17,9 @@ Candidates, timed interleaved:
   baseline   the dense causal ring on the same inputs (every block travels P - 1 steps)
 speedup = dense / windowed. Bytes (comm_stats) against the formula (traffic.ring_bytes
 with m = traffic.window_ring_steps): forward m x the local K+V bytes, backward
-m x (K+V + fp32 dK+dV) more, where the dense ring sends P - 1.
+m x (K+V + fp32 dK+dV) more, where the dense ring sends P - 1. The MLA row: speedup =
+padded / ours; bytes against traffic.ring_bytes(value_dim=Dv), the padded ring's
+(value_dim=D) beside them.
 
 check: the windowed ring's out (and gradients) against attention written out in fp64
 with the window's mask, by the tests' accuracy rule (tools/reference.py) with plain
@@ -35,7 +41,7 @@ from bench.runner.plan import Size, Sizes
 from bench.runner.rows import Row, short_dtype
 from bench.runner.timing import time_side_by_side
 from bench.runner.verify import Accuracy, checked_heads, measure_volume, within_error_rule
-from seqpar_kernels import comm_stats, gather_sequence, ring_attention
+from seqpar_kernels import comm_stats, gather_sequence, ring_attention, zigzag_gather, zigzag_split
 from seqpar_kernels.traffic import window_ring_steps
 from tools import reference
 
@@ -82,9 +88,11 @@ def variant_cases(ctx: Context) -> list[WindowCase]:
 
 
 SIZES = Sizes(
-    quick=Size("S_l = 16, 3 windows, forward and forward + backward", 8),
-    default=Size("S_l = 512 forward, 256 forward + backward, H = 8 / 2 kv, D = 64, bf16: 3 windows each, 6 cases",
-                 35, gpu_runs="S_l = 8192, H = 32 / 8 kv, D = 128, bf16: 6 cases"),
+    quick=Size("S_l = 16, 3 windows, forward and forward + backward; MLA D = 24 / Dv = 16", 9),
+    default=Size("S_l = 512 forward, 256 forward + backward, H = 8 / 2 kv, D = 64, bf16: 3 windows each, 6 cases; "
+                 "MLA S_l = 256, H = 4, D = 48 / Dv = 32, forward + backward", 40,
+                 gpu_runs="S_l = 8192, H = 32 / 8 kv, D = 128, bf16: 6 cases; MLA S_l = 4096, H = 16, D = 192 / "
+                 "Dv = 128"),
     full=Size("the default's cases in bf16 and fp32: 12 cases", 65, gpu_runs="the default's cases"),
 )  # fmt: skip
 
@@ -92,6 +100,12 @@ SIZES = Sizes(
 def check(case: WindowCase, ctx: Context, full, ours_local) -> Accuracy:
     """The windowed ring's results, gathered whole, against fp64 attention with the mask."""
     gathered = [gather_sequence(tensor, 1) for tensor in ours_local]
+    return check_against_fp64(case, ctx, full, gathered, case.window_size)
+
+
+def check_against_fp64(case: AttentionCase, ctx: Context, full, gathered, window_size) -> Accuracy:
+    """Results of the whole sequence (out[, dq, dk, dv]) against causal fp64 attention
+    under window_size, by the tests' accuracy rule."""
     if not ctx.is_root:
         return Accuracy("(checked on rank 0)", "", math.nan)
     q_heads, kv_heads = checked_heads(ctx.on_gpu, case.heads, case.kv_heads)
@@ -100,7 +114,7 @@ def check(case: WindowCase, ctx: Context, full, ours_local) -> Accuracy:
     per_tensor = [q_heads, q_heads, kv_heads, kv_heads]
 
     def exact_in(dtype):
-        fn = lambda q, k, v: reference.attention(q, k, v, True, window_size=case.window_size)  # noqa: E731
+        fn = lambda q, k, v: reference.attention(q, k, v, True, window_size=window_size)  # noqa: E731
         result = reference.with_grads(fn, [t.to(dtype) for t in subset], dout[:, :, q_heads].to(dtype))
         return [result[0], *result[2:]] if case.backward else [result[0]]
 
@@ -148,25 +162,73 @@ def measure(case: WindowCase, ctx: Context) -> Row:
     with comm_stats() as dense_bytes:
         dense()
     timings = time_side_by_side({"ours": ours, "baseline": dense}, ctx)
+    detail = f"ring steps {steps} of {ctx.world_size - 1}; {accuracy.detail}"
+    return _row(ctx, case, timings, accuracy, volume, dense_bytes.bytes_sent, detail)
+
+
+def _row(ctx: Context, case: AttentionCase, timings, accuracy: Accuracy, volume, baseline_bytes: int, detail: str):
+    """The Row of a case timed ours against the baseline, checked, its bytes measured."""
     return timed_row(
         ctx, timings,
         bench=case.bench, case=case.label(ctx.world_size), shape=case.shape(ctx.world_size),
         dtype=short_dtype(case.dtype), check=accuracy.check, layout=case.layout, error_vs_plain=accuracy.vs_plain,
         bytes_sent_ours=volume.measured, bytes_sent_theory=volume.theory, volume_at_theory=volume.at_theory,
-        bytes_sent_baseline=dense_bytes.bytes_sent,
-        detail=f"ring steps {steps} of {ctx.world_size - 1}; {accuracy.detail}",
+        bytes_sent_baseline=baseline_bytes, detail=detail,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MlaCase(AttentionCase):
+    bench = "variants-mla"
+
+
+def mla_cases(ctx: Context) -> list[MlaCase]:
+    # (S_l, H, D, Dv): DeepSeek-V3's head dims on GPUs, a quarter of them on CPUs.
+    if ctx.quick:
+        local_len, heads, head_dim, value_dim = 16, 2, 24, 16
+    elif ctx.on_gpu:
+        local_len, heads, head_dim, value_dim = 4096, 16, 192, 128
+    else:
+        local_len, heads, head_dim, value_dim = 256, 4, 48, 32
+    return [MlaCase(1, local_len, heads, heads, head_dim, torch.bfloat16, "zigzag", True, True, value_dim=value_dim)]
+
+
+def measure_mla(case: MlaCase, ctx: Context) -> Row:
+    full = case.full_inputs(ctx)
+    q, k, v, dout = (zigzag_split(tensor, 1) for tensor in full)
+    seq_lens = [q.shape[1]] * ctx.world_size
+
+    def call(value_width):
+        q_l, k_l, v_l = leaves(q, k, v)
+
+        def run():
+            padded = torch.nn.functional.pad(v_l, (0, value_width - case.v_dim))
+            out = ring_attention(q_l, k_l, padded, causal=True, layout="zigzag", seq_lens=seq_lens)
+            out = out[..., : case.v_dim]
+            return [out.detach(), *torch.autograd.grad(out, (q_l, k_l, v_l), dout)]
+
+        return run
+
+    ours, padded = call(case.v_dim), call(case.head_dim)
+    accuracy = check_against_fp64(case, ctx, full, [zigzag_gather(x, 1) for x in ours()], (-1, -1))
+    volume = measure_volume(ctx, ours, case.ring_bytes(ctx))
+    with comm_stats() as padded_bytes:
+        padded()
+    timings = time_side_by_side({"ours": ours, "baseline": padded}, ctx)
+    detail = f"v zero-padded to D in the baseline; {accuracy.detail}"
+    return _row(ctx, case, timings, accuracy, volume, padded_bytes.bytes_sent, detail)
 
 
 def run(ctx: Context) -> list[Row]:
     ctx.log(BASELINE_NOTE)
-    return [row for case in variant_cases(ctx) for row in run_case(ctx, None, measure, case)]
+    rows = [row for case in variant_cases(ctx) for row in run_case(ctx, None, measure, case)]
+    return rows + [row for case in mla_cases(ctx) for row in run_case(ctx, None, measure_mla, case)]
 
 
 FAMILY = Family(
     name="variants",
     order=90,
-    measures="the sliding-window ring against the dense one",
+    measures="the sliding-window ring against the dense one; MLA's narrower values against padding them",
     run=run,
     sizes=SIZES,
     timed_share=0.45,

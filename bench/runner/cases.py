@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -136,6 +136,13 @@ class AttentionCase:
     layout: str  # "contiguous" | "zigzag"
     causal: bool
     backward: bool  # forward + backward, or forward only
+    # v's head dim (multi-head latent attention), None: head_dim; keyword-only, so that
+    # the subclasses' own fields keep their positions.
+    value_dim: int | None = field(default=None, kw_only=True)
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def attention(self) -> str:
@@ -148,21 +155,24 @@ class AttentionCase:
 
     def shape(self, world_size: int) -> str:
         return (f"B={self.batch} S={world_size * self.local_len} (S_l={self.local_len}) "
-                f"H={self.heads} H_kv={self.kv_heads} D={self.head_dim}")  # fmt: skip
+                f"H={self.heads} H_kv={self.kv_heads} D={self.head_dim}"
+                + (f" Dv={self.value_dim}" if self.value_dim else ""))  # fmt: skip
 
     def full_inputs(self, ctx: Context):
-        """q (B, S, H, D), k, v (B, S, H_kv, D) and dout of the whole sequence: the same
-        on every rank (seeded), so that every rank can run the reference."""
+        """q (B, S, H, D), k (B, S, H_kv, D), v (B, S, H_kv, Dv) and dout (B, S, H, Dv) of
+        the whole sequence: the same on every rank (seeded), so that every rank can run
+        the reference."""
         seqlen = ctx.world_size * self.local_len
-        q_shape = (self.batch, seqlen, self.heads, self.head_dim)
-        kv_shape = (self.batch, seqlen, self.kv_heads, self.head_dim)
-        return (ctx.random(q_shape, self.dtype, 10), ctx.random(kv_shape, self.dtype, 11),
-                ctx.random(kv_shape, self.dtype, 12), ctx.random(q_shape, self.dtype, 13))  # fmt: skip
+        q_shape, out_shape = ((self.batch, seqlen, self.heads, dim) for dim in (self.head_dim, self.v_dim))
+        k_shape, v_shape = ((self.batch, seqlen, self.kv_heads, dim) for dim in (self.head_dim, self.v_dim))
+        return (ctx.random(q_shape, self.dtype, 10), ctx.random(k_shape, self.dtype, 11),
+                ctx.random(v_shape, self.dtype, 12), ctx.random(out_shape, self.dtype, 13))  # fmt: skip
 
     def ring_bytes(self, ctx: Context, steps: int | None = None) -> int:
         """The bytes ring_attention sends from this rank in one timed call (forward, or
         forward + backward) over P pieces of S_l rows: traffic.ring_bytes, the ring
         stopping after `steps` (None: P-1)."""
         sent = ring_bytes([self.local_len] * ctx.world_size, ctx.rank, batch=self.batch, num_kv_heads=self.kv_heads,
-                          head_dim=self.head_dim, element_size=self.dtype.itemsize, steps=steps)  # fmt: skip
+                          head_dim=self.head_dim, element_size=self.dtype.itemsize, steps=steps,
+                          value_dim=self.value_dim)  # fmt: skip
         return sent.sent(self.backward)

@@ -16,15 +16,16 @@ gradients are its exact share of the whole attention's.
                         (fp32, an additive mask for packed documents, head dims that are
                         not a multiple of 8).
 
-Layouts: q, dout, out (B, S, H, D); k, v (B, S, H_kv, D), any strides; lse (B, H, S)
-fp32. Forward returns (block_out (B, S, H, D) view in the kernel's output dtype, block_lse
-(B, H, S) fp32); backward returns (dq, dk, dv) as (B, S, heads, D) views with k's head
-count for dk and dv.
+Layouts: q (B, S, H, D); k (B, S, H_kv, D); v (B, S, H_kv, Dv); dout, out (B, S, H, Dv),
+any strides (Dv may differ from D: multi-head latent attention); lse (B, H, S) fp32.
+Forward returns (block_out (B, S, H, Dv) view in the kernel's output dtype, block_lse
+(B, H, S) fp32); backward returns (dq, dk, dv) as views shaped like q, k, v.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _aten = torch.ops.aten
 
@@ -58,6 +59,40 @@ def _head_major(x: torch.Tensor, dtype: torch.dtype | None = None, dense: bool =
     return x.transpose(1, 2)
 
 
+def _one_head_dim(*tensors: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """Each (B, S, H, D_i) tensor zero-padded along the head dim to `width`, as aten's
+    fused kernels take q, k and v of one head dim only. Exact: zero columns add nothing
+    to q.k, and a zero column of v gives a zero column of out (and of dv)."""
+    return [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in tensors]
+
+
+def _value_head_dim(kernel):
+    """Wraps a block kernel class's forward and backward so that they take v of another
+    head dim than q and k (multi-head latent attention): every operand padded to the wider
+    dim (_one_head_dim), the results cut back to their own."""
+
+    forward, backward = kernel.forward, kernel.backward
+
+    def padded_forward(self, q, k, v, *args, **kwargs):
+        head_dim, value_dim = q.shape[-1], v.shape[-1]
+        if head_dim == value_dim:
+            return forward(self, q, k, v, *args, **kwargs)
+        q, k, v = _one_head_dim(q, k, v, width=max(head_dim, value_dim))
+        out, lse = forward(self, q, k, v, *args, **kwargs)
+        return out[..., :value_dim], lse
+
+    def padded_backward(self, dout, q, k, v, out, *args, **kwargs):
+        head_dim, value_dim = q.shape[-1], v.shape[-1]
+        if head_dim == value_dim:
+            return backward(self, dout, q, k, v, out, *args, **kwargs)
+        dout, q, k, v, out = _one_head_dim(dout, q, k, v, out, width=max(head_dim, value_dim))
+        dq, dk, dv = backward(self, dout, q, k, v, out, *args, **kwargs)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim]
+
+    kernel.forward, kernel.backward = padded_forward, padded_backward
+    return kernel
+
+
 def _repeat_kv(k: torch.Tensor, v: torch.Tensor, num_heads: int):
     """k, v: (B, S, H_kv, D) -> each kv head repeated for its q heads: (B, S, H, D)."""
     if k.shape[2] == num_heads:
@@ -74,6 +109,7 @@ def _sum_head_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return grad.reshape(batch, seqlen, num_kv_heads, heads // num_kv_heads, head_dim).sum(3)
 
 
+@_value_head_dim
 class CpuFlashBlocks:
     """aten's CPU flash kernels. repeat_kv_heads: hand them q's head count of kv heads
     (each repeated, gradients summed back), for torch releases whose kernel cannot read
@@ -152,6 +188,7 @@ def _additive_bias(mask: torch.Tensor, q: torch.Tensor, heads: int) -> torch.Ten
     return bias.expand(q.shape[0], heads, rows, cols)
 
 
+@_value_head_dim
 class CudaLibraryBlocks:
     """CUDA: torch's fused attention kernels per block (cuDNN, flash, memory-efficient:
     cuda_block_kernel chooses). Blocks are computed in the input dtype: the kernels take
@@ -264,7 +301,7 @@ class MathBlocks:
     def forward(self, q, k, v, scale, causal, mask=None, softcap=0.0):
         heads = q.shape[2]
         k, v = (x.float() for x in _repeat_kv(k, v, heads))
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=torch.float32, device=q.device)
         lse = torch.empty((q.shape[0], heads, q.shape[1]), dtype=torch.float32, device=q.device)
         starts, rows = self._tiles(q, k)
         for start in starts:

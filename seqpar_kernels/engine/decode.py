@@ -84,7 +84,7 @@ def attend_keys_(
     if longest == 0 or queries == 0 or heads == 0:
         return
     query_tile = max(1, min(queries, QUERY_TILE, tile_elements // (batch * heads)))
-    key_tile = max(1, tile_elements // (batch * max(heads * query_tile, 2 * kv_heads * head_dim)))
+    key_tile = max(1, tile_elements // (batch * max(heads * query_tile, kv_heads * (head_dim + v.shape[3]))))
     positions = q_positions.long()
     with inputs_precision(q.device):
         for key_start in range(0, longest, key_tile):
@@ -101,7 +101,7 @@ def attend_keys_(
 
 
 def _block(q, k, v, sees, spec: StepSpec, group: int):
-    """(out (B, Tq, H, D), lse (B, H, Tq)) fp32 of q over the fp32 keys k, v of one tile;
+    """(out (B, Tq, H, Dv), lse (B, H, Tq)) fp32 of q over the fp32 keys k, v (Dv) of one tile;
     sees (B, Tq, t): which keys each query row sees. q head h reads kv head h // group."""
     batch, queries, heads, head_dim = q.shape
     grouped = q.float().reshape(batch, queries, heads // group, group, head_dim)
@@ -112,7 +112,7 @@ def _block(q, k, v, sees, spec: StepSpec, group: int):
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key: lse -inf, weights exp(-inf - 0) = 0, out 0.
     weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
-    out = torch.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(batch, queries, heads, head_dim)
+    out = torch.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(batch, queries, heads, v.shape[-1])
     return out, lse.reshape(batch, heads, queries)
 
 

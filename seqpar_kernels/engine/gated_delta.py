@@ -6,6 +6,13 @@ Per value head, with the state S (dk, dv):
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
 
+Two variants run the same code: Kimi's delta attention, g_t one log decay per key
+channel (exp(g_t) the diagonal matrix diag(exp(g_t)), applied before the delta step),
+where the decays inside a chunk no longer factor out of its pairwise products
+(decayed_products: (C, C, dk) values a chunk, so chunks of CHANNEL_CHUNK_SIZE); and
+linear attention (MiniMax's lightning attention), beta None: no delta, S_t = exp(g_t)
+S_{t-1} + k_t v_t^T (T = I, W = 0 below).
+
 q and k L2-normalised if asked (x / sqrt(|x|^2 + 1e-6)), then q scaled (dk**-0.5 by
 default); each q/k head serves Hv // Hk consecutive value heads. Computed in fp32 (fp64
 for fp64 inputs), as transformers' torch_chunk_gated_delta_rule computes it: chunks of
@@ -21,7 +28,8 @@ state, beta = 0 adds nothing), per chunk, gc the cumulative g inside it, G = gc[
     h <- exp(G) h + (exp(G - gc) k)^T V'
 
 Only the last two lines are sequential: `chunk_states` runs them (a torch loop, or on
-CUDA the Triton kernels of kernels/gated_delta_kernels.py, whose products are TF32),
+CUDA, for a decay per head, the Triton kernels of kernels/gated_delta_kernels.py, whose
+products are TF32),
 forward and backward; the rest are batched matmuls over every chunk, differentiated by
 autograd.
 
@@ -45,6 +53,8 @@ from seqpar_kernels.engine.kernel_backend import chosen_backend
 from seqpar_kernels.layouts import Run
 
 CHUNK_SIZE = 64
+# Per-channel decays make each chunk's pairwise products (C, C, dk): L x 16 x dk values.
+CHANNEL_CHUNK_SIZE = 16
 # transformers' l2norm: x * rsqrt(|x|^2 + eps), as the FLA library.
 L2NORM_EPS = 1e-6
 # The Triton state kernels hold a (dk, block of dv) fp32 state in registers.
@@ -57,13 +67,14 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def prepared(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
-    """The inputs (B, S, Hk, dk), (B, S, Hk, dk), (B, S, Hv, dv), (B, S, Hv), (B, S, Hv)
-    as the recurrence reads them: heads first (B, Hv, S, dim) / (B, Hv, S), in the compute
-    dtype, q and k normalised if asked and expanded to the value heads, q scaled."""
-    dtype = compute_dtype(q, k, v, g, beta)
+    """The inputs (B, S, Hk, dk), (B, S, Hk, dk), (B, S, Hv, dv), g (B, S, Hv) or per key
+    channel (B, S, Hv, dk), beta (B, S, Hv) or None (no delta: linear attention) as the
+    recurrence reads them: heads first (B, Hv, S, ...), in the compute dtype, q and k
+    normalised if asked and expanded to the value heads, q scaled."""
+    dtype = compute_dtype(*(x for x in (q, k, v, g, beta) if x is not None))
     group = v.shape[2] // k.shape[2]
-    q, k, v = (x.transpose(1, 2).to(dtype) for x in (q, k, v))
-    g, beta = (x.transpose(1, 2).to(dtype) for x in (g, beta))
+    q, k, v, g = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g))
+    beta = None if beta is None else beta.transpose(1, 2).to(dtype)
     if use_qk_l2norm:
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (q, k))
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
@@ -73,11 +84,13 @@ def prepared(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, use_qk_l2norm: bool = False,
-                           initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+                           initial_state: torch.Tensor | None = None, chunk_size: int | None = None,
                            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gated delta rule over the whole sequence in one process (transformers'
     torch_chunk_gated_delta_rule with output_final_state). q, k (B, S, Hk, dk); v (B, S,
-    Hv, dv); g, beta (B, S, Hv); initial_state (B, Hv, dk, dv) or None (zeros). Returns
+    Hv, dv); g (B, S, Hv), or per key channel (B, S, Hv, dk) (Kimi's delta attention:
+    chunk_kimi_delta_attention); beta (B, S, Hv), or None for linear attention (no
+    delta: S_t = exp(g_t) S_{t-1} + k_t v_t^T); initial_state (B, Hv, dk, dv) or None (zeros). Returns
     the output (B, S, Hv, dv) in q's dtype and the final state (B, Hv, dk, dv) in the
     compute dtype. Differentiable in every input and the initial state. backend: what
     runs the chunks' sequential part ("auto": Triton on CUDA fp32, else torch)."""
@@ -90,14 +103,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, use_
     return out.transpose(1, 2).to(out_dtype), final[0]
 
 
-def chunked(q, k, v, g, beta, lengths, initial, chunk_size: int = CHUNK_SIZE, backend: str = "auto"):
+def chunked(q, k, v, g, beta, lengths, initial, chunk_size: int | None = None, backend: str = "auto"):
     """The recurrence over consecutive runs of L positions, each from its own state.
 
-    q, k (B, H, L, dk), v (B, H, L, dv), g, beta (B, H, L): prepared (heads first, compute
-    dtype); lengths: the runs' lengths (summing to L); initial (R, B, H, dk, dv + E): the
-    value read as [v | 0_E] (E extra zero columns: a transition's). Returns the output
-    (B, H, L, dv + E) and every run's final state (R, B, H, dk, dv + E)."""
+    q, k (B, H, L, dk), v (B, H, L, dv), g (B, H, L) or per key channel (B, H, L, dk),
+    beta (B, H, L) or None (no delta): prepared (heads first, compute dtype);
+    chunk_size: None for CHUNK_SIZE (CHANNEL_CHUNK_SIZE per channel); lengths: the runs'
+    lengths (summing to L); initial (R, B, H, dk, dv + E): the value read as [v | 0_E]
+    (E extra zero columns: a transition's). Returns the output (B, H, L, dv + E) and
+    every run's final state (R, B, H, dk, dv + E)."""
     batch, heads, length, key_dim = k.shape
+    if chunk_size is None:
+        chunk_size = CHANNEL_CHUNK_SIZE if g.dim() == 4 else CHUNK_SIZE
     rows, chunk_offsets, kept = _chunk_layout(lengths, chunk_size, length, q.device)
     chunks = chunk_offsets[-1]
 
@@ -106,21 +123,40 @@ def chunked(q, k, v, g, beta, lengths, initial, chunk_size: int = CHUNK_SIZE, ba
         picked = padded.index_select(2, rows)
         return picked.view(batch, heads, chunks, chunk_size, *x.shape[3:])
 
-    q, k, v, g, beta = (chunk(x) for x in (q, k, v, g, beta))
-    gc = g.cumsum(-1)
-    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    gamma = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    system = (k_beta @ k.transpose(-1, -2)) * gamma  # unit lower triangular once its diagonal is read as 1
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    q, k, v, g = (chunk(x) for x in (q, k, v, g))
+    per_channel = g.dim() == 5
+    # gc: the cumulative log decay inside each chunk, (B, H, N, C, dk) per channel, else (B, H, N, C, 1).
+    gc = g.cumsum(-2) if per_channel else g.cumsum(-1).unsqueeze(-1)
+    decay = gc[..., -1, :]  # the chunk's whole decay (B, H, N, dk or 1)
+    k_decayed = k * (decay.unsqueeze(-2) - gc).exp()
+    if beta is None:  # no delta: T = I, W = 0
+        u, w = v, torch.zeros_like(k)
+    else:
+        beta = chunk(beta).unsqueeze(-1)
+        k_beta = k * beta
+        system = decayed_products(k_beta, k, gc)  # unit lower triangular once its diagonal is read as 1
+        u = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * gc.exp(), upper=False, unitriangular=True)
     u = F.pad(u, (0, initial.shape[-1] - v.shape[-1]))  # T [v | 0] = [T v | 0]
-    w = torch.linalg.solve_triangular(system, k_beta * gc.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    decay = gc[..., -1]
-    k_decayed = k * (decay.unsqueeze(-1) - gc).exp().unsqueeze(-1)
-    states, new_values, final = chunk_states(w, u, k_decayed, decay.exp(), initial, chunk_offsets, backend)
-    out = (q * gc.exp().unsqueeze(-1)) @ states + ((q @ k.transpose(-1, -2)) * gamma) @ new_values
+    decay = decay.exp() if per_channel else decay.exp().squeeze(-1)
+    states, new_values, final = chunk_states(w, u, k_decayed, decay, initial, chunk_offsets, backend)
+    out = (q * gc.exp()) @ states + decayed_products(q, k, gc) @ new_values
     out = out.reshape(batch, heads, chunks * chunk_size, out.shape[-1]).index_select(2, kept)
     return out, final
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    """P[i, j] = sum_c a_i[c] b_j[c] exp(gc_i[c] - gc_j[c]) for j <= i, else 0, per chunk:
+    a, b (B, H, N, C, dk); gc (B, H, N, C, dk) or, one decay for every channel, (B, H, N,
+    C, 1). Returns (B, H, N, C, C)."""
+    size = gc.shape[-2]
+    lower = torch.ones(size, size, dtype=torch.bool, device=gc.device).tril()
+    if gc.shape[-1] == 1:
+        gamma = (gc - gc.transpose(-1, -2)).masked_fill(~lower, float("-inf")).exp()
+        return (a @ b.transpose(-1, -2)) * gamma
+    # Per channel the decays do not factor out of the product: (C, C, dk) per chunk.
+    gamma = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~lower.unsqueeze(-1), float("-inf")).exp()
+    return torch.einsum("...ic,...jc,...ijc->...ij", a, b, gamma)
 
 
 def _chunk_layout(lengths, chunk_size: int, length: int, device):
@@ -144,15 +180,20 @@ def chunk_states(w, u, k_decayed, decay, initial, chunk_offsets, backend: str = 
 
         states[n] = h;   new_values[n] = u[n] - w[n] h;   h <- decay[n] h + k_decayed[n]^T new_values[n]
 
-    w, k_decayed (B, H, N, C, dk); u (B, H, N, C, dv); decay (B, H, N); initial (R, B, H,
-    dk, dv); chunk_offsets: run r's chunks are [chunk_offsets[r], chunk_offsets[r + 1]).
+    w, k_decayed (B, H, N, C, dk); u (B, H, N, C, dv); decay (B, H, N), or per key
+    channel (B, H, N, dk) (h's rows decay apart); initial (R, B, H, dk, dv);
+    chunk_offsets: run r's chunks are [chunk_offsets[r], chunk_offsets[r + 1]).
     Returns states (B, H, N, dk, dv), new_values (B, H, N, C, dv) and the final states
     (R, B, H, dk, dv). Differentiable in every tensor."""
-    return _ChunkStates.apply(w, u, k_decayed, decay, initial, tuple(chunk_offsets), _backend(backend, w))
+    return _ChunkStates.apply(w, u, k_decayed, decay, initial, tuple(chunk_offsets), _backend(backend, w, decay))
 
 
-def _backend(backend: str, w: torch.Tensor) -> str:
-    return chosen_backend(backend, w.is_cuda and w.dtype == torch.float32 and w.shape[-1] <= TRITON_MAX_KEY_DIM)
+def _backend(backend: str, w: torch.Tensor, decay: torch.Tensor) -> str:
+    """The Triton kernels decay the state by one scalar a chunk: per-channel decays run in torch."""
+    if backend == "triton" and decay.dim() != 3:
+        raise ValueError("the Triton chunk-state kernels take one decay per head, not one per key channel")
+    triton_fits = w.is_cuda and w.dtype == torch.float32 and w.shape[-1] <= TRITON_MAX_KEY_DIM
+    return chosen_backend(backend, triton_fits and decay.dim() == 3)
 
 
 class _ChunkStates(torch.autograd.Function):
@@ -186,13 +227,15 @@ class _ChunkStates(torch.autograd.Function):
         # d_after[n]: the gradient of the state after chunk n; the rest is parallel over chunks.
         d_w = -(d_values @ states.transpose(-1, -2))
         d_k_decayed = new_values @ d_after.transpose(-1, -2)
-        d_decay = (states * d_after).sum((-1, -2))
+        d_decay = (states * d_after).sum(-1)
+        if decay.dim() == 3:
+            d_decay = d_decay.sum(-1)
         return d_w, d_values, d_k_decayed, d_decay, d_initial, None, None
 
 
 def _states_forward_loop(w, u, k_decayed, decay, initial, chunk_offsets):
     """chunk_states' forward in torch, one chunk at a time."""
-    batch, heads, chunks = decay.shape
+    batch, heads, chunks = decay.shape[:3]
     states = w.new_empty(batch, heads, chunks, w.shape[-1], u.shape[-1])
     new_values = torch.empty_like(u)
     final = torch.empty_like(initial)
@@ -202,9 +245,14 @@ def _states_forward_loop(w, u, k_decayed, decay, initial, chunk_offsets):
             states[:, :, n] = h
             values = u[:, :, n] - w[:, :, n] @ h
             new_values[:, :, n] = values
-            h = decay[:, :, n, None, None] * h + k_decayed[:, :, n].transpose(-1, -2) @ values
+            h = _row_decay(decay, n) * h + k_decayed[:, :, n].transpose(-1, -2) @ values
         final[run] = h
     return states, new_values, final
+
+
+def _row_decay(decay: torch.Tensor, n: int) -> torch.Tensor:
+    """Chunk n's decay of the state's rows, (B, H, 1 or dk, 1)."""
+    return decay[:, :, n, None, None] if decay.dim() == 3 else decay[:, :, n, :, None]
 
 
 def _states_backward_loop(w, k_decayed, decay, d_states, d_new_values, d_final, chunk_offsets):
@@ -220,7 +268,7 @@ def _states_backward_loop(w, k_decayed, decay, d_states, d_new_values, d_final, 
             d_after[:, :, n] = dh
             values = d_new_values[:, :, n] + k_decayed[:, :, n] @ dh
             d_values[:, :, n] = values
-            dh = d_states[:, :, n] + decay[:, :, n, None, None] * dh - w[:, :, n].transpose(-1, -2) @ values
+            dh = d_states[:, :, n] + _row_decay(decay, n) * dh - w[:, :, n].transpose(-1, -2) @ values
         d_initial[run] = dh
     return d_after, d_values, d_initial
 

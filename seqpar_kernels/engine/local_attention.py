@@ -23,11 +23,13 @@ from seqpar_kernels.engine.step_masks import step_masks_of
 from seqpar_kernels.engine.steps import StepSpec, backward_step, forward_step, merge_sinks_, sinks_gradient
 
 
-def _uses_flash(q: torch.Tensor, mask: AttentionMask, spec: StepSpec, sinks) -> bool:
+def _uses_flash(q: torch.Tensor, v: torch.Tensor, mask: AttentionMask, spec: StepSpec, sinks) -> bool:
     # torch's flash kernels take fp16/bf16 and head dims that are multiples of 8 up to 256;
     # its varlen entry points packed documents of batch 1, without windows, chunks or caps.
+    # v's head dim must be q's too.
     plain = mask.has_documents and not mask.is_local and spec.softcap == 0 and sinks is None and q.shape[0] == 1
-    return plain and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+    one_head_dim = q.shape[-1] % 8 == 0 and v.shape[-1] == q.shape[-1]
+    return plain and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and one_head_dim
 
 
 def _step_mask(mask: AttentionMask, total: int):
@@ -47,29 +49,29 @@ def _tokens_major(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _steps(q, mask: AttentionMask, spec: StepSpec):
-    return step_kernels_for(AUTO, q, in_kernel_features=spec.softcap > 0 or mask.is_local)
+def _steps(q, v, mask: AttentionMask, spec: StepSpec):
+    return step_kernels_for(AUTO, q, spec.softcap > 0 or mask.is_local, value_dim=v.shape[3])
 
 
 def local_forward(q, k, v, mask: AttentionMask, spec: StepSpec, sinks=None):
-    """q: (B, S, H, D), k, v: (B, S, H_kv, D), any strides; mask over positions 0..S-1
-    (cu_seqlens, if any, ending at S); spec: the scale (> 0) and soft cap; sinks None or
-    (H,). Returns out (B, S, H, D) in q's dtype, contiguous, and lse (B, H, S) fp32
+    """q: (B, S, H, D), k: (B, S, H_kv, D), v: (B, S, H_kv, Dv), any strides; mask over
+    positions 0..S-1 (cu_seqlens, if any, ending at S); spec: the scale (> 0) and soft cap;
+    sinks None or (H,). Returns out (B, S, H, Dv) in q's dtype, contiguous, and lse (B, H, S) fp32
     (sinks included)."""
     total = q.shape[1]
     scale = spec.scale
-    if _uses_flash(q, mask, spec, sinks):
+    if _uses_flash(q, v, mask, spec, sinks):
         bounds, longest = _flash_arguments(mask.cu_seqlens, q.device)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             _tokens_major(q), _tokens_major(k), _tokens_major(v), bounds, bounds, longest, longest, 0.0,
             mask.causal, False, scale=scale,
         )  # fmt: skip
         return out.unsqueeze(0), lse.unsqueeze(0)  # (S, H, D), (H, S)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], total), float("-inf"), dtype=torch.float32, device=q.device)
     step = _step_mask(mask, total)
     if step is not None and q.shape[0] * q.shape[2] * q.shape[3] > 0:
-        forward_step(_steps(q, mask, spec), step, q, k, v, out, lse, spec)
+        forward_step(_steps(q, v, mask, spec), step, q, k, v, out, lse, spec)
     if sinks is not None:
         merge_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
@@ -80,7 +82,7 @@ def local_backward(dout, q, k, v, out, lse, mask: AttentionMask, spec: StepSpec,
     dtype; dsinks (H,) in sinks' dtype, or None without sinks."""
     total = q.shape[1]
     scale = spec.scale
-    if _uses_flash(q, mask, spec, sinks):
+    if _uses_flash(q, v, mask, spec, sinks):
         bounds, longest = _flash_arguments(mask.cu_seqlens, q.device)
         # No dropout: the random-number state is never read.
         unused_state = torch.zeros(2, dtype=torch.int64, device=q.device)
@@ -90,7 +92,7 @@ def local_backward(dout, q, k, v, out, lse, mask: AttentionMask, spec: StepSpec,
             torch.empty(0, device=q.device), scale=scale,
         )  # fmt: skip
         return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), None
-    steps = _steps(q, mask, spec)
+    steps = _steps(q, v, mask, spec)
     fp32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, dv = torch.zeros(q.shape, **fp32), torch.zeros(k.shape, **fp32), torch.zeros(v.shape, **fp32)
     step = _step_mask(mask, total)

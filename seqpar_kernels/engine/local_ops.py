@@ -35,12 +35,12 @@ def local_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over the keys its mask gives it, in one process.
 
-    q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; any strides.
+    q: (B, S, H, D); k: (B, S, H_kv, D); v: (B, S, H_kv, Dv), H % H_kv == 0; any strides.
     cu_seqlens: None, or (documents + 1,) int64 CPU document bounds from 0 to S (batch 1).
     causal, window_left, window_right, chunk_size (0: none): the AttentionMask as
     engine/attention_ops.py mask_arguments encodes it; softcap (0: none), sinks ((H,) or
     None): ring_attention_forward's.
-    Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural log)."""
+    Returns out (B, S, H, Dv) contiguous in q's dtype and lse (B, H, S) fp32 (natural log)."""
     refuse_capture("seqpar::local_attention_forward", q)
     mask = mask_of(causal, cu_seqlens, window_left, window_right, chunk_size)
     return local_forward(q, k, v, mask, StepSpec(softmax_scale, softcap), sinks)
@@ -48,7 +48,8 @@ def local_attention_forward(
 
 @local_attention_forward.register_fake
 def _local_attention_forward_fake(q, k, v, *args, **kwargs):
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    out_shape = (*q.shape[:3], v.shape[3])
+    return q.new_empty(out_shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @uncapturable_custom_op("seqpar::local_attention_backward", mutates_args=())

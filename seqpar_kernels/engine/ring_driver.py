@@ -55,8 +55,9 @@ Bytes sent by rank r (seqpar_kernels.traffic.ring_bytes holds the formula): a bl
 goes on at steps 0..last-1 and its dK|dV accumulator at steps 1..last; with last = P-1,
 n_j the rows of rank j and N their sum, rank r never sends the block of rank r+1, the
 last it receives, nor the accumulator of its own block:
-    forward   (N - n_{r+1}) x B x H_kv x D x 2 x element size            (K|V)
-    backward  the same for K|V, plus (N - n_r) x B x H_kv x D x 2 x 4    (fp32 dK|dV)
+    forward   (N - n_{r+1}) x B x H_kv x (D + Dv) x element size            (K|V)
+    backward  the same for K|V, plus (N - n_r) x B x H_kv x (D + Dv) x 4    (fp32 dK|dV)
+(Dv: v's head dim, D's unless the call is multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -75,32 +76,34 @@ from seqpar_kernels.engine.steps import StepSpec, backward_step, first_step_writ
 # ----------------------------------------------------------------------------------
 
 
-def _pack_pair(a: torch.Tensor, b: torch.Tensor, capacity: int, dtype=None) -> torch.Tensor:
-    """a and b (same shape, any strides) copied into the front of one flat contiguous
-    buffer of `capacity` elements (room for the largest block of the ring)."""
-    numel = a.numel()
-    buffer = torch.empty(capacity, dtype=dtype or a.dtype, device=a.device)
-    buffer[:numel].view(a.shape).copy_(a)
-    buffer[numel : 2 * numel].view(b.shape).copy_(b)
+def _pack_pair(a: torch.Tensor, b: torch.Tensor, capacity: int) -> torch.Tensor:
+    """a then b (any shapes and strides: K and V, whose head dims may differ) copied into
+    the front of one flat contiguous buffer of `capacity` elements (room for the largest
+    block of the ring)."""
+    buffer = torch.empty(capacity, dtype=a.dtype, device=a.device)
+    buffer[: a.numel()].view(a.shape).copy_(a)
+    buffer[a.numel() : a.numel() + b.numel()].view(b.shape).copy_(b)
     return buffer
 
 
-def _unpack_pair(buffer: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two (contiguous) views of `shape` at the front of a buffer written by
-    _pack_pair (or laid out like one)."""
-    numel = math.prod(shape)
-    return buffer[:numel].view(shape), buffer[numel : 2 * numel].view(shape)
+def _unpack_pair(buffer: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two (contiguous) views of shapes = (K's, V's) at the front of a buffer written
+    by _pack_pair (or laid out like one)."""
+    k_numel, v_numel = (math.prod(shape) for shape in shapes)
+    return buffer[:k_numel].view(shapes[0]), buffer[k_numel : k_numel + v_numel].view(shapes[1])
 
 
-def _block_shape(k: torch.Tensor, length: int) -> tuple[int, ...]:
-    """The shape of a K (or V) block of `length` rows: (B, length, H_kv, D)."""
-    return (k.shape[0], length, *k.shape[2:])
+def _block_shapes(k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a K and a V block of `length` rows: (B, length, H_kv, D) and
+    (B, length, H_kv, Dv)."""
+    return (k.shape[0], length, *k.shape[2:]), (v.shape[0], length, *v.shape[2:])
 
 
-def _block_numels(k: torch.Tensor, rank: int, lengths) -> list[int]:
+def _block_numels(k: torch.Tensor, v: torch.Tensor, rank: int, lengths) -> list[int]:
     """Elements of the K|V (or dK|dV) buffer of the block `rank` holds at each step."""
     world_size = len(lengths)
-    return [2 * math.prod(_block_shape(k, lengths[(rank - step) % world_size])) for step in range(world_size)]
+    return [sum(math.prod(shape) for shape in _block_shapes(k, v, lengths[(rank - step) % world_size]))
+            for step in range(world_size)]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ def _check_slots(ring, seqlen: int, masks: StepMasks) -> None:
 def ring_forward(q, k, v, spec: StepSpec, group_name, steps: StepBackend, masks: StepMasks, exchange=Ring, sinks=None):
     """(out, lse) of this rank's q against every rank's K/V (seqpar::ring_attention_forward).
 
-    q: (B, S, H, D); k, v: (B, S, H_kv, D).
+    q: (B, S, H, D); k: (B, S, H_kv, D); v: (B, S, H_kv, Dv) (Dv may differ from D).
     spec: the softmax scale (> 0) and soft cap of every step (engine/steps.py).
     steps: the step backend (engine/step_backends.py); masks: the attention mask over
     the ranks' rows (slot r = rank r's global ranges; dense_step_masks for one dense
@@ -124,28 +127,29 @@ def ring_forward(q, k, v, spec: StepSpec, group_name, steps: StepBackend, masks:
     anything with its interface (seqpar_kernels.testing replaces it to time the compute
     alone). sinks: None, or (H,) per-head logits that join each row's softmax
     denominator (merged into the final (out, lse) in fp32).
-    Returns out (B, S, H, D) in q's dtype and lse (B, H, S) fp32."""
+    Returns out (B, S, H, Dv) in q's dtype and lse (B, H, S) fp32."""
     batch, seqlen, heads, _ = q.shape
+    out_shape = (batch, seqlen, heads, v.shape[3])
     ring = exchange(group_name, KV_TAG)
     lse = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
-    # Every rank agrees on batch, heads and head dim, so every rank returns here alike;
+    # Every rank agrees on batch, heads and head dims, so every rank returns here alike;
     # an empty piece (seqlen 0) still relays the other ranks' blocks below.
     if batch * heads * k.shape[2] * q.shape[3] == 0:
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros(out_shape), lse
     rank = ring.rank
     _check_slots(ring, seqlen, masks)
     last = last_step(masks, ring.world_size)
     # The first step's kernels may fill the running output themselves: then it starts
     # uninitialised (a zero fill is a pass over it that step 0 would overwrite).
     first_step_writes = first_step_writes_every_row(steps, masks.step(rank, rank), seqlen)
-    out = (torch.empty if first_step_writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-    numels = _block_numels(k, rank, masks.lengths)[: last + 1]
+    out = (torch.empty if first_step_writes else torch.zeros)(out_shape, dtype=torch.float32, device=q.device)
+    numels = _block_numels(k, v, rank, masks.lengths)[: last + 1]
     kv = DoubleBuffer(ring, _pack_pair(k, v, max(numels)), numels) if last > 0 else None
     for step in range(last + 1):
         if step < last:
             kv.post()  # the next block travels while this one is computed
         src = (rank - step) % ring.world_size
-        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shape(k, masks.lengths[src]))
+        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, _block_shapes(k, v, masks.lengths[src]))
         mask = masks.step(rank, src)
         if mask is not None:
             first = step == 0 and first_step_writes
@@ -172,16 +176,16 @@ def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: St
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     fp32 = dict(dtype=torch.float32, device=q.device)
-    own = torch.zeros(2 * k.numel(), **fp32)  # dK|dV of the local block from step 0
+    own = torch.zeros(k.numel() + v.numel(), **fp32)  # dK|dV of the local block from step 0
     ring = exchange(group_name, KV_TAG)
     world_size, rank = ring.world_size, ring.rank
     if batch * heads * k.shape[2] * q.shape[3] == 0:  # as in ring_forward
-        return _backward_outputs(dq, own, q, k)
+        return _backward_outputs(dq, own, q, k, v)
     _check_slots(ring, seqlen, masks)
     last = last_step(masks, world_size)
     delta = steps.prepare_backward(out, dout)
     if last > 0:
-        numels = _block_numels(k, rank, masks.lengths)[: last + 1]
+        numels = _block_numels(k, v, rank, masks.lengths)[: last + 1]
         capacity = max(numels)
         kv = DoubleBuffer(ring, _pack_pair(k, v, capacity), numels)
         grad_ring = exchange(group_name, GRAD_KV_TAG)
@@ -195,8 +199,8 @@ def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: St
         if step < last:
             kv.post()
         src = (rank - step) % world_size
-        block_shape = _block_shape(k, masks.lengths[src])
-        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shape)
+        block_shapes = _block_shapes(k, v, masks.lengths[src])
+        k_block, v_block = (k, v) if step == 0 else _unpack_pair(kv.current, block_shapes)
         mask = masks.step(rank, src)
         # Where this step's dK|dV share goes. Step 0: the home share; step 1: starts the
         # accumulator that leaves; later steps: the accumulator arriving from the
@@ -211,7 +215,7 @@ def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: St
                 grad_work.wait()
                 travelling, arriving = arriving, travelling
                 arrived = True
-            return _unpack_pair(own if step == 0 else travelling, block_shape)
+            return _unpack_pair(own if step == 0 else travelling, block_shapes)
 
         if mask is not None:
             backward_step(steps, mask, dout, q, k_block, v_block, out, lse, delta, dq, grad_kv, spec)
@@ -226,10 +230,10 @@ def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: St
     if last > 0:
         grad_work.wait()  # the local block's accumulator is home
         own.add_(arriving[: own.numel()])
-    return _backward_outputs(dq, own, q, k)
+    return _backward_outputs(dq, own, q, k, v)
 
 
-def _backward_outputs(dq, grad_kv, q, k):
-    dk, dv = _unpack_pair(grad_kv, k.shape)
+def _backward_outputs(dq, grad_kv, q, k, v):
+    dk, dv = _unpack_pair(grad_kv, (k.shape, v.shape))
     # copy=True: dk and dv must not be views of one buffer (outputs of an op own memory).
     return dq.to(q.dtype), dk.to(q.dtype, copy=True), dv.to(q.dtype, copy=True)

@@ -43,9 +43,10 @@ def ring_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's q over the K/V of every rank of the group.
 
-    q: (B, S, H, D); k, v: (B, S, H_kv, D), H % H_kv == 0; every rank the same B, H,
-    H_kv, D; S may differ by rank (checked by seqpar_kernels.parallel.ring.ring_attention,
-    not here).
+    q: (B, S, H, D); k: (B, S, H_kv, D); v: (B, S, H_kv, Dv), H % H_kv == 0 (Dv may
+    differ from D: multi-head latent attention); every rank the same B, H, H_kv, D, Dv;
+    S may differ by rank (checked by seqpar_kernels.parallel.ring.ring_attention, not
+    here).
     zigzag: the ranks hold the zigzag layout (rank r holds chunks r and 2P-1-r of the 2P
     chunks torch.tensor_split cuts the sequence into).
     step_kernels: which backend computes each step (engine/step_backends.py: a name of
@@ -59,11 +60,11 @@ def ring_attention_forward(
     zigzag is then False.
     softcap: scores capped as softcap * tanh(s / softcap) (0: not).
     sinks: None, or (H,) per-head logits joining each row's softmax denominator.
-    Returns out (B, S, H, D) contiguous in q's dtype and lse (B, H, S) fp32 (natural
+    Returns out (B, S, H, Dv) contiguous in q's dtype and lse (B, H, S) fp32 (natural
     log, sinks included; -inf for a row that saw no key and has no sink, whose out is 0)."""
     refuse_capture("seqpar::ring_attention_forward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
-    steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
+    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local, value_dim=v.shape[3])
     return ring_forward(q, k, v, StepSpec(softmax_scale, softcap), group_name, steps, masks, sinks=sinks)
 
 
@@ -83,7 +84,7 @@ register_as_collective(torch.ops.seqpar.ring_attention_forward.default)
 @ring_attention_forward.register_fake
 def _ring_attention_forward_fake(q, k, v, *args, **kwargs):
     batch, seqlen, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
+    return q.new_empty((batch, seqlen, heads, v.shape[3])), q.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
 @uncapturable_custom_op("seqpar::ring_attention_backward", mutates_args=())
@@ -114,7 +115,7 @@ def ring_attention_backward(
     results; dK/dV of each block accumulate in fp32 while they travel the ring."""
     refuse_capture("seqpar::ring_attention_backward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
-    steps = step_kernels_for(step_kernels, q, in_kernel_features=softcap > 0 or masks.mask.is_local)
+    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local, value_dim=v.shape[3])
     spec = StepSpec(softmax_scale, softcap)
     dq, dk, dv = ring_backward(dout, q, k, v, out, lse, spec, group_name, steps, masks)
     return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks)

@@ -22,7 +22,7 @@ import torch
 from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.comm.grid import Grid
 from seqpar_kernels.engine.attention_ops import mask_arguments
-from seqpar_kernels.engine.step_backends import AUTO, STEP_BACKENDS
+from seqpar_kernels.engine.step_backends import AUTO, STEP_BACKENDS, TRITON_ONE_HEAD_DIM
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_piece_lengths
 from seqpar_kernels.parallel.checks import (
@@ -156,6 +156,12 @@ def check_attention_call(
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         if step_backend not in step_backends:
             raise ValueError(f"step_backend must be one of {tuple(step_backends)}, got {step_backend!r}")
+        if step_backend in TRITON_ONE_HEAD_DIM and v.shape[3] != q.shape[3]:
+            raise ValueError(
+                f"{describe}: step_backend={step_backend!r} takes one head dim for q, k and v; v's head dim "
+                f"{v.shape[3]} differs from q's {q.shape[3]} ({describe_shapes(q, k, v)}): pass step_backend='aten' "
+                f"or 'auto'"
+            )
     scale = resolve_softmax_scale(softmax_scale, q)
     check_bool("return_lse", return_lse)
     pieces = ranks.pieces if isinstance(ranks, Grid) else ranks
@@ -174,8 +180,8 @@ def check_attention_call(
     check_sinks(sinks, q)
     batch, _, heads, head_dim = q.shape
     sinks_kind = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
-    agreed = (batch, heads, k.shape[2], head_dim, mask.causal, layout, q.dtype, scale, seq_lens, step_backend,
-              return_lse, mask.window, softcap, sinks_kind, mask.chunk_size)  # fmt: skip
+    agreed = (batch, heads, k.shape[2], head_dim, v.shape[3], mask.causal, layout, q.dtype, scale, seq_lens,
+              step_backend, return_lse, mask.window, softcap, sinks_kind, mask.chunk_size)  # fmt: skip
     return AttentionCall(scale, mask, softcap, sinks, seq_lens, None, layout or "contiguous",
                          step_backend or AUTO, return_lse, varlen, agreed)  # fmt: skip
 
@@ -260,9 +266,10 @@ def describe_shapes(q, k, v) -> str:
 
 
 def check_attention_inputs(q, k, v) -> None:
-    """q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
-    headdim), one dtype among SUPPORTED_DTYPES, one device, nheads % nheads_kv == 0,
-    1 <= headdim <= MAX_HEAD_DIM. Raises ValueError naming the shapes otherwise."""
+    """q, k: (batch, seqlen_local, nheads / nheads_kv, headdim); v: (batch, seqlen_local,
+    nheads_kv, headdim_v), headdim_v may differ from headdim (multi-head latent
+    attention); one dtype among SUPPORTED_DTYPES, one device, nheads % nheads_kv == 0,
+    both head dims in [1, MAX_HEAD_DIM]. Raises ValueError naming the shapes otherwise."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
@@ -274,16 +281,15 @@ def check_attention_inputs(q, k, v) -> None:
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {shapes}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must share batch, sequence length and heads, got {shapes}")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
         raise ValueError(f"q, k, v must share batch and local sequence length, got {shapes}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have one head dim, got {shapes}")
-    if q.shape[3] == 0:
-        raise ValueError(f"head dim must be at least 1 ({shapes})")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[3]} exceeds {MAX_HEAD_DIM} ({shapes})")
+    for name, head_dim in (("head dim", q.shape[3]), ("v head dim", v.shape[3])):
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {head_dim} ({shapes})")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"nheads ({q.shape[2]}) must be a multiple of nheads_kv ({k.shape[2]}) ({shapes})")
 

@@ -97,7 +97,8 @@ def decode_attention_partial(
     and merge_attention_partials.
 
     q: (batch, Tq, nheads, headdim), the new queries of each sequence (Tq: 1 to a few).
-    k_cache, v_cache: (batch, S, nheads_kv, headdim), this rank's keys and values, with
+    k_cache, v_cache: (batch, S, nheads_kv, headdim) and (batch, S, nheads_kv, headdim_v)
+        (headdim_v may differ: multi-head latent attention), this rank's keys and values, with
         nheads % nheads_kv == 0 (GQA, MQA; read in place, never repeated). One dtype,
         fp32, fp16 or bf16, one device with q.
     q_positions: (batch, Tq) integer, each query's position in its sequence.
@@ -250,11 +251,11 @@ def prefill_attention(
     """Exact attention of a new chunk of tokens (a chat's next turn), sharded across the
     ranks, over every rank's cache and the chunk's own keys.
 
-    q: (batch, C_r, nheads, headdim), k, v: (batch, C_r, nheads_kv, headdim): this rank's
+    q: (batch, C_r, nheads, headdim), k, v: (batch, C_r, nheads_kv, headdim[_v]): this rank's
         piece of the chunk (C_r may differ by rank, 0 too; usually contiguous pieces).
     q_positions: (batch, C_r) integer: the positions of this rank's new tokens, queries
         and keys alike (after the cached ones: each sequence's own).
-    k_cache, v_cache (batch, S_r, nheads_kv, headdim), cache_positions, cache_lengths:
+    k_cache, v_cache (batch, S_r, nheads_kv, headdim[_v]), cache_positions, cache_lengths:
         this rank's cache, as decode_attention's (per-rank lengths; S_r may differ by
         rank). Every row given travels under pass-KV: pass the rows in use.
     Every new query attends the keys of every rank's cache and of the whole chunk that its
@@ -341,7 +342,7 @@ def prefill_attention(
     if method == AUTO:
         method = PASS_Q if grid is not None else prefill_attention_method(
             cache_seq_lens, chunk_seq_lens, batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2],
-            head_dim=q.shape[3], element_size=q.element_size(),
+            head_dim=q.shape[3], element_size=q.element_size(), value_dim=v.shape[3],
         )  # fmt: skip
     new = (k, v, q_positions, new_lengths)
     with torch.no_grad():
@@ -368,9 +369,9 @@ def _pass_kv(
     one byte buffer, _kv_block_parts) travels the ring; every rank folds every block into
     its queries' partial. The transfer of the next block overlaps the current one's."""
     batch, _, heads, head_dim = q.shape
-    kv_heads, dtype = cache[0].shape[2], cache[0].dtype
+    kv_heads, value_dim, dtype = cache[0].shape[2], cache[1].shape[3], cache[0].dtype
     world_size = info.world_size
-    parts = [_kv_block_parts(batch, cache_rows, chunk_rows, kv_heads, head_dim, dtype)
+    parts = [_kv_block_parts(batch, cache_rows, chunk_rows, kv_heads, (head_dim, value_dim), dtype)
              for cache_rows, chunk_rows in zip(cache_seq_lens, chunk_seq_lens)]  # fmt: skip
     held = [(info.rank - step) % world_size for step in range(world_size)]  # whose block each step holds
     sizes = [_byte_count(parts[rank]) for rank in held]
@@ -381,7 +382,7 @@ def _pass_kv(
     for view, tensor in zip(_byte_views(buffer, parts[info.rank]), own):
         view.copy_(tensor)
     blocks = DoubleBuffer(Ring(info.name), buffer, sizes)
-    partial = PartialAttention.empty(batch, q.shape[1], heads, head_dim, q.device)
+    partial = PartialAttention.empty(batch, q.shape[1], heads, value_dim, q.device)
     for step, rank in enumerate(held):
         if step < world_size - 1:
             blocks.post()
@@ -397,14 +398,15 @@ def _pass_kv(
     return partial
 
 
-def _kv_block_parts(batch, cache_rows, chunk_rows, kv_heads, head_dim, dtype) -> list[tuple[tuple, torch.dtype]]:
+def _kv_block_parts(batch, cache_rows, chunk_rows, kv_heads, head_dims, dtype) -> list[tuple[tuple, torch.dtype]]:
     """(shape, dtype) of a pass-KV block's tensors in buffer order: cache positions,
-    cache lengths, new positions (int64), then the cache's K, V and the chunk's K, V.
-    The int64 parts first: every part then starts at a multiple of its element size."""
-    kv = (batch, cache_rows, kv_heads, head_dim)
-    new_kv = (batch, chunk_rows, kv_heads, head_dim)
+    cache lengths, new positions (int64), then the cache's K, V and the chunk's K, V;
+    head_dims: K's and V's. The int64 parts first: every part then starts at a multiple
+    of its element size."""
+    k, v = ((batch, cache_rows, kv_heads, dim) for dim in head_dims)
+    new_k, new_v = ((batch, chunk_rows, kv_heads, dim) for dim in head_dims)
     return [((batch, cache_rows), torch.int64), ((batch,), torch.int64), ((batch, chunk_rows), torch.int64),
-            (kv, dtype), (kv, dtype), (new_kv, dtype), (new_kv, dtype)]  # fmt: skip
+            (k, dtype), (v, dtype), (new_k, dtype), (new_v, dtype)]  # fmt: skip
 
 
 def _byte_count(parts) -> int:
@@ -431,11 +433,11 @@ def _pass_q(q, q_positions, cache, new, mask: AttentionMask, spec: StepSpec, lev
         q = gather_sequence(q, 1, group, sizes=sizes)
         q_positions = gather_sequence(q_positions.long(), 1, group, sizes=sizes)
     partial = _local_partial(q, q_positions, [cache, new], mask, spec)
-    batch, _, heads, head_dim = q.shape
+    batch, _, heads, packed_dim = partial.packed.shape  # v's head dim + 1
     for (_, info), sizes in reversed(list(zip(levels, level_sizes))):
         world_size, rows = info.world_size, sizes[info.rank]
         (received,) = exchange_blocks(
-            [partial.packed], [1], offsets(sizes), sizes, [(world_size, batch, rows, heads, head_dim + 1)], [0],
+            [partial.packed], [1], offsets(sizes), sizes, [(world_size, batch, rows, heads, packed_dim)], [0],
             list(range(world_size)), [1] * world_size, info,
         )  # fmt: skip
         partial = _merged([PartialAttention(each) for each in received])
@@ -467,8 +469,8 @@ def _folded(q, call: _Call) -> tuple[torch.Tensor, StepSpec]:
 
 
 def _local_partial(q, q_positions, key_sets, mask: AttentionMask, spec: StepSpec) -> PartialAttention:
-    """The partial of q over each (k, v, positions, lengths) of key_sets."""
-    partial = PartialAttention.empty(*q.shape, q.device)
+    """The partial of q over each (k, v, positions, lengths) of key_sets: out of v's head dim."""
+    partial = PartialAttention.empty(*q.shape[:3], key_sets[0][1].shape[3], q.device)
     for k, v, positions, lengths in key_sets:
         attend_keys_(partial, q, q_positions, k, v, positions, lengths, mask, spec)
     return partial
@@ -539,10 +541,11 @@ def _check_call(
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype != q.dtype or x.device != q.device:
                 raise ValueError(f"{describe}: {name} must be (batch, S, nheads_kv, headdim) of q's dtype {q.dtype} "
                                  f"on {q.device}, got {_describe(x)}")  # fmt: skip
-        if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-            raise ValueError(f"{describe}: {k_name} and {v_name} must be (batch, S, nheads_kv, headdim) with q's "
-                             f"batch and head dim: q {tuple(q.shape)}, {k_name} {tuple(k.shape)}, {v_name} "
-                             f"{tuple(v.shape)}")  # fmt: skip
+        value_dim_ok = 1 <= v.shape[3] <= MAX_HEAD_DIM
+        if k.shape[:3] != v.shape[:3] or k.shape[0] != batch or k.shape[3] != head_dim or not value_dim_ok:
+            raise ValueError(f"{describe}: {k_name} and {v_name} must be (batch, S, nheads_kv, headdim) and (batch, "
+                             f"S, nheads_kv, headdim_v <= {MAX_HEAD_DIM}) with q's batch and head dim: q "
+                             f"{tuple(q.shape)}, {k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)}")  # fmt: skip
         if k.shape[2] == 0 or heads % k.shape[2]:
             raise ValueError(f"{describe}: nheads ({heads}) must be a multiple of nheads_kv ({k.shape[2]})")
         if positions_name != "q_positions":
@@ -567,11 +570,12 @@ def _check_call(
     softcap = check_softcap(softcap)
     check_sinks(sinks, q)
     check_bool("return_lse", return_lse)
-    kv_heads = key_sets[0][1].shape[2]
-    if any(k.shape[2] != kv_heads for _, k, *_ in key_sets):
-        raise ValueError(f"{describe}: the chunk's and the cache's keys must have one nheads_kv")
+    kv_heads, value_dim = key_sets[0][1].shape[2], key_sets[0][2].shape[3]
+    if any(k.shape[2] != kv_heads or v.shape[3] != value_dim for _, k, v, *_ in key_sets):
+        raise ValueError(f"{describe}: the chunk's and the cache's keys and values must have one nheads_kv and "
+                         f"one value head dim")  # fmt: skip
     sinks_kind = None if sinks is None else (tuple(sinks.shape), sinks.dtype)
-    agreed = (batch, heads, kv_heads, head_dim, q.dtype, scale, mask, softcap, sinks_kind, return_lse)
+    agreed = (batch, heads, kv_heads, head_dim, value_dim, q.dtype, scale, mask, softcap, sinks_kind, return_lse)
     return _Call(mask, scale, softcap, sinks, return_lse, agreed)
 
 

@@ -3,6 +3,7 @@
     causal_conv1d(x, weight, bias=None, *, activation=None, <where>)    short convolutions
     ssd_scan, selective_scan (parallel/state_space.py)                  Mamba2's and Mamba's scans
     gated_delta_rule (parallel/gated_delta.py)                          Gated DeltaNet's delta rule
+    kimi_delta_attention, lightning_attention (parallel/gated_delta.py) Kimi's and MiniMax's
 
 <where>, the same keyword arguments for every mixer: the ranks and the layout the
 sequence is sharded in, as the attention functions take them:

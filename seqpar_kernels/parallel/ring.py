@@ -69,8 +69,9 @@ def ring_attention(
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
         headdim) with nheads % nheads_kv == 0 (GQA, MQA: only the nheads_kv heads travel,
         never repeated). fp16, bf16 or fp32, one dtype; CPU or CUDA; head dim up to 256
-        (64, 80, 96, 128, 256 are the tested ones); any strides. seqlen_local may
-        differ by rank (0 too); batch, heads and head dim may not.
+        (64, 80, 96, 128, 256 are the tested ones); v's head dim headdim_v may differ
+        (multi-head latent attention; not with step_backend="triton"); any strides.
+        seqlen_local may differ by rank (0 too); batch, heads and head dims may not.
     causal: mask by global position.
     layout: where this rank's rows sit in the global sequence:
         "contiguous"  rank r holds the rows after those of ranks 0..r-1.
@@ -110,7 +111,7 @@ def ring_attention(
         Differentiable: each rank's sinks.grad is its rows' share; their sum is the gradient.
     attention_chunk_size: None, or a query sees only the keys of its own chunk of that many
         positions (counted from its document's start under varlen; Llama 4).
-    Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
+    Returns out (batch, seqlen_local, nheads, headdim_v), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32 (sinks included), detached: its gradient is
     not propagated].
 

@@ -7,6 +7,10 @@ ranks' gradient shares.
     document_starts(position_ids)            where a packed row's documents start
     all_reduce_gradients(parameters, ...)    each parameter's gradient summed over the ranks
                                              (the mesh's sequence and data dims named)
+    hold_per_stage(parameters, mesh, dim)    records a pipeline stage's parameters: no
+                                             reduction may span that dim's ranks
+    check_within_stages(describe, ...)       ValueError for a reduction that would
+                                             span them (all_reduce_gradients', the loss's)
 
 Modes and layouts: SequenceParallelism's (parallel/parallelism.py), the value a batch's
 sharding and the model's attention share.
@@ -24,6 +28,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from seqpar_kernels.comm.grid import reduction_groups
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
@@ -233,7 +238,9 @@ def all_reduce_gradients(
     data dims where no DDP or FSDP sums over them: under a wrapper over the data dims,
     name the sequence dims alone; under FSDP over data x sequence, do not call this.
     (Wrappers average: scale the loss by their ranks for the backward, as
-    SequenceParallelism.data_parallel_mesh says.) One all_reduce per dim per bucket of
+    SequenceParallelism.data_parallel_mesh says.) A pipeline stage's parameters
+    (hold_per_stage) raise the same way for a reduction spanning other stages (the
+    default, the world, included). One all_reduce per dim per bucket of
     gradients of one dtype and device (up to 64 MiB, flattened into one copy at a time)."""
     groups = [
         each for each, info in reduction_groups(
@@ -246,7 +253,9 @@ def all_reduce_gradients(
     named = [(name, parameter) for name, parameter in named if parameter.requires_grad]
     if not groups:
         return
-    _check_same_shards(named, groups, f"sequence_dims={sequence_dims!r}, data_dims={data_dims!r}")
+    arguments = f"sequence_dims={sequence_dims!r}, data_dims={data_dims!r}"
+    check_within_stages("all_reduce_gradients", named, groups, arguments)
+    _check_same_shards(named, groups, arguments)
     parameters = [parameter for _, parameter in named]
     # Buckets of one dtype and device, each at most _BUCKET_BYTES (or one parameter): one
     # collective per bucket, and at most one bucket's copy of the gradients at a time.
@@ -271,12 +280,54 @@ def all_reduce_gradients(
             del flat, grads, shards  # before the next bucket's copy
 
 
+# Parameter -> (mesh, pipeline dim name): the parameters of this rank's pipeline stage,
+# which the other ranks along that dim do not hold (other layers).
+_STAGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def hold_per_stage(parameters: Iterable[torch.nn.Parameter], mesh, pipeline_dim: str) -> None:
+    """Records that `parameters` are this rank's pipeline stage's alone: the ranks along
+    mesh dim `pipeline_dim` hold other layers, so all_reduce_gradients and the loss
+    functions raise (check_within_stages) rather than sum across that dim."""
+    for parameter in parameters:
+        _STAGES[parameter] = (mesh, pipeline_dim)
+
+
+def _ranks_of(group) -> set[int]:
+    return set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+
+
+def check_within_stages(describe: str, named, groups, arguments: str) -> None:
+    """ValueError, on every rank before any communication, when a reduction over
+    `groups` (process groups, None: the world) would span ranks of different pipeline stages
+    for one of the (name, parameter) pairs that hold_per_stage recorded: it would sum
+    other layers' gradients (or hang: the stages hold different parameters). Local:
+    every rank's stage is recorded alike."""
+    if not _STAGES or not groups:  # no pipeline in this process, or nothing reduced
+        return
+    reduced = [_ranks_of(group) for group in groups]
+    for name, parameter in named:
+        stage = _STAGES.get(parameter)
+        if stage is None:
+            continue
+        mesh, dim = stage
+        stages = _ranks_of(mesh.get_group(dim))
+        if any(len(stages & ranks) > 1 for ranks in reduced):
+            raise ValueError(
+                f"{describe}: {name} {tuple(parameter.shape)} is held by one pipeline stage of mesh dim {dim!r} "
+                f"({mesh.size(mesh.mesh_dim_names.index(dim))} stages, mesh {tuple(mesh.shape)} with dims "
+                f"{mesh.mesh_dim_names}), and the reduction over {arguments} spans ranks of other stages: it would sum "
+                "other layers' gradients. Name only the sequence and data dims, never the pipeline dim"
+            )
+        return  # one stage per rank: its first recorded parameter answers for all
+
+
 def _check_same_shards(named, groups, arguments: str) -> None:
     """ValueError unless every rank of each reduction group holds the same shard of every
     DTensor parameter: a mesh dim the parameter is sharded over (a Shard placement,
     FSDP2's strided one too) may share no rank but this one with a group. Local: the
     groups and the meshes are the same shape on every rank, so every rank raises alike."""
-    reduced = [set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group)) for group in groups]
+    reduced = [_ranks_of(group) for group in groups]
     spans: dict[tuple[int, int], bool] = {}
     for name, parameter in named:
         if not isinstance(parameter, DTensor):

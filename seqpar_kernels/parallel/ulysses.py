@@ -73,11 +73,11 @@ def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int, sin
     read, one call of attend per uniform run of heads (uniform_head_runs), the runs'
     results joined along the heads.
 
-    q (B, S, n, D), k, v (B, S, n_kv, D): this rank's heads, any strides.
-    attend(q_run, k_run, v_run, heads) -> (out (B, S, q_count, D), lse (B, q_count, S)
+    q (B, S, n, D), k (B, S, n_kv, D), v (B, S, n_kv, Dv): this rank's heads, any strides.
+    attend(q_run, k_run, v_run, heads) -> (out (B, S, q_count, Dv), lse (B, q_count, S)
     or None): the attention of one run, `heads` the run's q heads of the model (a slice).
     sinks: the call's sink logits (H,) or None.
-    Returns (out (B, S, n, D), lse (B, n, S) fp32 or None). With no heads on this rank
+    Returns (out (B, S, n, Dv), lse (B, n, S) fp32 or None). With no heads on this rank
     (fewer heads than ranks): an empty out that stays in the autograd graph, so that
     this rank joins the backward exchanges like the others, and the sinks with it at
     weight 0, so that sinks.grad is zeros here (not None, which a data-parallel
@@ -91,7 +91,8 @@ def attend_by_head_runs(attend, q, k, v, q_head_start: int, group_size: int, sin
         outs.append(out)
         lses.append(lse)
     if not outs:
-        empty = q.clone() if sinks is None else q.clone() + sinks[:0].sum()
+        # v's empty heads: the output's head dim is v's.
+        empty = v.narrow(2, 0, 0).clone() if sinks is None else v.narrow(2, 0, 0).clone() + sinks[:0].sum()
         return empty, q.new_empty((q.shape[0], 0, q.shape[1]), dtype=torch.float32)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     if lses[0] is None:
@@ -174,11 +175,11 @@ class UlyssesPlan:
 def sequence_to_heads(q, k, v, plan: UlyssesPlan, info: GroupInfo):
     """Sequence-sharded -> head-sharded: q, k and v in one exchange.
 
-    q: (B, S_r, H, D), k, v: (B, S_r, H_kv, D), this rank's rows, any strides.
-    Returns q (B, S, n, D) and k, v (B, S, n_kv, D): the whole sequence (S rows, in
+    q: (B, S_r, H, D), k: (B, S_r, H_kv, D), v: (B, S_r, H_kv, Dv), this rank's rows, any
+    strides. Returns q (B, S, n, D), k (B, S, n_kv, D) and v (B, S, n_kv, Dv): the whole sequence (S rows, in
     rank order) of this rank's heads in the plan, stored (B, n, S, D) in memory (what
     SDPA and the CPU flash kernels read without a copy)."""
-    batch, _, _, head_dim = q.shape
+    batch, head_dim, value_dim = q.shape[0], q.shape[3], v.shape[3]
     total_len = sum(plan.seq_lens)
     my_heads, my_kv_heads = plan.head_counts[info.rank], plan.kv_counts[info.rank]
     return exchange_blocks(
@@ -188,7 +189,7 @@ def sequence_to_heads(q, k, v, plan: UlyssesPlan, info: GroupInfo):
         [
             (batch, total_len, my_heads, head_dim),
             (batch, total_len, my_kv_heads, head_dim),
-            (batch, total_len, my_kv_heads, head_dim),
+            (batch, total_len, my_kv_heads, value_dim),
         ],
         [1, 1, 1],
         interleave([plan.seq_starts] * 3),
@@ -236,7 +237,8 @@ def ulysses_attention(
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
         headdim) with nheads % nheads_kv == 0 (GQA, MQA). Rank r holds the r-th piece
         of the sequence; pieces may differ in length. fp16, bf16 or fp32; head dim up
-        to 256; any strides.
+        to 256; v's head dim headdim_v may differ (multi-head latent attention: v
+        travels at its own width); any strides.
     causal: mask by global position (rank order is sequence order).
     softmax_scale: default 1/sqrt(headdim).
     seq_lens: every rank's seqlen_local. If None they are exchanged, in the one small
@@ -256,7 +258,7 @@ def ulysses_attention(
         After the exchange a rank holds whole sequences of its heads, so every variant is
         local: the step backends over the whole sequence's mask (the Triton kernels on
         GPUs); each rank's sinks.grad holds its heads' gradients, the others 0.
-    Returns (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype.
+    Returns (batch, seqlen_local, nheads, headdim_v), contiguous, in q's dtype.
 
     Bytes sent per call: (P-1)/P x (q + k + v + out bytes) when heads and sequence
     divide evenly (seqpar_kernels.traffic.ulysses_bytes for any split); two all-to-alls

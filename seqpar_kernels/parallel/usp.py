@@ -180,7 +180,8 @@ def usp_attention(
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
         headdim) with nheads % nheads_kv == 0 (GQA, MQA; kv heads are never repeated,
         fewer kv heads than U included). Heads need not divide by U. fp16, bf16 or fp32;
-        CPU or CUDA; head dim up to 256; any strides. seqlen_local may differ by rank
+        CPU or CUDA; head dim up to 256; v's head dim headdim_v may differ (multi-head
+        latent attention); any strides. seqlen_local may differ by rank
         (0 too).
     causal: mask by global position.
     layout: "contiguous" (pieces in order) or "zigzag" (ring slot i holds chunks i and
@@ -199,7 +200,7 @@ def usp_attention(
         heads. layout and seq_lens then come from the plan.
     step_backend: "auto", "triton" or "aten": what computes each step of the ring
         (ring_attention's argument; with R = 1 there is no ring and it is not used).
-    Returns out (batch, seqlen_local, nheads, headdim), contiguous, in q's dtype
+    Returns out (batch, seqlen_local, nheads, headdim_v), contiguous, in q's dtype
     [, lse (batch, nheads, seqlen_local) fp32, detached].
 
     window_size, softcap, sinks, attention_chunk_size: as ring_attention's (positions in

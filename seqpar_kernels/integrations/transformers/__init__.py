@@ -30,6 +30,9 @@ Modules:
                 plan over the mesh's tensor dims, each rank's attention on its heads
     memory      tile_mlp (MLPs a tile of tokens at a time), offload_activations (what
                 the backward needs, held in host memory)
+    pipeline    pipeline(model, pipeline_dim=...): the model cut into pipeline stages
+                along a mesh dim (torch.distributed.pipelining's GPipe, 1F1B), each
+                stage on the sequence-sharded micro-batches; SequencePipeline.step
     adapters    transformers_model: the transformers model under PEFT's wrapper (every
                 entry point takes a PeftModel: LoRA, DoRA, ...; prompt learning raises)
     vision      shard_batch (the core's, and a vision-language batch's images, videos
@@ -47,6 +50,7 @@ from seqpar_kernels.integrations.transformers.attention import IMPLEMENTATIONS, 
 from seqpar_kernels.integrations.transformers.causal_lm import causal_lm_logprobs, causal_lm_loss, router_aux_loss
 from seqpar_kernels.integrations.transformers.masks import LayerMask
 from seqpar_kernels.integrations.transformers.memory import offload_activations, tile_mlp, untile_mlp
+from seqpar_kernels.integrations.transformers.pipeline import SequencePipeline, pipeline
 from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.cross_entropy import (
     sequence_parallel_cross_entropy,
@@ -76,6 +80,8 @@ __all__ = [
     "tile_mlp",
     "untile_mlp",
     "offload_activations",
+    "pipeline",
+    "SequencePipeline",
 ]
 
 _TRAINER_NAMES = ("SequenceParallelTrainer", "SequenceParallelTrainerMixin")

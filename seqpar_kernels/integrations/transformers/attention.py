@@ -51,9 +51,13 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         'pip install "seqpar-kernels[transformers]"'
     ) from error
 
+from seqpar_kernels.integrations.transformers import inkling
 from seqpar_kernels.integrations.transformers.adapters import transformers_model
 from seqpar_kernels.integrations.transformers.generation import install as install_generation
 from seqpar_kernels.integrations.transformers.generation import running_step
+from seqpar_kernels.integrations.transformers.indexed import INDEXED_LAYER_TYPES, IndexedMask, global_rows
+from seqpar_kernels.integrations.transformers.indexed import check as check_indexed
+from seqpar_kernels.integrations.transformers.indexed import install as install_indexed
 from seqpar_kernels.integrations.transformers.masks import CHUNKS_FROM_DOCUMENT_START, LayerMask, layer_mask
 from seqpar_kernels.integrations.transformers.mixers import HANDLED_FUNCTIONS, install, mixers_of
 from seqpar_kernels.integrations.transformers.router import router_loss_of
@@ -62,6 +66,7 @@ from seqpar_kernels.integrations.transformers.vision import install as install_v
 from seqpar_kernels.integrations.transformers.vision import vision_language_base
 from seqpar_kernels.parallel.inference import decode_attention, prefill_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
+from seqpar_kernels.parallel.sparse import sparse_attention
 from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["register", "apply", "IMPLEMENTATIONS", "LayerMask"]
@@ -173,14 +178,6 @@ def _check_call(describe, module, query, key, dropout, kwargs) -> None:
         )
 
 
-def _global_rows(shard: SequenceShard | None, position_ids, device) -> torch.Tensor:
-    """(S_local,) int64: the row of each of this rank's tokens in the full sequence (the
-    packed row under varlen). Without a shard, the position ids (checked to be those)."""
-    if shard is None:
-        return position_ids[0]
-    return shard.take(torch.arange(sum(shard.seq_lens), device=device), dim=0)
-
-
 def _rescale_temperature(module, query: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
     """Llama 4's no-RoPE layers scale the queries by log1p(floor((row + 1) / floor_scale))
     x attn_scale + 1, row the token's row counted from 0 in what the model was given:
@@ -217,7 +214,16 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     seqlen_local, headdim). Returns ((batch, seqlen_local, nheads, headdim), None)."""
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
     settings = _settings_of(module, mode)
+    if isinstance(attention_mask, IndexedMask):  # a DSA layer: the keys its indexer chose (indexed.py)
+        _check_call(describe, module, query, key, dropout, kwargs)
+        if kwargs.get("indices") is None:
+            raise ValueError(f"{describe}: the layer passed no top-k indices (indices=)")
+        q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
+        placement = attention_mask.placement
+        return sparse_attention(q, k, v, kwargs["indices"], softmax_scale=scaling, placement=placement), None
     mask = _layer_mask(describe, module, attention_mask, kwargs)
+    if getattr(module, inkling.ROLE_ATTRIBUTE, None) is not None:  # Inkling 2's bias, sinks and residuals
+        return inkling.attention(describe, module, query, key, value, mask, scaling, dropout, kwargs, settings), None
     cache = running_step()
     if cache is not None and _scales_queries_by_row(module) and (cache.real_lengths.shape[0] > 1
                                                                   or cache.step.kind == "chunk"):  # fmt: skip
@@ -256,7 +262,7 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
             raise ValueError(
                 f"{describe}: the layer scales its queries by row; pass position_ids or shard_batch's batch"
             )
-        query = _rescale_temperature(module, query, _global_rows(shard, position_ids, query.device))
+        query = _rescale_temperature(module, query, global_rows(shard, position_ids, query.device))
     # (B, H, S, D) -> (B, S, H, D): views; transformers' projections are (B, S, H, D) in
     # memory, so these are usually contiguous already.
     q, k, v = (x.transpose(1, 2) for x in _autocast(query, key, value))
@@ -290,11 +296,31 @@ def _decode(describe, module, query, key, value, mask, scaling, dropout, kwargs,
                                 cache_lengths=step.cache_lengths, check_ranks=False, **variants,
                                 **settings.group_kwargs())  # fmt: skip
     # The cache keeps the keys as rotary embeddings left them (fp32 under autocast): in q's dtype, as the chunk's.
-    stored_keys, stored_values = _autocast(*cache.layers[module.layer_idx].gathered(step.index))
+    stored_keys, stored_values = _autocast(*_stored_keys_and_values(describe, module, cache, step, k, v))
     return prefill_attention(q, k, v, stored_keys, stored_values, q_positions=step.query_positions,
                              cache_positions=step.cache_positions, cache_lengths=step.cache_lengths,
                              check_ranks=False, chunk_seq_lens=step.chunk_seq_lens,
                              cache_seq_lens=step.cache_seq_lens, **variants, **settings.group_kwargs())  # fmt: skip
+
+
+def _stored_keys_and_values(describe, module, cache, step, k, v):
+    """The cached keys and values of this rank's shard (batch, width, H_kv, D) and (...,
+    Dv) as the attention reads them. Multi-head latent attention layers (DeepSeek-V3 and
+    its kin: an expand_kv method) cache the compressed latents (kv_nope, k_rot), each
+    (batch, width, 1, rank): expanded by the layer's own expand_kv, as its forward does
+    for the chunk. What still differs from the chunk's k (B, C, H_kv, D), v (..., Dv)
+    raises, naming the layer."""
+    stored = cache.layers[module.layer_idx].gathered(step.index)
+    if hasattr(module, "expand_kv"):
+        stored = tuple(x.transpose(1, 2) for x in module.expand_kv(*(x.transpose(1, 2) for x in stored)))
+    for name, cached, new in zip(("keys", "values"), stored, (k, v)):
+        if cached.shape[2:] != new.shape[2:]:
+            raise ValueError(
+                f"{describe}: layer {module.layer_idx} ({type(module).__name__}) caches {name} of (heads, head dim) "
+                f"{tuple(cached.shape[2:])} where its attention reads {tuple(new.shape[2:])}: a cache of something "
+                "other than its keys and values, which a next turn over a sharded cache cannot read"
+            )
+    return stored
 
 
 def _ulysses(module, query, key, value, attention_mask, **kwargs):
@@ -355,6 +381,8 @@ def apply(
         images and videos of shard_batch(..., model=model) (vision.install). Or PEFT's
         PeftModel of one, before or after get_peft_model: the model under it switches,
         adapters and all (adapters.transformers_model; prompt learning raises).
+        Inkling 2 and Inkling 2 Loop run in mode "ulysses" only (inkling.install raises
+        for the others, naming why).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with
@@ -396,8 +424,11 @@ def apply(
     vision_language = vision_language_base(model, "apply")
     # A vision-language model's vision tower keeps its own attention: each rank encodes whole frames.
     language = model if vision_language is None else vision_language.language_model
-    mixers = _check_layers(model)
+    indexed = check_indexed(model, settings)
+    mixers = _check_layers(model, INDEXED_LAYER_TYPES if indexed else ())
     router_loss_of(model, "apply")  # a router loss the package cannot compute raises here, before training
+    if inkling.serves(model):  # raises for what it cannot run, before anything changes
+        inkling.install(model, settings)
     if settings.tensor_size > 1:
         if vision_language is not None or mixers:
             raise ValueError(
@@ -417,13 +448,15 @@ def apply(
         setattr(module, SETTINGS_ATTRIBUTE, settings)
     if mixers:
         install(model, settings)
+    if indexed:
+        install_indexed(model)
     if vision_language is not None:
         install_vision(vision_language)
     install_generation(model, settings)
     return settings
 
 
-def _check_layers(model) -> dict:
+def _check_layers(model, indexed_types=()) -> dict:
     """The model's mixers other than attention (mixers.mixers_of), after checking that
     every layer whose type (config.layer_types, or layers_block_type) is not attention
     holds one, or mixes nothing (an MLP layer): a layer of another kind would see this
@@ -431,11 +464,11 @@ def _check_layers(model) -> dict:
     mixers = mixers_of(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
-    if not set(types) - set(ATTENTION_LAYER_TYPES) - set(UNMIXED_LAYER_TYPES):
+    if not set(types) - set(ATTENTION_LAYER_TYPES) - set(UNMIXED_LAYER_TYPES) - set(indexed_types):
         return mixers
     layers = _decoder_layers(model, len(types))
     for index, layer_type in enumerate(types):
-        if layer_type in ATTENTION_LAYER_TYPES or layer_type in UNMIXED_LAYER_TYPES:
+        if layer_type in (*ATTENTION_LAYER_TYPES, *UNMIXED_LAYER_TYPES, *indexed_types):
             continue
         held = [module for module in mixers.values() if any(module is sub for sub in layers[index].modules())] \
             if layers is not None else list(mixers.values())  # fmt: skip

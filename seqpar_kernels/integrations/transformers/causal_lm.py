@@ -27,7 +27,7 @@ from seqpar_kernels.integrations.transformers.adapters import head_in_use, trans
 from seqpar_kernels.integrations.transformers.attention import SETTINGS_ATTRIBUTE
 from seqpar_kernels.integrations.transformers.router import load_balancing_loss, router_loss_of
 from seqpar_kernels.parallel.cross_entropy import sequence_parallel_cross_entropy, sequence_parallel_logprobs
-from seqpar_kernels.parallel.training import SequenceShard
+from seqpar_kernels.parallel.training import SequenceShard, check_within_stages
 
 __all__ = ["causal_lm_loss", "causal_lm_logprobs", "router_aux_loss", "head_of", "IGNORE_INDEX", "LOGIT_SCALES"]
 
@@ -94,6 +94,13 @@ def _groups_of(model, groups: dict) -> dict:
     return groups
 
 
+def _arguments(groups: dict) -> str:
+    """The reduction's arguments that were given, as a message names them (the mesh by its dims, which the
+    message gives)."""
+    given = [f"{key}={value!r}" for key, value in groups.items() if key != "mesh" and value not in (None, ())]
+    return ", ".join(given) or "the world"
+
+
 def _through_head(describe: str, model, hidden_states: torch.Tensor, function, labels: torch.Tensor, groups: dict,
                   **options):  # fmt: skip
     """function(hidden_states, head weight, labels, **options) with the model's head:
@@ -101,8 +108,12 @@ def _through_head(describe: str, model, hidden_states: torch.Tensor, function, l
     the model where none is given, and the dtype its Linear would compute the logits in
     (the autocast dtype under autocast)."""
     model = transformers_model(model, describe)
+    groups = _groups_of(model, groups)
+    # A pipeline stage's loss (hold_per_stage) reduced across stages raises on every stage, the head's or not.
+    reduced = [group for group, info in reduction_groups(describe, any_mesh=True, **groups) if info.world_size > 1]
+    check_within_stages(describe, model.named_parameters(), reduced, _arguments(groups))
     weight, logit_softcap, logit_scale = head_of(model, describe)
-    options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **_groups_of(model, groups))
+    options = dict(options, logit_softcap=logit_softcap, logit_scale=logit_scale, **groups)
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

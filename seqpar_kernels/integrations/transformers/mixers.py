@@ -1,11 +1,12 @@
 """The sequence-mixing layers of hybrid models (linear attention, state-space scans, short
 convolutions) under sequence parallelism: their state passed across ranks.
 
-transformers' mixer modules (Qwen3-Next's and Qwen3.5's Gated DeltaNet, the Mamba2 mixers
-of Bamba, Falcon-H1, GraniteMoeHybrid, Nemotron-H and Zamba2, the Mamba mixers of Jamba,
-Zamba and Mamba, LFM2's short convolution) call a few functions of their modeling module
-by name: the convolution (causal_conv1d_fn), the gated delta rule
-(torch_chunk_gated_delta_rule), the Mamba2 and Mamba scans (mamba2_chunk_scan,
+transformers' mixer modules (Qwen3-Next's and Qwen3.5's Gated DeltaNet, Kimi Linear's and
+BailingHybrid's delta attention, the Mamba2 mixers of Bamba, Falcon-H1, GraniteMoeHybrid,
+Nemotron-H and Zamba2, the Mamba mixers of Jamba, Zamba and Mamba, LFM2's short
+convolution) call a few functions of their modeling module by name: the convolution
+(causal_conv1d_fn), the gated delta rule (torch_chunk_gated_delta_rule), Kimi's delta
+attention (chunk_kimi_delta_attention), the Mamba2 and Mamba scans (mamba2_chunk_scan,
 mamba_selective_scan), directly or through a wrapper that reads and updates the cache
 (causal_conv1d_forward, mamba_scan_forward, mamba2_scan_forward: transformers 5.25 on).
 install() finds the model's mixers by those names, replaces the mixing functions in their
@@ -18,8 +19,12 @@ None there, which sends the mixer down its unfused path, and the single-token de
 functions raise outside a sequence-parallel generate (a KV cache is not
 sequence-parallel).
 
-A module whose forward calls sequence-mixing functions the package does not run (Kimi's
-delta attention, ...) makes install() raise, naming it; a hooked mixer that runs without
+A mixer that mixes inline, calling no function by name (MiniMax's lightning attention),
+has its class's forward replaced the same way (MODULE_FORWARDS): the package's forward
+while it runs hooked, the original otherwise.
+
+A module whose forward calls sequence-mixing functions the package does not run
+(RecurrentGemma's scan, ...) makes install() raise, naming it; a hooked mixer that runs without
 calling a dispatcher (a wrapper replaced, by kernels' kernelize say) raises.
 """
 
@@ -32,7 +37,7 @@ import threading
 import torch
 
 from seqpar_kernels.integrations.transformers.generation import running_step
-from seqpar_kernels.parallel.gated_delta import gated_delta_rule
+from seqpar_kernels.parallel.gated_delta import gated_delta_rule, kimi_delta_attention, lightning_attention
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
 from seqpar_kernels.parallel.state_space import selective_scan, ssd_scan
@@ -107,11 +112,45 @@ def _gated_delta(context, query, key, value, g, beta, chunk_size=64, initial_sta
     return out if output_final_state else (out, None)
 
 
+def _kimi_delta(context, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """transformers' chunk_kimi_delta_attention: query, key (B, S, H, dk), value (B, S,
+    H, dv), g (B, S, H, dk), beta (B, S, H) -> ((B, S, H, dv), None)."""
+    _no_generate("chunk_kimi_delta_attention")
+    out = kimi_delta_attention(query, key, value, g, beta, use_qk_l2norm=use_qk_l2norm_in_kernel, **_where(context))
+    return out, None
+
+
+def _no_generate(name: str) -> None:
+    """Raises in a sequence-parallel generate: its cache does not keep these mixers' states yet."""
+    if running_step() is not None:
+        raise ValueError(f"sequence-parallel mixers: a sequence-parallel generate does not run {name} yet; "
+                         "generate in one process")  # fmt: skip
+
+
+def _lightning(context, module, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """MiniMaxLightningAttention's forward (B, S, hidden) -> ((B, S, hidden), None), its
+    block loop replaced by lightning_attention over the sharded sequence; the rest (the
+    projections, SiLU, the padding mask, the norm and the output gate) as the module's."""
+    _no_generate(type(module).__name__)
+    batch, length, _ = hidden_states.shape
+    heads, head_dim = module.num_attention_heads, module.head_dim
+    modeling = sys.modules[type(module).__module__]
+    qkv = modeling.apply_mask_to_padding_states(module.act_fn(module.qkv_proj(hidden_states)), attention_mask)
+    query, key, value = torch.split(qkv.reshape(batch, length, heads, 3 * head_dim), head_dim, dim=3)
+    out = lightning_attention(query, key, value, module.slope_rate.reshape(heads), scale=1.0, **_where(context))
+    out = module.norm(out.reshape(batch, length, heads * head_dim))
+    return module.out_proj(torch.sigmoid(module.output_gate(hidden_states)) * out), None
+
+
 # The functions a mixer calls by name, and what runs in their place under sequence parallelism.
 HANDLED_FUNCTIONS = {
     "causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _gated_delta, "mamba2_chunk_scan": _ssd,
-    "mamba_selective_scan": _selective,
+    "mamba_selective_scan": _selective, "chunk_kimi_delta_attention": _kimi_delta,
 }  # fmt: skip
+# Mixer classes that mix inline, and the forward (context, module, *args, **kwargs) that
+# runs in place of theirs under sequence parallelism.
+MODULE_FORWARDS = {"MiniMaxLightningAttention": _lightning}
 # transformers' wrappers that read and update a mixer's cache, and the mixing functions
 # each calls (which dispatch); the wrapper itself runs as it is.
 WRAPPER_FUNCTIONS = {
@@ -124,15 +163,13 @@ FUSED_FUNCTIONS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 # One token at a time from a cache (generation): not sequence-parallel.
 DECODE_FUNCTIONS = (
     "causal_conv1d_update", "mamba2_selective_state_update", "mamba_selective_state_update",
-    "torch_recurrent_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention",
 )  # fmt: skip
 # The functions replaced by dispatchers.
 _RUNS = (*HANDLED_FUNCTIONS, *FUSED_FUNCTIONS, *DECODE_FUNCTIONS)
 # Every sequence-mixing function of transformers' mixers known here; those not run above
-# make install() raise (Kimi's delta attention, RecurrentGemma's scan, ...).
-MIXING_FUNCTIONS = (
-    *_RUNS, *WRAPPER_FUNCTIONS, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "_rnn_scan",
-)  # fmt: skip
+# make install() raise (RecurrentGemma's scan, ...).
+MIXING_FUNCTIONS = (*_RUNS, *WRAPPER_FUNCTIONS, "_rnn_scan")
 
 # The mixers running now on this thread, innermost last.
 _running = threading.local()
@@ -214,7 +251,7 @@ def mixers_of(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
                 f"apply: {type(module).__name__} ({path}) mixes the sequence with {unsupported}, which the package "
                 f"does not run sequence-parallel (it runs {sorted(HANDLED_FUNCTIONS)})"
             )
-        if names:
+        if names or type(module).__name__ in MODULE_FORWARDS:
             mixers[path] = module
     return mixers
 
@@ -227,6 +264,25 @@ def _patch(module: torch.nn.Module) -> None:
         function = getattr(modeling, name, None)
         if function is not None and callable(function) and not hasattr(function, "seqpar_original"):
             setattr(modeling, name, _dispatcher(name, function))
+    cls = type(module)
+    if cls.__name__ in MODULE_FORWARDS and not hasattr(cls.forward, "seqpar_original"):
+        cls.forward = _forward_dispatcher(MODULE_FORWARDS[cls.__name__], cls.forward)
+
+
+def _forward_dispatcher(forward, original):
+    """The forward that replaces a MODULE_FORWARDS class's: `forward` while the module runs
+    hooked (the innermost running mixer), the original otherwise."""
+
+    def dispatch(module, *args, **kwargs):
+        stack = _stack()
+        if not stack or stack[-1].context[2] is not module:
+            return original(module, *args, **kwargs)
+        stack[-1].dispatched = True
+        return forward(stack[-1].context, module, *args, **kwargs)
+
+    dispatch.seqpar_original = original
+    dispatch.__name__ = dispatch.__qualname__ = "forward"
+    return dispatch
 
 
 def install(model: torch.nn.Module, parallelism: SequenceParallelism) -> dict[str, torch.nn.Module]:

@@ -12,6 +12,9 @@ Started by torchrun (one process per GPU, or per CPU rank: NCCL on GPUs, gloo on
 as the Trainer sets up torch.distributed). The world's ranks form groups of
 sequence_parallel_size consecutive ranks (rank = replica x size + piece); each group
 trains on one sequence split across its ranks, the groups are data-parallel replicas.
+One DeviceMesh holds them (trainer_mesh.py), built from the Trainer's arguments:
+sequence_parallel_size, TrainingArguments' fsdp (FSDP2) or accelerate's
+ParallelismConfig (cp_size, dp_shard_size, dp_replicate_size).
 
 What it gives: step for step, what the plain Trainer gives in one process on the same
 data with the global batch (per-device batch x replicas): every logged loss and
@@ -26,17 +29,19 @@ Where the data does not fill the last global batch, accelerate tops up the repli
 last batches with samples from the start (even_batches); their labels are set to -100,
 so that the step is the one-process Trainer's smaller last batch.
 
-Loss and gradients. The Trainer wraps the model in DDP (or FSDP) over the whole world,
-which averages the gradients over all W = replicas x size ranks. This rank's backward
-gives its tokens' share of its group's loss (sequence_parallel_cross_entropy's
-convention), so the loss it backpropagates is scaled by W x (its group's tokens) / D,
-D the one-process Trainer's denominator: num_items_in_batch counted as the Trainer
-counts it, over every micro-batch of the step and every replica (or, for a model that
-takes no num_items_in_batch, the micro-batch's tokens over the replicas, and the Trainer
-divides by the accumulation steps itself). The average over the world is then the
-one-process gradient, whole before the Trainer clips it. The value this rank returns
-(what the Trainer logs, averaged over the world) is replicas x (its group's loss sum) /
-D: the world's average is the one-process loss.
+Loss and gradients. The Trainer wraps the model in DDP (or accelerate's FSDP1) over the
+whole world, or the mixin shards it with FSDP2 over data x sequence (the world; HSDP:
+replicated over dp_replicate) before the Trainer sees it; either averages the gradients
+over all W = replicas x size ranks. This rank's backward gives its tokens' share of its
+group's loss (sequence_parallel_cross_entropy's convention), so the loss it
+backpropagates is scaled by W x (its group's tokens) / D, D the one-process Trainer's
+denominator: num_items_in_batch counted as the Trainer counts it, over every micro-batch
+of the step and every replica (or, for a model that takes no num_items_in_batch, the
+micro-batch's tokens over the replicas, and the Trainer divides by the accumulation
+steps itself). The average over the world is then the one-process gradient, whole before
+the Trainer clips it. The value this rank returns (what the Trainer logs, averaged over
+the world) is replicas x (its group's loss sum) / D: the world's average is the
+one-process loss.
 
 Router loss. A mixture-of-experts model with output_router_logits=True adds
 router_aux_loss_coef x its load-balancing loss (router.py), a product of two means over
@@ -57,12 +62,15 @@ gradient_checkpointing: each layer's input) in host memory (memory.offload_activ
 
 What raises (ValueError, at construction): label smoothing, compute_loss_func,
 compute_metrics and preprocess_logits_for_metrics (they need the logits of the whole
-sequence), DataParallel (several GPUs in one process), DeepSpeed, accelerate's own
-parallelism_config, the "batch_rebalance" sampling strategy, a world size that
-sequence_parallel_size does not divide; when train() or evaluate() makes a dataloader:
-batches dispatched from rank 0 (accelerate's dispatch_batches, its default for an
-IterableDataset), uneven replica batches (even_batches=False); at a batch, on every
-rank: keys shard_batch does not know, ranks of a group holding different batches.
+sequence), DataParallel (several GPUs in one process), DeepSpeed, the "batch_rebalance"
+sampling strategy, a world size that sequence_parallel_size does not divide, degrees
+that do not multiply to the world size and what trainer_mesh.trainer_degrees refuses
+(tensor, pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over
+the mesh does not take), saving the optimizer's state of a model the mixin shards; when
+train() or evaluate() makes a dataloader: batches dispatched from rank 0 (accelerate's
+dispatch_batches, its default for an IterableDataset), uneven replica batches
+(even_batches=False); at a batch, on every rank: keys shard_batch does not know, ranks
+of a group holding different batches.
 
 TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over a
 sequence-parallel fused LM head of the model and the reference model (each rank's
@@ -75,6 +83,7 @@ names.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +92,7 @@ import torch.distributed as dist
 try:
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
     from transformers import Trainer
+    from transformers import __version__ as transformers_version
 except ImportError as error:  # pragma: no cover - exercised only without them
     raise ImportError(
         "SequenceParallelTrainer needs Hugging Face transformers 4.56 or newer and accelerate: "
@@ -107,6 +117,12 @@ from seqpar_kernels.integrations.transformers.post_training import (
     uses_fused_head,
 )
 from seqpar_kernels.integrations.transformers.router import load_balancing_loss, router_loss_of
+from seqpar_kernels.integrations.transformers.trainer_mesh import (
+    make_parallelism,
+    positive_int_or_none,
+    shard_model,
+    trainer_degrees,
+)
 from seqpar_kernels.integrations.transformers.vision import shard_batch
 from seqpar_kernels.parallel.parallelism import SequenceParallelism, check_options
 
@@ -121,55 +137,6 @@ _ROUTED_KEY = "seqpar_routed_tokens"
 # Saved tensors smaller than this stay on the device under offload_activations=True
 # (what a layer saves besides its checkpoint: rotary tables, norms' statistics).
 OFFLOAD_MIN_BYTES = 1 << 20
-
-
-def _positive_int_or_none(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-
-def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
-    """USP's default Ulysses degree: the largest divisor of size that divides the
-    model's key/value heads (Ulysses then sends no repeated K/V), the ring the rest."""
-    return max(degree for degree in range(1, size + 1) if size % degree == 0 and (kv_heads or 1) % degree == 0)
-
-
-def make_parallelism(mode: str, layout: str, sequence_parallel_size: int | None, ulysses_degree: int | None,
-                     device: torch.device, kv_heads: int | None = None,
-                     step_backend: str = "auto") -> SequenceParallelism:  # fmt: skip
-    """The sequence parallelism of each of a world's replicas: groups of
-    sequence_parallel_size consecutive ranks (collective: every rank calls it alike, as
-    it creates process groups). Without torch.distributed: one process, a group of one
-    ("usp" runs as "ring" there: the same result on a group of one)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if sequence_parallel_size not in (None, 1):
-            raise ValueError(
-                f"sequence_parallel_size={sequence_parallel_size} needs that many processes (torchrun); this "
-                "process runs alone"
-            )
-        alone = "ring" if mode == "usp" else mode
-        return SequenceParallelism.resolve("the Trainer", alone, layout, step_backend=step_backend)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world_size = dist.get_world_size()
-    size = world_size if sequence_parallel_size is None else sequence_parallel_size
-    if world_size % size != 0:
-        raise ValueError(
-            f"sequence_parallel_size={size} must divide the world size {world_size} (the other factor is the "
-            "number of data-parallel replicas)"
-        )
-    replicas = world_size // size
-    if mode == "usp":
-        degree = default_ulysses_degree(size, kv_heads) if ulysses_degree is None else ulysses_degree
-        if size % degree != 0:
-            raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
-        mesh = init_device_mesh(device.type, (replicas, size // degree, degree),
-                                mesh_dim_names=("replica", "ring", "ulysses"))  # fmt: skip
-        groups = {"mesh": mesh["ring", "ulysses"]}
-    else:
-        mesh = init_device_mesh(device.type, (replicas, size), mesh_dim_names=("replica", "sequence"))
-        groups = {"group": mesh.get_group("sequence")}
-    return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, **groups)
 
 
 @dataclass(frozen=True)
@@ -210,8 +177,8 @@ class SequenceParallelTrainerMixin:
                  tiled_mlp: bool | int = False, offload_activations: bool = False, step_backend: str = "auto",
                  **kwargs):  # fmt: skip
         check_options(type(self).__name__, mode, layout, step_backend)
-        _positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
-        _positive_int_or_none("ulysses_degree", ulysses_degree)
+        positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
+        positive_int_or_none("ulysses_degree", ulysses_degree)
         if ulysses_degree is not None and mode != "usp":
             raise ValueError(f"ulysses_degree is USP's; mode={mode!r} takes none")
         if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
@@ -234,6 +201,7 @@ class SequenceParallelTrainerMixin:
         self._router_loss = None
         if uses_fused_head(self):
             self._refuse(unsupported_options(kwargs.get("args")))
+        args, kwargs = self._take_mesh_arguments(args, kwargs)
         super().__init__(*args, **kwargs)
         self._check_trainer_arguments()
         self._prepare_model(self.model)
@@ -248,6 +216,43 @@ class SequenceParallelTrainerMixin:
         if unsupported:
             raise ValueError(f"{type(self).__name__}: sequence parallelism does not support {', '.join(unsupported)}")
 
+    def _take_mesh_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The degrees of the Trainer's mesh (trainer_mesh.trainer_degrees), and the
+        Trainer's arguments with a copy of its TrainingArguments where the mesh takes
+        over what accelerate would do with them: parallelism_config, and FSDP2, which
+        the mixin applies itself over data x sequence (shard_model)."""
+        describe = type(self).__name__
+        positional = len(args) > 1  # Trainer(model, args, ...)
+        training_args = args[1] if positional else kwargs.get("args")
+        if training_args is not None:
+            training_args.device  # noqa: B018 - sets up torch.distributed under torchrun, as the Trainer does
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._degrees = trainer_degrees(describe, training_args, world,
+                                        self.sequence_parallel_options["sequence_parallel_size"])  # fmt: skip
+        if training_args is None or (getattr(training_args, "parallelism_config", None) is None
+                                     and not self._degrees.fsdp):  # fmt: skip
+            return args, kwargs
+        if self._degrees.fsdp:
+            if uses_fused_head(self):
+                self._refuse(["FSDP2 over the mesh with TRL's DPO and GRPO trainers"])
+            if int(transformers_version.split(".")[0]) < 5:
+                raise ValueError(
+                    f"{describe}: FSDP2 over the mesh needs transformers 5 or newer (whose Trainer takes a model "
+                    f"sharded before it, without wrapping it in DDP); this is {transformers_version}"
+                )
+            if training_args.save_strategy != "no" and not training_args.save_only_model:
+                raise ValueError(
+                    f"{describe}: a model FSDP2 shards over the mesh saves no optimizer state: pass "
+                    f"save_only_model=True or save_strategy='no' (got save_strategy={training_args.save_strategy!r})"
+                )
+        training_args = copy.copy(training_args)
+        training_args.parallelism_config = None
+        if self._degrees.fsdp:
+            training_args.fsdp, training_args.fsdp_plugin_args = None, None
+        if positional:
+            return (args[0], training_args, *args[2:]), kwargs
+        return args, {**kwargs, "args": training_args}
+
     def _check_trainer_arguments(self) -> None:
         args = self.args
         unsupported = {
@@ -257,7 +262,6 @@ class SequenceParallelTrainerMixin:
             "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics is not None,
             "several GPUs in one process (DataParallel): start one process per GPU": args.n_gpu > 1,
             "DeepSpeed": getattr(self, "is_deepspeed_enabled", False),
-            "accelerate's parallelism_config": getattr(args, "parallelism_config", None) is not None,
             "train_sampling_strategy='batch_rebalance'": getattr(args, "train_sampling_strategy", None)
             == "batch_rebalance",
         }
@@ -274,13 +278,32 @@ class SequenceParallelTrainerMixin:
             kv_heads = getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads",
                                                                                     None)  # fmt: skip
             self.sequence_parallel = make_parallelism(
-                options["mode"], options["layout"], options["sequence_parallel_size"], options["ulysses_degree"],
-                self.args.device, kv_heads, options["step_backend"],
+                options["mode"], options["layout"], self._degrees, options["ulysses_degree"], self.args.device,
+                kv_heads, options["step_backend"],
             )  # fmt: skip
         self._apply_parallelism(inner)
         self._router_loss = router_loss_of(inner, type(self).__name__)
         if options["tiled_mlp"]:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
+        if self._degrees.fsdp:
+            shard_model(type(self).__name__, self._unwrapped(model), self.sequence_parallel, self._degrees)
+            # A model sharded before the Trainer wraps it: the Trainer neither moves it nor wraps it in DDP.
+            self.is_distributed_loading_by_transformers = True
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """The Trainer's no_sync between micro-batches for a model sharded before it,
+        from the mesh's degrees (the Trainer's own reads a DistributedConfig that a model
+        sharded by the mixin has not): FSDP2's reduce-scatter waits for the step's last
+        micro-batch; under HSDP only the all-reduce across dp_replicate waits."""
+        if self._degrees.dp_replicate > 1:
+            self.model.set_requires_all_reduce(False)
+        else:
+            self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def _unwrapped(self, model):
         """The model inside DDP, FSDP and torch.compile (whose wrapper accelerate keeps:
@@ -382,11 +405,12 @@ class SequenceParallelTrainerMixin:
 
     @property
     def _replicas(self) -> int:
-        return self._world_size // self._group_size
+        return self.sequence_parallel.data_size
 
     @property
     def _replica(self) -> int:
-        return resolve_group(None).rank // self._group_size
+        """Which replica's batches this rank reads (the mesh's data index)."""
+        return self.sequence_parallel.data_rank
 
     # ---- data ---------------------------------------------------------------------
 

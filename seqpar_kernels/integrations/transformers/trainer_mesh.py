@@ -1,0 +1,204 @@
+"""The Trainer's one DeviceMesh: the degrees its arguments ask for, the mesh of them, and
+FSDP2 over its data x sequence dims.
+
+    degrees = trainer_degrees("SequenceParallelTrainer", args, world_size, sequence_parallel_size)
+    parallelism = make_parallelism(mode, layout, degrees, ulysses_degree, device, kv_heads)
+    shard_model(model, parallelism, degrees)        # fully_shard, where degrees.fsdp
+
+The arguments: sequence_parallel_size (and USP's ulysses_degree), TrainingArguments'
+fsdp / fsdp_config (FSDP2), or accelerate's ParallelismConfig as
+TrainingArguments(parallelism_config=...), whose fields map so:
+    cp_size                        the sequence's ranks (sequence_parallel_size)
+    dp_shard_size                  data replicas whose parameters FSDP2 shards
+    dp_replicate_size              data replicas that hold whole copies (DDP; with
+                                   dp_shard_size > 1: HSDP)
+    tp_size, sp_size, pp_size      refused (ValueError naming them)
+
+The mesh, sequence dims innermost (a replica's sequence ranks are consecutive ranks:
+rank = replica x P + piece, replica = dp_replicate index x dp_shard + dp_shard index):
+    ("dp_replicate", "dp_shard", "sequence")          mode "ulysses" or "ring"
+    ("dp_replicate", "dp_shard", "ring", "ulysses")   mode "usp"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from seqpar_kernels.parallel.parallelism import SequenceParallelism
+
+DATA_DIMS = ("dp_replicate", "dp_shard")
+# ParallelismConfig's fields the Trainer cannot honour, with what to do instead.
+REFUSED_FIELDS = {
+    "tp_size": "tensor parallelism in the Trainer (apply(..., tensor_dims=) in a loop of your own, docs/mesh.md)",
+    "sp_size": "DeepSpeed's sequence parallelism (cp_size names the sequence's ranks here)",
+    "pp_size": "pipeline parallelism",
+}
+
+
+def positive_int_or_none(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainerDegrees:
+    """The Trainer's parallelism, validated once: dp_replicate x dp_shard x sequence =
+    the world size. fsdp: FSDP2 (fully_shard) over dp_shard x sequence, replicated
+    over dp_replicate (HSDP where dp_replicate > 1); without it the Trainer's DDP (or
+    FSDP1) over the world holds whole copies. fsdp_options: fsdp_config's
+    reshard_after_forward and transformer_layer_cls_to_wrap."""
+
+    dp_replicate: int
+    dp_shard: int
+    sequence: int
+    fsdp: bool = False
+    fsdp_options: tuple = ()
+
+    @property
+    def replicas(self) -> int:
+        """How many data replicas read different batches."""
+        return self.dp_replicate * self.dp_shard
+
+
+def _fsdp_version(args) -> int | None:
+    """The FSDP version TrainingArguments asks for (None: no FSDP). transformers 4.x
+    sets accelerate's FSDP through environment variables: left to accelerate (None)."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if not getattr(args, "fsdp", None) or plugin is None:
+        return None
+    return int(plugin.get("fsdp_version", 2))
+
+
+def _fsdp_options(describe: str, args) -> tuple:
+    """fsdp_config's options that the Trainer's own fully_shard honours; ValueError
+    naming those it does not."""
+    config = dict(getattr(args, "fsdp_config", None) or {})
+    refused = [key for key, default in (("cpu_offload", False), ("activation_checkpointing", False),
+                                        ("cpu_ram_efficient_loading", False))
+               if str(config.get(key, default)).lower() not in ("false", "0")]  # fmt: skip
+    if config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        refused.append(f"auto_wrap_policy={config['auto_wrap_policy']!r}")
+    if refused:
+        raise ValueError(
+            f"{describe}: FSDP2 over the mesh does not take fsdp_config {refused} (gradient_checkpointing=True "
+            "checkpoints the layers; the layers are wrapped by their classes)"
+        )
+    reshard = str(config.get("reshard_after_forward", True)).lower() not in ("false", "0")
+    classes = tuple(config.get("transformer_layer_cls_to_wrap") or ())
+    return (("reshard_after_forward", reshard), ("transformer_layer_cls_to_wrap", classes))
+
+
+def trainer_degrees(describe: str, args, world_size: int, sequence_parallel_size: int | None) -> TrainerDegrees:
+    """The degrees of the Trainer's arguments (TrainingArguments' fsdp and
+    parallelism_config, sequence_parallel_size) on a world of world_size ranks:
+    ValueError naming the numbers where they do not multiply to the world size, name
+    the sequence's ranks twice apart, or ask for what the Trainer does not do. Local:
+    every rank passes the same arguments and raises alike."""
+    positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
+    version = _fsdp_version(args)
+    config = getattr(args, "parallelism_config", None)
+    fsdp = version == 2
+    if version is not None and world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{describe}: fsdp needs torch.distributed (torchrun); this process runs alone")
+    if config is None:
+        size = world_size if sequence_parallel_size is None else sequence_parallel_size
+        if world_size % size != 0:
+            raise ValueError(
+                f"{describe}: sequence_parallel_size={size} must divide the world size {world_size} (the other "
+                "factor is the number of data-parallel replicas)"
+            )
+        data = world_size // size
+        replicate, shard = (1, data) if fsdp else (data, 1)
+        return TrainerDegrees(replicate, shard, size, fsdp, _fsdp_options(describe, args) if fsdp else ())
+    sizes = {name: getattr(config, name, None) or 1 for name in ("dp_replicate_size", "dp_shard_size", "cp_size")}
+    refused = [f"{name}={getattr(config, name)}" for name in REFUSED_FIELDS if (getattr(config, name, None) or 1) > 1]
+    if refused:
+        raise ValueError(
+            f"{describe}: ParallelismConfig {', '.join(refused)} asks for "
+            f"{', '.join(REFUSED_FIELDS[item.split('=')[0]] for item in refused)}, which the Trainer does not do"
+        )
+    if version == 1:
+        raise ValueError(f"{describe}: ParallelismConfig shards with FSDP2; fsdp_config asks for FSDP version 1")
+    if sequence_parallel_size is not None and sequence_parallel_size != sizes["cp_size"]:
+        raise ValueError(
+            f"{describe}: sequence_parallel_size={sequence_parallel_size} and ParallelismConfig "
+            f"cp_size={sizes['cp_size']} both name the sequence's ranks and differ"
+        )
+    total = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["cp_size"]
+    if total != world_size:
+        raise ValueError(
+            f"{describe}: ParallelismConfig dp_replicate_size={sizes['dp_replicate_size']} x dp_shard_size="
+            f"{sizes['dp_shard_size']} x cp_size={sizes['cp_size']} = {total} ranks, the world has {world_size}"
+        )
+    fsdp = fsdp or sizes["dp_shard_size"] > 1
+    return TrainerDegrees(sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes["cp_size"], fsdp,
+                          _fsdp_options(describe, args) if fsdp else ())  # fmt: skip
+
+
+def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
+    """USP's default Ulysses degree: the largest divisor of size that divides the
+    model's key/value heads (Ulysses then sends no repeated K/V), the ring the rest."""
+    return max(degree for degree in range(1, size + 1) if size % degree == 0 and (kv_heads or 1) % degree == 0)
+
+
+def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_degree: int | None,
+                     device: torch.device, kv_heads: int | None = None,
+                     step_backend: str = "auto") -> SequenceParallelism:  # fmt: skip
+    """The parallelism on the mesh of `degrees` (the module's docstring), its data dims
+    named (data_rank: which batch a rank reads); collective: every rank calls it alike,
+    as it creates process groups. Without torch.distributed: one process, a group of
+    one ("usp" runs as "ring" there: the same result on a group of one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if degrees.sequence != 1:
+            raise ValueError(
+                f"sequence_parallel_size={degrees.sequence} needs that many processes (torchrun); this process runs "
+                "alone"
+            )
+        alone = "ring" if mode == "usp" else mode
+        return SequenceParallelism.resolve("the Trainer", alone, layout, step_backend=step_backend)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data = (degrees.dp_replicate, degrees.dp_shard)
+    if mode == "usp":
+        size = degrees.sequence
+        degree = default_ulysses_degree(size, kv_heads) if ulysses_degree is None else ulysses_degree
+        if size % degree != 0:
+            raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
+        mesh = init_device_mesh(device.type, (*data, size // degree, degree),
+                                mesh_dim_names=(*DATA_DIMS, "ring", "ulysses"))  # fmt: skip
+        sequence_dims = ("ulysses", "ring")
+    else:
+        mesh = init_device_mesh(device.type, (*data, degrees.sequence), mesh_dim_names=(*DATA_DIMS, "sequence"))
+        sequence_dims = "sequence"
+    return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, mesh=mesh,
+                                       sequence_dims=sequence_dims, data_dims=DATA_DIMS)  # fmt: skip
+
+
+def shard_model(describe: str, model, parallelism: SequenceParallelism, degrees: TrainerDegrees) -> None:
+    """FSDP2 on `model` (a transformers model, or PEFT's wrapper of one) over data x
+    sequence (sequence ranks hold the same parameters, so FSDP2 shards across them too),
+    replicated over dp_replicate (HSDP): fully_shard on each layer of the classes
+    fsdp_config names (default: the model's _no_split_modules, as accelerate wraps),
+    then on the model. The wrapper averages the gradients over the mesh's ranks: the
+    world."""
+    from torch.distributed.fsdp import fully_shard
+
+    options = dict(degrees.fsdp_options)
+    mesh = parallelism.data_parallel_mesh(replicate_dims=DATA_DIMS[:1] if degrees.dp_replicate > 1 else ())
+    classes = set(options.get("transformer_layer_cls_to_wrap") or ())
+    if not classes:
+        inner = getattr(model, "get_base_model", lambda: model)()
+        classes = set(getattr(inner, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in classes]
+    if not layers:
+        raise ValueError(
+            f"{describe}: FSDP2 found no layer of the classes {sorted(classes)} in {type(model).__name__}; name them "
+            "in fsdp_config['transformer_layer_cls_to_wrap']"
+        )
+    reshard = options.get("reshard_after_forward", True)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

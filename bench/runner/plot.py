@@ -548,8 +548,11 @@ HEADLINE_SIZE_IN = (16, 10)
 
 
 def _panel_lines(rows: list[Row]) -> list[tuple[int, object, list[Row]]]:
-    """The lines of panels of a family's rows: (panels, draw, rows), in PANEL_KINDS' order."""
-    lines, rest = [], list(rows)
+    """The lines of panels of a family's rows: (panels, draw, rows), in PANEL_KINDS' order.
+    Memory rows without a peak (the fsdp family's state bytes; its --quick run measures no
+    peak) have nothing to plot: their numbers are in the table."""
+    lines = []
+    rest = [row for row in rows if not (row.bench == MEMORY_BENCH and row.ours_peak_bytes is None)]
     for benches, count, draw in PANEL_KINDS:
         mine = [row for row in rest if row.bench in benches]
         if mine:
@@ -604,10 +607,13 @@ def _save(figure, path: Path) -> Figure:
     return Figure(path, width, height, panels)
 
 
-def family_figure(name: str, rows: list[Row], metadata: dict, path: Path) -> Figure:
-    """A family's rows as a figure: a line of panels per kind of row (PANEL_KINDS)."""
+def family_figure(name: str, rows: list[Row], metadata: dict, path: Path) -> Figure | None:
+    """A family's rows as a figure: a line of panels per kind of row (PANEL_KINDS); None
+    where no row has anything to plot."""
     on_gpu = metadata["device_type"] == "cuda"
     lines = _panel_lines(rows)
+    if not lines:
+        return None
     heights = [max(4.5, 0.32 * len(mine) + 2.5) for _, _, mine in lines]
     figure = plt.figure(figsize=(FIGURE_WIDTH_IN, sum(heights)), dpi=DPI)
     grid = figure.add_gridspec(len(lines), 2, width_ratios=[3, 2], height_ratios=heights)
@@ -756,6 +762,7 @@ def write_figures(family_rows: dict[str, list[Row]], metadata: dict, stem: Path,
     measured = {name: [row for row in rows if not is_failed(row)] for name, rows in family_rows.items()}
     figures = [headline_figure([row for rows in measured.values() for row in rows], metadata, stem.with_suffix(".png"))]
     for name, rows in measured.items():
-        if rows and families:
-            figures.append(family_figure(name, rows, metadata, stem / f"{name}.png"))
+        figure = family_figure(name, rows, metadata, stem / f"{name}.png") if rows and families else None
+        if figure is not None:
+            figures.append(figure)
     return figures

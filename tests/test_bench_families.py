@@ -50,7 +50,7 @@ def test_the_runs_json_entries_come_from_the_families(monkeypatch):
     expected = {"ring_reference", "usp_baseline", "variants_baseline", "hybrid_baseline", "varlen_baseline",
                 "varlen_layouts", "loss_baseline", "memory_baseline", "transformers_baseline",
                 "transformers_skipped", "inference_baseline", "inference_generate_skipped", "video_baseline",
-                "video_skipped"}  # fmt: skip
+                "video_skipped", "sparse_baseline"}  # fmt: skip
     assert set(entries) == expected, sorted(set(entries) ^ expected)
 
 

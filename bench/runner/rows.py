@@ -29,6 +29,8 @@ MEMORY_BENCH = "memory"
 # bench/families/hybrid.py: hybrid models' mixers on P ranks, their state passed across ranks,
 # against the same function on the whole sequence in one process
 HYBRID_BENCH = "hybrid"
+# Indexer-sparse attention: fetching the chosen K/V rows against all-gathering them.
+SPARSE_BENCH = "sparse"
 # bench/families/inference.py: a KV cache sharded across ranks against one process holding it whole:
 # the ops (a first prompt's attention, a decode step's, a next turn's) and generate's
 # first token and decode step

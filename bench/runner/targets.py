@@ -30,6 +30,7 @@ from bench.runner.rows import (
     MEMORY_BENCH,
     RING_ALL,
     RING_BENCHES,
+    SPARSE_BENCH,
     TRANSFORMERS_BENCH,
     USP_BENCHES,
     VIDEO_BENCH,
@@ -107,10 +108,11 @@ def _cpu_speed_check(rows: list[Row], on_gpu: bool) -> Check:
     # compare a whole training step with one process's, not fused with unfused (and the
     # video rows a transformer's call with another library's or one process's, and the
     # hybrid rows a mixer on P ranks with one process's, the inference rows a sharded KV
-    # cache with one process's whole one); the memory rows' times are one step each, not
+    # cache with one process's whole one, the sparse rows two exchanges, whose winner
+    # depends on S_r x topk against T); the memory rows' times are one step each, not
     # timings.
     excluded = (RING_ALL + USP_BENCHES + VARLEN_BENCHES + INFERENCE_BENCHES
-                + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH))  # fmt: skip
+                + (LOSS_BENCH, TRANSFORMERS_BENCH, VIDEO_BENCH, MEMORY_BENCH, HYBRID_BENCH, SPARSE_BENCH))  # fmt: skip
     rows = [row for row in rows if row.bench not in excluded]
     if not rows:
         return Check(target, "n/a (not run)", "")

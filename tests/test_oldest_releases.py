@@ -21,7 +21,7 @@ SELECTIONS = {
     "test_transformers_trainer.py": "P2-ring or mixin",
     "test_transformers_vision.py": "match_one_process and 2 or trainer or cannot_be_honoured",
     "test_transformers_post_training.py": "test_dpo_matches",
-    "test_diffusers_integration.py": "latte_and_wan and 2 or more_transformers or cannot_run or pipelines",
+    "test_diffusers_integration.py": "latte_and_wan and 2 or cannot_run",
 }
 
 

@@ -243,6 +243,16 @@ def test_data_tensor_sequence_with_fsdp2_on_tensor_parallel_parameters(wrapper):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
+def test_data_times_usp_with_fsdp2():
+    """8 ranks, data 2 x USP's pair (ulysses 2 x ring 2) on one mesh of the user's names,
+    FSDP2 over data x both sequence dims, against one process."""
+    case = dict(mode="usp", layout="balanced", wrapper="fsdp_data_sequence", mesh=((2, 2, 2), ("dp", "u", "r")),
+                sequence_dims=("u", "r"))  # fmt: skip
+    failures = [failure for per_rank, _ in pool_for(8).run(run_mesh_case, case) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 def run_refusals():
     """What cannot work on a (dp, cp) mesh, each call on every rank: None where it raised
     the expected ValueError, else what happened."""

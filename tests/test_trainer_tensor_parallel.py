@@ -97,12 +97,13 @@ def test_tensor_times_sequence_matches_the_plain_trainer():
     per_rank = pool_for(4).run(run_tensor_parallel_trainers)
     reference = _reference(ULYSSES)
     assert _reference(RING_FSDP2) is reference  # one reference: the same training
-    for kind in ("tensor_parallel_size", "parallelism_config"):
+    # q_proj's 64 rows (4 heads): 32 on each tensor rank, FSDP2 halving them over the 2 sequence ranks.
+    for kind, rows in (("tensor_parallel_size", 32), ("parallelism_config", 16)):
         problems = _differences(per_rank[0][kind], reference)
         assert not problems, (kind, problems)
-        # Ranks (tp 0, piece 0), (0, 1), (1, 0), (1, 1): one replica, each rank 32 of q_proj's 64 rows (2 of 4 heads).
-        assert per_rank[0][kind]["dims"] == ("dp_replicate", "dp_shard", "tp", "sequence"), kind
-        assert [result[kind]["piece"] for result in per_rank] == [0, 1, 0, 1], kind
-        assert all(result[kind]["data_rank"] == 0 and result[kind]["q_rows"] == (32, 64) for result in per_rank), kind
+        # Ranks (piece 0, tp 0), (0, 1), (1, 0), (1, 1): one replica.
+        assert per_rank[0][kind]["dims"] == ("dp_replicate", "dp_shard", "sequence", "tp"), kind
+        assert [result[kind]["piece"] for result in per_rank] == [0, 0, 1, 1], kind
+        assert all(result[kind]["data_rank"] == 0 and result[kind]["q_rows"] == (rows, 64) for result in per_rank), kind
     for rank, result in enumerate(per_rank):
         assert result["refused"] is None, (rank, result["refused"])

@@ -15,10 +15,10 @@ trains on one sequence split across its ranks, the groups are data-parallel repl
 One DeviceMesh holds them (trainer_mesh.py), built from the Trainer's arguments:
 sequence_parallel_size, tensor_parallel_size, TrainingArguments' fsdp (FSDP2) or
 accelerate's ParallelismConfig (cp_size, tp_size, dp_shard_size, dp_replicate_size).
-With tensor parallelism (T ranks) a replica is T groups (rank = (replica x T + tensor
-index) x size + piece), which read the same batches: below, "a group" is a replica's
-T x size ranks where it reads or counts the batch, and the decoder layers are sharded
-over the T tensor ranks (apply(..., tensor_dims=), the model's own plan).
+With tensor parallelism (T ranks) a replica is T groups (rank = (replica x size +
+piece) x T + tensor index), which read the same batches: below, "a group" is a
+replica's T x size ranks where it reads or counts the batch, and the decoder layers are
+sharded over the T tensor ranks (apply(..., tensor_dims=), the model's own plan).
 
 What it gives: step for step, what the plain Trainer gives in one process on the same
 data with the global batch (per-device batch x replicas): every logged loss and
@@ -472,7 +472,7 @@ class SequenceParallelTrainerMixin:
     @property
     def _replica_ranks(self) -> int:
         """T x P: the ranks that read one replica's batches, consecutive ranks
-        (rank = replica x T x P + tensor index x P + piece)."""
+        (rank = (replica x P + piece) x T + tensor index)."""
         return self._world_size // self._replicas
 
     @property

@@ -17,13 +17,16 @@ TrainingArguments(parallelism_config=...), whose fields map so:
                                    dp_shard_size > 1: HSDP)
     sp_size, pp_size               refused (ValueError naming them)
 
-The mesh, data dims outermost, sequence dims innermost, the tensor dim (where T > 1)
-between them, so that a replica's T x P ranks are consecutive ranks and so are the P
-sequence ranks of each of its tensor ranks: rank = (replica x T + tensor index) x P +
-piece, replica = dp_replicate index x dp_shard + dp_shard index. A node holding a whole
-replica (T x P GPUs or fewer) keeps both the tensor's and the sequence's traffic in it:
-    ("dp_replicate", "dp_shard", ["tp",] "sequence")          mode "ulysses" or "ring"
-    ("dp_replicate", "dp_shard", ["tp",] "ring", "ulysses")   mode "usp"
+The mesh, data dims outermost, then the sequence dims, then the tensor dim (where
+T > 1), innermost as torchtitan orders them: a replica's T x P ranks are consecutive
+ranks, a tensor group's T ranks adjacent (the busiest traffic on the closest links):
+rank = (replica x P + piece) x T + tensor index, replica = dp_replicate index x
+dp_shard + dp_shard index. A node holding a replica (T x P GPUs or fewer) keeps the
+tensor's and the sequence's traffic in it. FSDP2 over data x sequence on the
+tensor-parallel parameters needs "tp" after the dims it flattens (torch's 2-D mesh of
+the two takes mesh dims in ascending order):
+    ("dp_replicate", "dp_shard", "sequence"[, "tp"])          mode "ulysses" or "ring"
+    ("dp_replicate", "dp_shard", "ring", "ulysses"[, "tp"])   mode "usp"
 """
 
 from __future__ import annotations
@@ -185,19 +188,19 @@ def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_de
     from torch.distributed.device_mesh import init_device_mesh
 
     tensor = (TENSOR_DIM,) if degrees.tensor > 1 else ()
-    outer = (degrees.dp_replicate, degrees.dp_shard, *[degrees.tensor] * len(tensor))
-    outer_names = (*DATA_DIMS, *tensor)
+    data, inner = (degrees.dp_replicate, degrees.dp_shard), [degrees.tensor] * len(tensor)
     if mode == "usp":
         size = degrees.sequence
         local_kv_heads = kv_heads // degrees.tensor if kv_heads else None  # T not dividing them raises in apply
         degree = default_ulysses_degree(size, local_kv_heads) if ulysses_degree is None else ulysses_degree
         if size % degree != 0:
             raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
-        mesh = init_device_mesh(device.type, (*outer, size // degree, degree),
-                                mesh_dim_names=(*outer_names, "ring", "ulysses"))  # fmt: skip
+        mesh = init_device_mesh(device.type, (*data, size // degree, degree, *inner),
+                                mesh_dim_names=(*DATA_DIMS, "ring", "ulysses", *tensor))  # fmt: skip
         sequence_dims = ("ulysses", "ring")
     else:
-        mesh = init_device_mesh(device.type, (*outer, degrees.sequence), mesh_dim_names=(*outer_names, "sequence"))
+        mesh = init_device_mesh(device.type, (*data, degrees.sequence, *inner),
+                                mesh_dim_names=(*DATA_DIMS, "sequence", *tensor))  # fmt: skip
         sequence_dims = "sequence"
     return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, mesh=mesh,
                                        sequence_dims=sequence_dims, data_dims=DATA_DIMS,

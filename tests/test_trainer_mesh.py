@@ -83,7 +83,7 @@ def run_mesh_trainers() -> dict:
     refused = {
         "product": (dict(dp_shard_size=4, cp_size=2), r"dp_replicate_size=1 x dp_shard_size=4 x cp_size=2 = 8 ranks, "
                     r"the world has 4"),
-        "tensor": (dict(dp_shard_size=2, tp_size=2), r"tp_size=2 asks for tensor parallelism"),
+        "deepspeed sequence": (dict(dp_shard_size=2, sp_size=2), r"sp_size=2 asks for DeepSpeed's sequence"),
         "sequence twice": (dict(dp_shard_size=1, cp_size=4), r"sequence_parallel_size=2 and ParallelismConfig "
                            r"cp_size=4"),
     }  # fmt: skip

@@ -13,8 +13,12 @@ as the Trainer sets up torch.distributed). The world's ranks form groups of
 sequence_parallel_size consecutive ranks (rank = replica x size + piece); each group
 trains on one sequence split across its ranks, the groups are data-parallel replicas.
 One DeviceMesh holds them (trainer_mesh.py), built from the Trainer's arguments:
-sequence_parallel_size, TrainingArguments' fsdp (FSDP2) or accelerate's
-ParallelismConfig (cp_size, dp_shard_size, dp_replicate_size).
+sequence_parallel_size, tensor_parallel_size, TrainingArguments' fsdp (FSDP2) or
+accelerate's ParallelismConfig (cp_size, tp_size, dp_shard_size, dp_replicate_size).
+With tensor parallelism (T ranks) a replica is T groups (rank = (replica x size +
+piece) x T + tensor index), which read the same batches: below, "a group" is a
+replica's T x size ranks where it reads or counts the batch, and the decoder layers are
+sharded over the T tensor ranks (apply(..., tensor_dims=), the model's own plan).
 
 What it gives: step for step, what the plain Trainer gives in one process on the same
 data with the global batch (per-device batch x replicas): every logged loss and
@@ -32,7 +36,10 @@ so that the step is the one-process Trainer's smaller last batch.
 Loss and gradients. The Trainer wraps the model in DDP (or accelerate's FSDP1) over the
 whole world, or the mixin shards it with FSDP2 over data x sequence (the world; HSDP:
 replicated over dp_replicate) before the Trainer sees it; either averages the gradients
-over all W = replicas x size ranks. This rank's backward gives its tokens' share of its
+over all W = replicas x size ranks (with tensor parallelism, the world over T: FSDP2
+over data x sequence, or the mixin's own average over them, never over the tensor
+ranks, which hold other shards of a layer or the same gradient of a whole parameter).
+This rank's backward gives its tokens' share of its
 group's loss (sequence_parallel_cross_entropy's convention), so the loss it
 backpropagates is scaled by W x (its group's tokens) / D, D the one-process Trainer's
 denominator: num_items_in_batch counted as the Trainer counts it, over every micro-batch
@@ -65,8 +72,9 @@ compute_metrics and preprocess_logits_for_metrics (they need the logits of the w
 sequence), DataParallel (several GPUs in one process), DeepSpeed, the "batch_rebalance"
 sampling strategy, a world size that sequence_parallel_size does not divide, degrees
 that do not multiply to the world size and what trainer_mesh.trainer_degrees refuses
-(tensor, pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over
-the mesh does not take), saving the optimizer's state of a model the mixin shards; when
+(pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over the mesh
+does not take), a tensor degree that does not divide the heads (apply's checks),
+saving the optimizer's state of a model the mixin shards; when
 train() or evaluate() makes a dataloader: batches dispatched from rank 0 (accelerate's
 dispatch_batches, its default for an IterableDataset), uneven replica batches
 (even_batches=False); at a batch, on every rank: keys shard_batch does not know, ranks
@@ -158,9 +166,14 @@ class SequenceParallelTrainerMixin:
         mode: "ulysses", "ring" or "usp" (seqpar_kernels.integrations.transformers.apply's)
         layout: "contiguous" or "balanced" (ring and usp: causal work balanced)
         sequence_parallel_size: ranks per sequence-parallel group (default: every rank,
-            one group); the world size over it is the number of data-parallel replicas
+            one group; with tensor parallelism the world over T); the world size over it
+            (and T) is the number of data-parallel replicas
         ulysses_degree: USP's Ulysses degree (default: the largest divisor of the group
-            size that divides the model's key/value heads); the ring takes the rest
+            size that divides a tensor rank's key/value heads); the ring takes the rest
+        tensor_parallel_size: ranks each decoder layer is sharded over with the model's
+            own tensor-parallel plan (tensor_parallel.shard_layers; default 1, or
+            ParallelismConfig's tp_size); the world size over it and the sequence's
+            ranks is the number of data-parallel replicas
         tiled_mlp: False; True: every decoder MLP runs in tiles of hidden-size tokens
             (memory.tile_mlp); an int: tokens per tile
         offload_activations: False; True: what the training forward saves for the
@@ -174,11 +187,13 @@ class SequenceParallelTrainerMixin:
 
     def __init__(self, *args, mode: str = "ulysses", layout: str = "contiguous",
                  sequence_parallel_size: int | None = None, ulysses_degree: int | None = None,
-                 tiled_mlp: bool | int = False, offload_activations: bool = False, step_backend: str = "auto",
+                 tensor_parallel_size: int | None = None, tiled_mlp: bool | int = False,
+                 offload_activations: bool = False, step_backend: str = "auto",
                  **kwargs):  # fmt: skip
         check_options(type(self).__name__, mode, layout, step_backend)
         positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
         positive_int_or_none("ulysses_degree", ulysses_degree)
+        positive_int_or_none("tensor_parallel_size", tensor_parallel_size)
         if ulysses_degree is not None and mode != "usp":
             raise ValueError(f"ulysses_degree is USP's; mode={mode!r} takes none")
         if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
@@ -190,6 +205,7 @@ class SequenceParallelTrainerMixin:
             layout=layout,
             sequence_parallel_size=sequence_parallel_size,
             ulysses_degree=ulysses_degree,
+            tensor_parallel_size=tensor_parallel_size,
             tiled_mlp=tiled_mlp,
             offload_activations=offload_activations,
             step_backend=step_backend,
@@ -227,23 +243,31 @@ class SequenceParallelTrainerMixin:
         if training_args is not None:
             training_args.device  # noqa: B018 - sets up torch.distributed under torchrun, as the Trainer does
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self._degrees = trainer_degrees(describe, training_args, world,
-                                        self.sequence_parallel_options["sequence_parallel_size"])  # fmt: skip
-        if training_args is None or (getattr(training_args, "parallelism_config", None) is None
-                                     and not self._degrees.fsdp):  # fmt: skip
+        options = self.sequence_parallel_options
+        self._degrees = trainer_degrees(describe, training_args, world, options["sequence_parallel_size"],
+                                        options["tensor_parallel_size"])  # fmt: skip
+        sharded = self._sharded_before_the_trainer
+        if training_args is None or (getattr(training_args, "parallelism_config", None) is None and not sharded):
             return args, kwargs
-        if self._degrees.fsdp:
+        if sharded:
+            what = "FSDP2 over the mesh" if self._degrees.fsdp else "tensor parallelism"
             if uses_fused_head(self):
-                self._refuse(["FSDP2 over the mesh with TRL's DPO and GRPO trainers"])
+                self._refuse([f"{what} with TRL's DPO and GRPO trainers"])
             if int(transformers_version.split(".")[0]) < 5:
                 raise ValueError(
-                    f"{describe}: FSDP2 over the mesh needs transformers 5 or newer (whose Trainer takes a model "
-                    f"sharded before it, without wrapping it in DDP); this is {transformers_version}"
+                    f"{describe}: {what} needs transformers 5 or newer (whose Trainer takes a model sharded before "
+                    f"it, without wrapping it in DDP); this is {transformers_version}"
+                )
+            if not self._degrees.fsdp and not hasattr(super(), "_sync_replicated_trainable_parameters"):
+                raise ValueError(
+                    f"{describe}: tensor parallelism without FSDP2 needs a Trainer that leaves the gradients of a "
+                    f"model sharded before it to the model's owner (transformers {transformers_version}'s does not): "
+                    "add fsdp=True or ParallelismConfig(dp_shard_size=...)"
                 )
             if training_args.save_strategy != "no" and not training_args.save_only_model:
                 raise ValueError(
-                    f"{describe}: a model FSDP2 shards over the mesh saves no optimizer state: pass "
-                    f"save_only_model=True or save_strategy='no' (got save_strategy={training_args.save_strategy!r})"
+                    f"{describe}: a model sharded by {what} saves no optimizer state: pass save_only_model=True or "
+                    f"save_strategy='no' (got save_strategy={training_args.save_strategy!r})"
                 )
         training_args = copy.copy(training_args)
         training_args.parallelism_config = None
@@ -287,8 +311,47 @@ class SequenceParallelTrainerMixin:
             tile_mlp(inner, None if options["tiled_mlp"] is True else options["tiled_mlp"])
         if self._degrees.fsdp:
             shard_model(type(self).__name__, self._unwrapped(model), self.sequence_parallel, self._degrees)
+        if self._sharded_before_the_trainer:
             # A model sharded before the Trainer wraps it: the Trainer neither moves it nor wraps it in DDP.
             self.is_distributed_loading_by_transformers = True
+
+    @property
+    def _sharded_before_the_trainer(self) -> bool:
+        """FSDP2 over the mesh or tensor parallelism: DTensor parameters, which the
+        Trainer's DDP refuses; the mixin reduces their gradients (FSDP2, or
+        _sync_replicated_trainable_parameters)."""
+        return self._degrees.fsdp or self._degrees.tensor > 1
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        """The Trainer's gradient reduction for a model sharded before it; with tensor
+        parallelism and no FSDP2: every trainable parameter (its local shard, for the
+        layers' DTensors) made the same over data x sequence (DDP's broadcast), its
+        gradient averaged over them at the step's last micro-batch, never over "tp"
+        (whose ranks hold other shards, or the same gradient). Collective."""
+        if self._degrees.fsdp or self._degrees.tensor == 1:
+            return super()._sync_replicated_trainable_parameters(model)
+        from torch.distributed.tensor import DTensor
+
+        group = self.sequence_parallel.data_parallel_mesh().get_group()
+        size = dist.get_world_size(group)
+
+        def local(tensor):
+            return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+        def average_gradient(parameter):
+            if self.accelerator.sync_gradients:
+                gradient = local(parameter.grad)
+                dist.all_reduce(gradient, group=group)  # gloo has no ReduceOp.AVG
+                gradient.div_(size)
+
+        for parameter in model.parameters():
+            if not parameter.requires_grad:
+                continue
+            with torch.no_grad():
+                dist.broadcast(local(parameter.data), group=group, group_src=0)
+            if not getattr(parameter, "_seqpar_gradient_hook", False):  # train() may run more than once
+                parameter.register_post_accumulate_grad_hook(average_gradient)
+                parameter._seqpar_gradient_hook = True
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
@@ -321,8 +384,11 @@ class SequenceParallelTrainerMixin:
         reference model); a head causal_lm_loss cannot express raises before training."""
         head_of(inner)
         parallelism = self.sequence_parallel
-        apply(inner, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend,
-              **parallelism.group_kwargs())  # fmt: skip
+        if parallelism.tensor_size > 1:  # the mesh, whose tensor dim shards the layers
+            ranks = dict(parallelism.reduction_kwargs(), tensor_dims=parallelism.mesh_dims.tensor)
+        else:
+            ranks = parallelism.group_kwargs()
+        apply(inner, parallelism.mode, layout=parallelism.layout, step_backend=parallelism.step_backend, **ranks)
 
     def _prepare_post_training(self) -> None:
         """TRL's DPOTrainer and GRPOTrainer (post_training.py): their own loss over the
@@ -404,6 +470,18 @@ class SequenceParallelTrainerMixin:
         return self.sequence_parallel.pieces
 
     @property
+    def _replica_ranks(self) -> int:
+        """T x P: the ranks that read one replica's batches, consecutive ranks
+        (rank = (replica x P + piece) x T + tensor index)."""
+        return self._world_size // self._replicas
+
+    @property
+    def _averaged_over(self) -> int:
+        """The ranks DDP or FSDP2 average each gradient over: data x sequence, the world
+        over T (tensor ranks hold other shards, or the same gradient)."""
+        return self._world_size // self.sequence_parallel.tensor_size
+
+    @property
     def _replicas(self) -> int:
         return self.sequence_parallel.data_size
 
@@ -442,7 +520,7 @@ class SequenceParallelTrainerMixin:
                 self._epochs[kind] = _Epoch(len(sampler), per_replica, bool(inner.drop_last))
         elif isinstance(dataset, IterableDatasetShard):
             dataset.num_processes, dataset.process_index = self._replicas, self._replica
-        elif self._world_size > 1 and self._group_size > 1 and dataloader is not None:
+        elif self._world_size > 1 and self._replica_ranks > 1 and dataloader is not None:
             raise ValueError(
                 f"{type(self).__name__}: cannot tell how accelerate sharded this dataloader "
                 f"({type(dataloader).__name__}); sequence parallelism needs every rank of a group to read the same "
@@ -460,7 +538,7 @@ class SequenceParallelTrainerMixin:
         return self._read_by_replica(super().get_test_dataloader(test_dataset), "eval")
 
     def get_total_train_batch_size(self, args) -> int:
-        return super().get_total_train_batch_size(args) // self._group_size
+        return super().get_total_train_batch_size(args) // self._replica_ranks
 
     def _real_samples(self, kind: str) -> int | None:
         """At the last batch of an epoch that does not fill every replica's batch, this
@@ -526,14 +604,13 @@ class SequenceParallelTrainerMixin:
         return all_gather_ints(row, resolve_group(None).name, row.device)
 
     def _check_same_batches(self, batches: list) -> None:
-        """Raise ValueError on every rank if two ranks of a group hold different
+        """Raise ValueError on every rank if two ranks of a replica hold different
         batches (one small all-gather of their checksums, before any sharding)."""
-        if self._group_size == 1:
+        size = self._replica_ranks
+        if size == 1:
             return
         rows = self._gather_rows(torch.stack([batch_checksum(batch) for batch in batches]))
-        groups = [
-            rows[replica * self._group_size : (replica + 1) * self._group_size] for replica in range(self._replicas)
-        ]
+        groups = [rows[replica * size : (replica + 1) * size] for replica in range(self._replicas)]
         disagree = [replica for replica, group in enumerate(groups) if any(row != group[0] for row in group)]
         if disagree:
             raise ValueError(
@@ -555,15 +632,17 @@ class SequenceParallelTrainerMixin:
             own += torch.as_tensor(trainer_count, device=own.device).round().long()
         counts = [(shard["shift_labels"] != IGNORE_INDEX).sum() for shard in local]
         rows = self._gather_rows(torch.stack(counts + [own]))
-        group_rows = rows[self._replica * self._group_size : (self._replica + 1) * self._group_size]
-        for index, shard in enumerate(local):
-            shard[_COUNTS_KEY] = (float(sum(row[index] for row in group_rows)), float(sum(row[index] for row in rows)))
+        size, tensor = self._replica_ranks, self.sequence_parallel.tensor_size
+        group_rows = rows[self._replica * size : (self._replica + 1) * size]
+        for index, shard in enumerate(local):  # each tensor rank holds a copy of its sequence rank's tokens
+            shard[_COUNTS_KEY] = (sum(row[index] for row in group_rows) / tensor,
+                                  sum(row[index] for row in rows) / tensor)  # fmt: skip
         one_process = None
         if trainer_count is not None:
             if self.args.average_tokens_across_devices and self._world_size > 1:
-                one_process = float(trainer_count) / self._group_size  # the Trainer summed P copies of each replica's
+                one_process = float(trainer_count) / size  # the Trainer summed T x P copies of each replica's
             else:
-                one_process = float(sum(row[-1] for row in rows)) / self._group_size
+                one_process = float(sum(row[-1] for row in rows)) / size
         return local, one_process
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -619,14 +698,14 @@ class SequenceParallelTrainerMixin:
         if training:
             denominator = all_tokens if num_items_in_batch is None else float(num_items_in_batch)
             value_scale = self._replicas * group_tokens / max(denominator, 1.0)
-            # DDP and FSDP average the gradients over the world: each rank's share is
-            # scaled by the world size, so that their average is the one-process gradient.
-            grad_scale = value_scale * self._world_size / self._replicas
+            # DDP and FSDP average the gradients over data x sequence: each rank's share is
+            # scaled by their size, so that their average is the one-process gradient.
+            grad_scale = value_scale * self._averaged_over / self._replicas
             loss = share.detach() * value_scale + (share - share.detach()) * grad_scale
         else:
-            if self._world_size > 1:  # each group's sum, once from each of its P ranks
+            if self._world_size > 1:  # each group's sum, once from each of its T x P ranks
                 dist.all_reduce(group_sum)
-                group_sum = group_sum / self._group_size
+                group_sum = group_sum / self._replica_ranks
             loss = (group_sum / max(all_tokens, 1.0)).float()
         if self._router_loss is not None:
             loss = loss + self._router_term(outputs["model"].router_logits, routed, training)
@@ -639,8 +718,9 @@ class SequenceParallelTrainerMixin:
     def _router_term(self, router_logits, routed: torch.Tensor | None, training: bool) -> torch.Tensor:
         """router_aux_loss_coef x the router loss of the step's micro-batch of every
         replica (the one-process Trainer's batch), as the model's forward adds it; its
-        gradient (this rank's share) scaled by the world size, which DDP and FSDP
-        average over."""
+        gradient (this rank's share of the world's sum) scaled by the world size, which DDP
+        and FSDP average over (with tensor parallelism the world over T, each share the
+        same on the T tensor ranks)."""
         spec = self._router_loss
         groups = reduction_groups(type(self).__name__)  # the world
         term = spec.coefficient * load_balancing_loss(router_logits, routed, spec.num_experts, spec.top_k, groups)

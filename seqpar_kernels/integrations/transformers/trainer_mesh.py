@@ -1,28 +1,38 @@
 """The Trainer's one DeviceMesh: the degrees its arguments ask for, the mesh of them, and
 FSDP2 over its data x sequence dims.
 
-    degrees = trainer_degrees("SequenceParallelTrainer", args, world_size, sequence_parallel_size)
+    degrees = trainer_degrees("SequenceParallelTrainer", args, world_size, sequence_parallel_size,
+                              tensor_parallel_size)
     parallelism = make_parallelism(mode, layout, degrees, ulysses_degree, device, kv_heads)
     shard_model(model, parallelism, degrees)        # fully_shard, where degrees.fsdp
 
-The arguments: sequence_parallel_size (and USP's ulysses_degree), TrainingArguments'
-fsdp / fsdp_config (FSDP2), or accelerate's ParallelismConfig as
+The arguments: sequence_parallel_size (and USP's ulysses_degree), tensor_parallel_size,
+TrainingArguments' fsdp / fsdp_config (FSDP2), or accelerate's ParallelismConfig as
 TrainingArguments(parallelism_config=...), whose fields map so:
     cp_size                        the sequence's ranks (sequence_parallel_size)
+    tp_size                        the ranks each decoder layer is sharded over
+                                   (tensor_parallel_size)
     dp_shard_size                  data replicas whose parameters FSDP2 shards
     dp_replicate_size              data replicas that hold whole copies (DDP; with
                                    dp_shard_size > 1: HSDP)
-    tp_size, sp_size, pp_size      refused (ValueError naming them)
+    sp_size, pp_size               refused (ValueError naming them)
 
-The mesh, sequence dims innermost (a replica's sequence ranks are consecutive ranks:
-rank = replica x P + piece, replica = dp_replicate index x dp_shard + dp_shard index):
-    ("dp_replicate", "dp_shard", "sequence")          mode "ulysses" or "ring"
-    ("dp_replicate", "dp_shard", "ring", "ulysses")   mode "usp"
+The mesh, data dims outermost, then the sequence dims, then the tensor dim (where
+T > 1), innermost as torchtitan orders them: a replica's T x P ranks are consecutive
+ranks, a tensor group's T ranks adjacent (the busiest traffic on the closest links):
+rank = (replica x P + piece) x T + tensor index, replica = dp_replicate index x
+dp_shard + dp_shard index. A node holding a replica (T x P GPUs or fewer) keeps the
+tensor's and the sequence's traffic in it. FSDP2 over data x sequence on the
+tensor-parallel parameters needs "tp" after the dims it flattens (torch's 2-D mesh of
+the two takes mesh dims in ascending order):
+    ("dp_replicate", "dp_shard", "sequence"[, "tp"])          mode "ulysses" or "ring"
+    ("dp_replicate", "dp_shard", "ring", "ulysses"[, "tp"])   mode "usp"
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -30,9 +40,9 @@ import torch.distributed as dist
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 
 DATA_DIMS = ("dp_replicate", "dp_shard")
+TENSOR_DIM = "tp"
 # ParallelismConfig's fields the Trainer cannot honour, with what to do instead.
 REFUSED_FIELDS = {
-    "tp_size": "tensor parallelism in the Trainer (apply(..., tensor_dims=) in a loop of your own, docs/mesh.md)",
     "sp_size": "DeepSpeed's sequence parallelism (cp_size names the sequence's ranks here)",
     "pp_size": "pipeline parallelism",
 }
@@ -45,17 +55,20 @@ def positive_int_or_none(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class TrainerDegrees:
-    """The Trainer's parallelism, validated once: dp_replicate x dp_shard x sequence =
-    the world size. fsdp: FSDP2 (fully_shard) over dp_shard x sequence, replicated
-    over dp_replicate (HSDP where dp_replicate > 1); without it the Trainer's DDP (or
-    FSDP1) over the world holds whole copies. fsdp_options: fsdp_config's
-    reshard_after_forward and transformer_layer_cls_to_wrap."""
+    """The Trainer's parallelism, validated once: dp_replicate x dp_shard x tensor x
+    sequence = the world size. fsdp: FSDP2 (fully_shard) over dp_shard x sequence,
+    replicated over dp_replicate (HSDP where dp_replicate > 1); without it the
+    Trainer's DDP (or FSDP1) over the world holds whole copies, or, with tensor > 1,
+    the mixin averages the gradients over data x sequence itself. fsdp_options:
+    fsdp_config's reshard_after_forward and transformer_layer_cls_to_wrap. tensor: the
+    ranks each decoder layer is sharded over (tensor_parallel.shard_layers)."""
 
     dp_replicate: int
     dp_shard: int
     sequence: int
     fsdp: bool = False
     fsdp_options: tuple = ()
+    tensor: int = 1
 
     @property
     def replicas(self) -> int:
@@ -91,29 +104,35 @@ def _fsdp_options(describe: str, args) -> tuple:
     return (("reshard_after_forward", reshard), ("transformer_layer_cls_to_wrap", classes))
 
 
-def trainer_degrees(describe: str, args, world_size: int, sequence_parallel_size: int | None) -> TrainerDegrees:
+def trainer_degrees(describe: str, args, world_size: int, sequence_parallel_size: int | None,
+                    tensor_parallel_size: int | None = None) -> TrainerDegrees:  # fmt: skip
     """The degrees of the Trainer's arguments (TrainingArguments' fsdp and
-    parallelism_config, sequence_parallel_size) on a world of world_size ranks:
-    ValueError naming the numbers where they do not multiply to the world size, name
-    the sequence's ranks twice apart, or ask for what the Trainer does not do. Local:
-    every rank passes the same arguments and raises alike."""
+    parallelism_config, sequence_parallel_size, tensor_parallel_size) on a world of
+    world_size ranks: ValueError naming the numbers where they do not multiply to the
+    world size, name the sequence's or the tensor's ranks twice apart, or ask for what
+    the Trainer does not do. Local: every rank passes the same arguments and raises alike."""
     positive_int_or_none("sequence_parallel_size", sequence_parallel_size)
+    positive_int_or_none("tensor_parallel_size", tensor_parallel_size)
     version = _fsdp_version(args)
     config = getattr(args, "parallelism_config", None)
     fsdp = version == 2
     if version is not None and world_size == 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{describe}: fsdp needs torch.distributed (torchrun); this process runs alone")
     if config is None:
-        size = world_size if sequence_parallel_size is None else sequence_parallel_size
-        if world_size % size != 0:
+        tensor = tensor_parallel_size or 1
+        if world_size % tensor != 0:
+            raise ValueError(f"{describe}: tensor_parallel_size={tensor} must divide the world size {world_size}")
+        size = world_size // tensor if sequence_parallel_size is None else sequence_parallel_size
+        if world_size % (size * tensor) != 0:
             raise ValueError(
-                f"{describe}: sequence_parallel_size={size} must divide the world size {world_size} (the other "
-                "factor is the number of data-parallel replicas)"
+                f"{describe}: sequence_parallel_size={size} x tensor_parallel_size={tensor} must divide the world "
+                f"size {world_size} (the other factor is the number of data-parallel replicas)"
             )
-        data = world_size // size
+        data = world_size // (size * tensor)
         replicate, shard = (1, data) if fsdp else (data, 1)
-        return TrainerDegrees(replicate, shard, size, fsdp, _fsdp_options(describe, args) if fsdp else ())
-    sizes = {name: getattr(config, name, None) or 1 for name in ("dp_replicate_size", "dp_shard_size", "cp_size")}
+        return TrainerDegrees(replicate, shard, size, fsdp, _fsdp_options(describe, args) if fsdp else (), tensor)
+    sizes = {name: getattr(config, name, None) or 1
+             for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}  # fmt: skip
     refused = [f"{name}={getattr(config, name)}" for name in REFUSED_FIELDS if (getattr(config, name, None) or 1) > 1]
     if refused:
         raise ValueError(
@@ -127,15 +146,21 @@ def trainer_degrees(describe: str, args, world_size: int, sequence_parallel_size
             f"{describe}: sequence_parallel_size={sequence_parallel_size} and ParallelismConfig "
             f"cp_size={sizes['cp_size']} both name the sequence's ranks and differ"
         )
-    total = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["cp_size"]
+    if tensor_parallel_size is not None and tensor_parallel_size != sizes["tp_size"]:
+        raise ValueError(
+            f"{describe}: tensor_parallel_size={tensor_parallel_size} and ParallelismConfig "
+            f"tp_size={sizes['tp_size']} both name the tensor's ranks and differ"
+        )
+    total = prod(sizes.values())
     if total != world_size:
         raise ValueError(
-            f"{describe}: ParallelismConfig dp_replicate_size={sizes['dp_replicate_size']} x dp_shard_size="
-            f"{sizes['dp_shard_size']} x cp_size={sizes['cp_size']} = {total} ranks, the world has {world_size}"
+            f"{describe}: ParallelismConfig "
+            f"{' x '.join(f'{name}={size}' for name, size in sizes.items() if name != 'tp_size' or size > 1)} = "
+            f"{total} ranks, the world has {world_size}"
         )
     fsdp = fsdp or sizes["dp_shard_size"] > 1
     return TrainerDegrees(sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes["cp_size"], fsdp,
-                          _fsdp_options(describe, args) if fsdp else ())  # fmt: skip
+                          _fsdp_options(describe, args) if fsdp else (), sizes["tp_size"])  # fmt: skip
 
 
 def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
@@ -150,7 +175,8 @@ def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_de
     """The parallelism on the mesh of `degrees` (the module's docstring), its data dims
     named (data_rank: which batch a rank reads); collective: every rank calls it alike,
     as it creates process groups. Without torch.distributed: one process, a group of
-    one ("usp" runs as "ring" there: the same result on a group of one)."""
+    one ("usp" runs as "ring" there: the same result on a group of one). kv_heads: the
+    model's, of which each tensor rank's attention sees a T-th (USP's default degree)."""
     if not (dist.is_available() and dist.is_initialized()):
         if degrees.sequence != 1:
             raise ValueError(
@@ -161,20 +187,24 @@ def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_de
         return SequenceParallelism.resolve("the Trainer", alone, layout, step_backend=step_backend)
     from torch.distributed.device_mesh import init_device_mesh
 
-    data = (degrees.dp_replicate, degrees.dp_shard)
+    tensor = (TENSOR_DIM,) if degrees.tensor > 1 else ()
+    data, inner = (degrees.dp_replicate, degrees.dp_shard), [degrees.tensor] * len(tensor)
     if mode == "usp":
         size = degrees.sequence
-        degree = default_ulysses_degree(size, kv_heads) if ulysses_degree is None else ulysses_degree
+        local_kv_heads = kv_heads // degrees.tensor if kv_heads else None  # T not dividing them raises in apply
+        degree = default_ulysses_degree(size, local_kv_heads) if ulysses_degree is None else ulysses_degree
         if size % degree != 0:
             raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
-        mesh = init_device_mesh(device.type, (*data, size // degree, degree),
-                                mesh_dim_names=(*DATA_DIMS, "ring", "ulysses"))  # fmt: skip
+        mesh = init_device_mesh(device.type, (*data, size // degree, degree, *inner),
+                                mesh_dim_names=(*DATA_DIMS, "ring", "ulysses", *tensor))  # fmt: skip
         sequence_dims = ("ulysses", "ring")
     else:
-        mesh = init_device_mesh(device.type, (*data, degrees.sequence), mesh_dim_names=(*DATA_DIMS, "sequence"))
+        mesh = init_device_mesh(device.type, (*data, degrees.sequence, *inner),
+                                mesh_dim_names=(*DATA_DIMS, "sequence", *tensor))  # fmt: skip
         sequence_dims = "sequence"
     return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, mesh=mesh,
-                                       sequence_dims=sequence_dims, data_dims=DATA_DIMS)  # fmt: skip
+                                       sequence_dims=sequence_dims, data_dims=DATA_DIMS,
+                                       tensor_dims=tensor)  # fmt: skip
 
 
 def shard_model(describe: str, model, parallelism: SequenceParallelism, degrees: TrainerDegrees) -> None:
@@ -183,7 +213,8 @@ def shard_model(describe: str, model, parallelism: SequenceParallelism, degrees:
     replicated over dp_replicate (HSDP): fully_shard on each layer of the classes
     fsdp_config names (default: the model's _no_split_modules, as accelerate wraps),
     then on the model. The wrapper averages the gradients over the mesh's ranks: the
-    world."""
+    world, or with tensor parallelism the world over T (the layers' tensor-parallel
+    DTensors become 2-D, sharded over data x sequence and over "tp")."""
     from torch.distributed.fsdp import fully_shard
 
     options = dict(degrees.fsdp_options)

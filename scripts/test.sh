@@ -10,4 +10,4 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check .
 "$PYTHON" -m ruff format --check .
 # The slow marker's tests (8 ranks) stay out; `-m slow` among the arguments runs them.
-"$PYTHON" -m pytest -q -ra --durations=15 -m "not slow" tests "$@"
+"$PYTHON" -m pytest -q -ra --durations=40 -m "not slow" tests "$@"

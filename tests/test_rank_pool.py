@@ -1,5 +1,6 @@
 """The rank pool (tests/rank_pool.py) reports a failing rank at once, releasing the
-ranks left waiting for it, and works again afterwards."""
+ranks left waiting for it, and works again afterwards; it destroys the process groups a
+finished task dropped and keeps those something still holds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import pool_for
-from rank_pool import FAILURE_GRACE_SECONDS, RankFailure
+from rank_pool import FAILURE_GRACE_SECONDS, MAX_GROUPS, RankFailure
 
 
 def fail_on_rank_zero():
@@ -36,3 +37,47 @@ def test_a_failing_rank_releases_the_waiting_ones():
     assert f"ranks {list(range(1, world_size))}: no answer in {FAILURE_GRACE_SECONDS} s after a failure" in message
     # A fresh pool replaces the killed one.
     assert pool.run(world_size_and_rank) == [(world_size, rank) for rank in range(world_size)]
+
+
+_cached = {}
+
+
+def make_groups(dropped: int):
+    """Makes `dropped` groups and lets them go, and a mesh and a group this module keeps
+    (made once per rank); returns the rank's groups and threads."""
+    import os
+
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    made = [dist.new_group(list(range(dist.get_world_size()))) for _ in range(dropped)]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    if not _cached:
+        _cached["mesh"] = mesh
+        _cached["group"] = dist.new_group([0, 1, 2, 3])
+    del made, mesh
+    return len(distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def use_the_kept_groups():
+    """All-reduces over the kept mesh's dims and the kept group: they still work."""
+    from torch.distributed import distributed_c10d
+
+    mesh = _cached["mesh"]
+    totals = [torch.ones(1) for _ in range(3)]
+    dist.all_reduce(totals[0], group=mesh.get_group("outer"))
+    dist.all_reduce(totals[1], group=mesh["outer", "inner"]._flatten().get_group())
+    dist.all_reduce(totals[2], group=_cached["group"])
+    return [total.item() for total in totals], len(distributed_c10d._world.pg_map)
+
+
+def test_the_groups_a_task_dropped_are_destroyed_and_the_kept_ones_work():
+    pool = pool_for(4)
+    groups, threads = zip(*pool.run(make_groups, MAX_GROUPS + 8))
+    # Counted before the release: the task's groups were all there.
+    assert min(groups) > MAX_GROUPS, groups
+    sums, kept = zip(*pool.run(use_the_kept_groups))
+    assert sums == ([2.0, 4.0, 4.0],) * 4, sums
+    # The world, the kept mesh's two dims (its flattened dim may reuse the world's group),
+    # the kept group: nothing the task dropped (the pool did not restart: they still work).
+    assert max(kept) <= 5, kept

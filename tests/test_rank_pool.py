@@ -59,6 +59,12 @@ def make_groups(dropped: int):
     return len(distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
 
 
+def group_count():
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
 def use_the_kept_groups():
     """All-reduces over the kept mesh's dims and the kept group: they still work."""
     from torch.distributed import distributed_c10d
@@ -73,6 +79,10 @@ def use_the_kept_groups():
 
 def test_the_groups_a_task_dropped_are_destroyed_and_the_kept_ones_work():
     pool = pool_for(4)
+    before = max(pool.run(group_count))  # the earlier tests' kept groups
+    if before + 4 > MAX_GROUPS:  # this test's would restart the pool
+        pool.close()
+        before = 1
     groups, threads = zip(*pool.run(make_groups, MAX_GROUPS + 8))
     # Counted before the release: the task's groups were all there.
     assert min(groups) > MAX_GROUPS, groups
@@ -80,4 +90,4 @@ def test_the_groups_a_task_dropped_are_destroyed_and_the_kept_ones_work():
     assert sums == ([2.0, 4.0, 4.0],) * 4, sums
     # The world, the kept mesh's two dims (its flattened dim may reuse the world's group),
     # the kept group: nothing the task dropped (the pool did not restart: they still work).
-    assert max(kept) <= 5, kept
+    assert max(kept) <= before + 4, (before, kept)

@@ -73,6 +73,10 @@ RELATIVE_SLACK = {torch.float32: 4 * 2.0**-24, torch.float16: 2.0**-11, torch.bf
 # that is a few units.
 LSE_ROUNDOFFS = 4
 
+# delta_rounding's multiple of one dot product's typical rounding (sqrt 2 for two, times
+# about 2 for the largest of a tensor's rows).
+DELTA_ROUNDING_UNITS = 3.0
+
 
 def default_scale(q: torch.Tensor) -> float:
     return 1.0 / math.sqrt(q.shape[-1])
@@ -237,11 +241,17 @@ def delta_rounding(
     dp = dout . v and delta = rowsum(dout * out) are two fp32 dot products of head_dim
     terms up to |dout| |v| (|out| <= |v|), computed apart; plain PyTorch's softmax
     backward subtracts sum(p * dp) instead, which cancels exactly where one key takes all
-    the weight. Their rounding, about sqrt(head_dim) fp32 units of |dout| |v| for random
-    data, reaches dq (dk) through scale x |k| (|q|). It is what shows where the exact
-    gradient is about 0: measured 7.2e-6 in dq and 1.1e-5 in dk (head dim 256, fp16, one
-    query and one key), where plain PyTorch's error is exactly 0 and this gives 2.6e-5."""
-    return 2.0**-24 * math.sqrt(head_dim) * dout_magnitude * v_magnitude * abs(scale) * qk_magnitude
+    the weight. Each one's rounding is about sqrt(head_dim) fp32 units of |dout| |v| for
+    random data (one standard deviation); the two are rounded apart (sqrt 2) and a tensor's
+    largest error is its worst row's, a few deviations out: DELTA_ROUNDING_UNITS x
+    sqrt(head_dim) units in all. It reaches dq (dk) through scale x |k| (|q|), and is what
+    shows where the exact gradient is about 0: measured 7.2e-6 in dq and 1.1e-5 in dk (head
+    dim 256, fp16, one query and one key), where plain PyTorch's error is exactly 0 and this
+    gives 7.8e-5; 3.8e-6 in dq (head dim 160, fp32, every query seeing one key, 48 rows),
+    where one deviation would give 3.2e-6."""
+    return (
+        DELTA_ROUNDING_UNITS * 2.0**-24 * math.sqrt(head_dim) * dout_magnitude * v_magnitude * abs(scale) * qk_magnitude
+    )
 
 
 def error_bound(

@@ -134,8 +134,11 @@ class RankPool:
         self.world_size = world_size
         self._processes = []
         self._groups_kept = 1
+        self.starts = 0  # how often the workers started (the session's summary prints it)
+        self.restarts_for_groups = 0
 
     def _start(self) -> None:
+        self.starts += 1
         context = multiprocessing.get_context("spawn")
         init_file = tempfile.mktemp(prefix="seqpar_gloo_")
         self._results = context.Queue()
@@ -185,6 +188,7 @@ class RankPool:
         self._groups_kept = 1 << 30  # the release task itself makes none
         self._groups_kept = max(self.run(release_groups_nobody_holds))
         if self._groups_kept > MAX_GROUPS:
+            self.restarts_for_groups += 1
             self.close()
 
     def close(self, stuck: bool = False) -> None:

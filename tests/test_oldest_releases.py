@@ -19,7 +19,7 @@ OLDEST_SUPPORTED = {"transformers": "4.56.2", "trl": "1.15.0", "diffusers": "0.3
 SELECTIONS = {
     "test_transformers_integration.py": "one_group and 2 or cannot_be_honoured or register "
     "or family_in_one_process or every_family_matches_under_ulysses or masks_are_read or head or refuses",
-    "test_transformers_trainer.py": "P2-ring or mixin",
+    "test_transformers_trainer.py": "mixin",
     "test_transformers_vision.py": "match_one_process and 2 or trainer or cannot_be_honoured",
     "test_transformers_post_training.py": "test_dpo_matches",
     "test_diffusers_integration.py": "latte_and_wan and 2",

@@ -120,3 +120,17 @@ def test_fsdp2_over_data_and_sequence_matches_the_plain_trainer():
     assert all(result["hsdp"]["meshes"] == {(2, 2)} for result in per_rank)
     for rank, result in enumerate(per_rank):
         assert not result["refused"], (rank, result["refused"])
+
+
+def run_mesh_reuse() -> tuple[bool, bool]:
+    """Whether a second Trainer mesh of the same degrees is the first, and one of others not."""
+    from seqpar_kernels.integrations.transformers.trainer_mesh import DATA_DIMS, trainer_device_mesh
+
+    names = (*DATA_DIMS, "sequence")
+    first = trainer_device_mesh("cpu", (1, 2, 2), names)
+    return trainer_device_mesh("cpu", (1, 2, 2), names) is first, trainer_device_mesh("cpu", (2, 1, 2), names) is first
+
+
+def test_trainers_of_the_same_degrees_share_one_mesh():
+    # Each new mesh's gloo groups would keep idle threads for the rest of the process.
+    assert pool_for(4).run(run_mesh_reuse) == [(True, False)] * 4

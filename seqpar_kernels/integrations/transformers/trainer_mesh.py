@@ -169,6 +169,27 @@ def default_ulysses_degree(size: int, kv_heads: int | None) -> int:
     return max(degree for degree in range(1, size + 1) if size % degree == 0 and (kv_heads or 1) % degree == 0)
 
 
+# The meshes the Trainers of this process built: {(device type, shape, names): mesh}, for
+# the world they were built in (its default group).
+_meshes: dict = {"world": None}
+
+
+def trainer_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """init_device_mesh(device_type, shape, mesh_dim_names=names), made once per process
+    and world: a second Trainer of the same degrees (a sweep, an evaluation run) reuses it,
+    as each gloo group of a new mesh would keep threads that cost CPU while idle
+    (docs/tuning.md). Collective the first time: every rank calls it alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if _meshes["world"] is not dist.group.WORLD:  # a new world (init_process_group again)
+        _meshes.clear()
+        _meshes["world"] = dist.group.WORLD
+    key = (device_type, tuple(shape), tuple(names))
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _meshes[key]
+
+
 def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_degree: int | None,
                      device: torch.device, kv_heads: int | None = None,
                      step_backend: str = "auto") -> SequenceParallelism:  # fmt: skip
@@ -185,8 +206,6 @@ def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_de
             )
         alone = "ring" if mode == "usp" else mode
         return SequenceParallelism.resolve("the Trainer", alone, layout, step_backend=step_backend)
-    from torch.distributed.device_mesh import init_device_mesh
-
     tensor = (TENSOR_DIM,) if degrees.tensor > 1 else ()
     data, inner = (degrees.dp_replicate, degrees.dp_shard), [degrees.tensor] * len(tensor)
     if mode == "usp":
@@ -195,12 +214,11 @@ def make_parallelism(mode: str, layout: str, degrees: TrainerDegrees, ulysses_de
         degree = default_ulysses_degree(size, local_kv_heads) if ulysses_degree is None else ulysses_degree
         if size % degree != 0:
             raise ValueError(f"ulysses_degree={degree} must divide sequence_parallel_size={size}")
-        mesh = init_device_mesh(device.type, (*data, size // degree, degree, *inner),
-                                mesh_dim_names=(*DATA_DIMS, "ring", "ulysses", *tensor))  # fmt: skip
+        mesh = trainer_device_mesh(device.type, (*data, size // degree, degree, *inner),
+                                   (*DATA_DIMS, "ring", "ulysses", *tensor))  # fmt: skip
         sequence_dims = ("ulysses", "ring")
     else:
-        mesh = init_device_mesh(device.type, (*data, degrees.sequence, *inner),
-                                mesh_dim_names=(*DATA_DIMS, "sequence", *tensor))  # fmt: skip
+        mesh = trainer_device_mesh(device.type, (*data, degrees.sequence, *inner), (*DATA_DIMS, "sequence", *tensor))
         sequence_dims = "sequence"
     return SequenceParallelism.resolve("the Trainer", mode, layout, step_backend=step_backend, mesh=mesh,
                                        sequence_dims=sequence_dims, data_dims=DATA_DIMS,

@@ -41,17 +41,14 @@ LR = 1.0
 # replicas' means weighs a token of the first replica 37/23 times one of the second.
 REPLICA_DOCUMENTS = ([6, 1, 11, 9], [14, 20, 6])
 
-_meshes: dict = {}
-
 
 def _mesh(shape, names):
-    """A DeviceMesh of the rank pool's processes, made once per process (making one is
-    collective)."""
+    """A DeviceMesh of the rank pool's processes (collective: every rank makes it alike).
+    Made per case: the pool destroys its groups once the case is done, as a cache of
+    every case's mesh would keep dozens of gloo groups, and their threads, alive."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if (shape, names) not in _meshes:
-        _meshes[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _meshes[shape, names]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _packed(lengths, seed):

@@ -66,7 +66,10 @@ def group_count():
 
 
 def use_the_kept_groups():
-    """All-reduces over the kept mesh's dims and the kept group: they still work."""
+    """All-reduces over the kept mesh's dims and the kept group: they still work. Returns
+    the sums, the rank's groups and its threads."""
+    import os
+
     from torch.distributed import distributed_c10d
 
     mesh = _cached["mesh"]
@@ -74,7 +77,8 @@ def use_the_kept_groups():
     dist.all_reduce(totals[0], group=mesh.get_group("outer"))
     dist.all_reduce(totals[1], group=mesh["outer", "inner"]._flatten().get_group())
     dist.all_reduce(totals[2], group=_cached["group"])
-    return [total.item() for total in totals], len(distributed_c10d._world.pg_map)
+    threads = len(os.listdir("/proc/self/task"))
+    return [total.item() for total in totals], len(distributed_c10d._world.pg_map), threads
 
 
 def test_the_groups_a_task_dropped_are_destroyed_and_the_kept_ones_work():
@@ -86,8 +90,10 @@ def test_the_groups_a_task_dropped_are_destroyed_and_the_kept_ones_work():
     groups, threads = zip(*pool.run(make_groups, MAX_GROUPS + 8))
     # Counted before the release: the task's groups were all there.
     assert min(groups) > MAX_GROUPS, groups
-    sums, kept = zip(*pool.run(use_the_kept_groups))
+    sums, kept, threads_after = zip(*pool.run(use_the_kept_groups))
     assert sums == ([2.0, 4.0, 4.0],) * 4, sums
     # The world, the kept mesh's two dims (its flattened dim may reuse the world's group),
     # the kept group: nothing the task dropped (the pool did not restart: they still work).
     assert max(kept) <= before + 4, (before, kept)
+    # The destroyed groups' threads are gone (three a group).
+    assert all(after < made - 2 * MAX_GROUPS for after, made in zip(threads_after, threads)), (threads, threads_after)

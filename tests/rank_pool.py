@@ -74,15 +74,16 @@ def release_groups_nobody_holds() -> int:
     on their own: hundreds of them, left by the tests that build meshes, made every rank
     of the pools slower (twice the time per collective, half a core each while idle). A
     group a test caches (a module-level mesh, on_ranks.timeout_group) is held, so kept.
-    Returns how many groups this rank has left, the world's included. Local to this rank: call it when every rank has
-    finished the tasks that used the groups (the pool does, before each task)."""
+    Returns how many groups this rank has left, the world's included. Local to this
+    rank: call it once every rank has finished the tasks that used the groups (the pool
+    does, after a task that made groups)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     default = c10d._world.default_pg
     candidates: list = [group for group in c10d._world.pg_map if group is not default]
     if not candidates:
-        return 0
+        return len(c10d._world.pg_map)
     _clear_torch_caches_of_meshes()
     gc.collect()  # a mesh in a reference cycle of a finished test still holds its groups
     # A probe only this list holds gives the count of a group nothing else holds.

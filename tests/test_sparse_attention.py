@@ -140,9 +140,9 @@ DSA_FAMILIES = {
 }
 
 
-def _model_case(family: str, mode: str, layout: str, batch: str) -> dict:
+def _model_case(family: str, mode: str, layout: str, batch: str, **extra) -> dict:
     return dict(id=f"{family}-{mode}-{layout}-{batch}", mode=mode, layout=layout, batch=batch, family=family,
-                family_spec=DSA_FAMILIES[family])  # fmt: skip
+                family_spec=DSA_FAMILIES[family], **extra)  # fmt: skip
 
 
 def _tiny(config_class: str, model_class: str, **settings):
@@ -153,15 +153,16 @@ def _tiny(config_class: str, model_class: str, **settings):
 
 
 @on_every_rank
-def run_usp_refusal():
+def run_tensor_parallel_refusal():
     from torch.distributed.device_mesh import init_device_mesh
 
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     _, world = rank_and_world()
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("cp", "tp"))
     model = _tiny(*DSA_FAMILIES["deepseek_v32"][:2], **dict(_DSA, num_key_value_heads=2))
-    return [raises(lambda: sp_transformers.apply(model, "usp", mesh=mesh), r"modes 'ulysses' and 'ring'.*usp")]
+    return [raises(lambda: sp_transformers.apply(model, "ring", mesh=mesh, sequence_dims="cp", tensor_dims="tp"),
+                   r"indexed \(DSA\) attention runs without tensor_dims.*tensor size 2")]  # fmt: skip
 
 
 def test_what_dsa_layers_cannot_run_raises():
@@ -194,8 +195,12 @@ def test_what_dsa_layers_cannot_run_raises():
 
 def test_dsa_models_match_transformers():
     """Loss and every gradient (fp32) of DeepSeek-V3.2 and GLM-5 through apply +
-    shard_batch + causal_lm_loss on 2 and 3 ranks, against transformers' model in one
-    process (eager); Ulysses and ring, contiguous and balanced, dense and packed."""
+    shard_batch + causal_lm_loss on 2 and 3 ranks, and USP on a 2 x 2 grid, against
+    transformers' model in one process (eager); Ulysses, ring and USP, contiguous and
+    balanced, dense and packed. USP's grid group from two groups (a (ring, ulysses)
+    mesh) and from a mesh's flattened sequence dims (ordered (ulysses, ring): the
+    group's rank order is not the piece order, and 38 tokens give the swapped pieces
+    different lengths)."""
     from conftest import pool_for
 
     pytest.importorskip("transformers.models.glm_moe_dsa")
@@ -204,8 +209,11 @@ def test_dsa_models_match_transformers():
     cases = {2: [_model_case("deepseek_v32", "ulysses", "contiguous", "dense"),
                  _model_case("glm_moe_dsa", "ring", "balanced", "packed")],
              3: [_model_case("deepseek_v32", "ring", "balanced", "packed"),
-                 _model_case("glm_moe_dsa", "ulysses", "contiguous", "dense")]}  # fmt: skip
+                 _model_case("glm_moe_dsa", "ulysses", "contiguous", "dense")],
+             4: [_model_case("deepseek_v32", "usp", "balanced", "packed", ulysses=2),
+                 _model_case("glm_moe_dsa", "usp", "contiguous", "dense", ulysses=2,
+                             sequence_dims=("ulysses", "ring"), seqlen=38)]}  # fmt: skip
     failures = [failure for world, runs in cases.items() for row in pool_for(world).run(run_parity_cases, runs)
                 for failure in row]  # fmt: skip
-    failures += [failure for row in pool_for(2).run(run_usp_refusal) for failure in row if failure]
+    failures += [failure for row in pool_for(2).run(run_tensor_parallel_refusal) for failure in row if failure]
     assert not failures, "\n".join(failures)

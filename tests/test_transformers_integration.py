@@ -134,14 +134,19 @@ def _batch(kind: str, seqlen: int, seed: int = 1):
     return batch, batch["labels"], None
 
 
-def _parallelism(mode: str, ulysses_degree: int):
+def _parallelism(mode: str, ulysses_degree: int, sequence_dims=None):
     """The attention's process groups: the world (a gloo group whose collectives time
-    out) for ulysses and ring; a 2-D DeviceMesh for usp."""
+    out) for ulysses and ring; a 2-D DeviceMesh for usp, or with sequence_dims (the
+    (ulysses, ring) dim names) a mesh of those dims in that order, named by
+    sequence_dims=."""
     if mode != "usp":
         return {"group": timeout_group()}
     from torch.distributed.device_mesh import init_device_mesh
 
     world = torch.distributed.get_world_size()
+    if sequence_dims is not None:
+        mesh = init_device_mesh("cpu", (ulysses_degree, world // ulysses_degree), mesh_dim_names=sequence_dims)
+        return {"mesh": mesh, "sequence_dims": sequence_dims}
     return {"mesh": init_device_mesh("cpu", (world // ulysses_degree, ulysses_degree),
                                      mesh_dim_names=("ring", "ulysses"))}  # fmt: skip
 
@@ -193,7 +198,7 @@ def run_parity_cases(cases):
     failures = []
     for case in cases:
         mode, layout, dtype = case["mode"], case["layout"], case.get("dtype", torch.float32)
-        groups = _parallelism(mode, case.get("ulysses", 2))
+        groups = _parallelism(mode, case.get("ulysses", 2), case.get("sequence_dims"))
         batch, labels, positions = _batch(case["batch"], case.get("seqlen", 37))
         if "family" in case:
             reference = _family_model(case["family"], spec=case.get("family_spec"))

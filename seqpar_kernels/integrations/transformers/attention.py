@@ -449,7 +449,7 @@ def apply(
     if mixers:
         install(model, settings)
     if indexed:
-        install_indexed(model)
+        install_indexed(model, settings)
     if vision_language is not None:
         install_vision(vision_language)
     install_generation(model, settings)

@@ -58,6 +58,9 @@ def parse_options(argv: list[str] | None = None) -> Options:
                         help=f"the run's time budget: timed rounds sized to end within it (default: "
                              f"{DEFAULT_BUDGET_S:.0f} for the default sizes, none for --quick and --full; "
                              f"0: none)")  # fmt: skip
+    parser.add_argument("--measure-work", action="store_true",
+                        help="meter each family's seconds by kind of work on rank 0 (float, half, exchange, host), "
+                             "for the work shares a family declares; slows the run a little")  # fmt: skip
     families = found_families()
     parser.add_argument("--only", choices=list(families), action="append", default=None, metavar="FAMILY",
                         help="run only this family (repeatable; default: all, in this order): " +
@@ -77,6 +80,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         only=tuple(dict.fromkeys(args.only or families)),  # in order, each once
         out=args.out,
         short=args.short,
+        measure_work=args.measure_work,
     )
 
 

@@ -9,13 +9,16 @@ from pathlib import Path
 
 import matplotlib.image
 import matplotlib.pyplot
+import pytest
+import torch
 
-from bench.runner.budget import MIN_SCALE, REFERENCE, START_S, Budget
-from bench.runner.family import runs
+from bench.runner.budget import MIN_SCALE, REFERENCE, START_S, Budget, Calibration
+from bench.runner.family import Family, runs
 from bench.runner.plan import RunPlan
 from bench.runner.plot import DPI, HEADLINE_SIZE_IN, family_figure, headline_figure, panel_data
 from bench.runner.rows import Row
 from bench.runner.timing import _repetitions
+from bench.runner.work import KINDS, WorkMeter, check_work
 
 # A machine four times slower than the reference (or as busy): the calibration scaled by 4.
 SLOWER = 4.0
@@ -26,14 +29,13 @@ HEADLINE_MOST_PX = (1600, 1000)
 def simulate(budget: Budget, overrun: dict[str, float]) -> dict[str, tuple[float, float]]:
     """Runs the plan's families on a simulated machine whose speed the calibration
     measured: each takes its calibrated fixed seconds plus its timed rounds at the scale
-    the budget gave it, times overrun[name] (default 1). Returns per family (the estimate
+    the budget gave it (its fewest_share at least), times overrun[name] (default 1). Returns per family (the estimate
     when it started, the seconds it took)."""
     plan, clock, taken = budget.plan, budget.factor * START_S, {}
     for name in plan.families:
         scale = budget.start(name)
         estimate = plan.estimates[name]
-        fixed, timed = budget.parts([name])
-        seconds = (fixed + scale * timed) * overrun.get(name, 1.0)
+        seconds = budget.seconds_at(name, scale) * overrun.get(name, 1.0)
         clock += seconds
         plan.elapsed[name] = seconds
         budget.finish(name, seconds, clock)
@@ -84,6 +86,55 @@ def test_quick_and_no_budget_keep_the_declared_rounds():
         assert budget.scale == 1.0
         # The estimate is still this machine's: the declared seconds times its factor.
         assert abs(sum(budget.planned.values()) - declared * SLOWER) < 1e-6
+
+
+def test_a_cpu_slow_at_bf16_slows_only_the_families_that_spend_their_time_there():
+    # A CPU without bf16 instructions: the half probe 20 times the reference's, the rest alike.
+    slow_half = Calibration({**REFERENCE.seconds, "half": REFERENCE.seconds["half"] * 20})
+    plan = RunPlan(runs(), "default", on_gpu=False)
+    declared = dict(plan.estimates)
+    budget = Budget(plan, slow_half, budget_s=None)
+    for name, own in plan.own.items():
+        if not declared[name]:
+            continue
+        half = own[0].work["half"]
+        assert abs(budget.planned[name] - declared[name] * (1 + 19 * half)) < 1e-6 * declared[name], name
+    shares = {name: own[0].work["half"] for name, own in plan.own.items() if own and declared[name]}
+    most, least = max(shares, key=shares.get), min(shares, key=shares.get)
+    assert shares[most] > shares[least]
+    assert budget.planned[most] / declared[most] > budget.planned[least] / declared[least]
+
+
+def test_a_family_of_few_rounds_keeps_them_at_the_fewest():
+    plan = RunPlan(runs(), "default", on_gpu=False)
+    budget = Budget(plan, REFERENCE, budget_s=None)
+    family = plan.own["transformers"][0]
+    assert family.fewest_share > MIN_SCALE
+    fixed, timed = budget.parts(["transformers"])
+    assert abs(budget.seconds_at("transformers", MIN_SCALE) - (fixed + family.fewest_share * timed)) < 1e-9
+    assert abs(budget.seconds_at("transformers", 1.0) - (fixed + timed)) < 1e-9
+    assert abs(budget.seconds_at("ring", MIN_SCALE) - sum(budget.parts(["ring"])) * MIN_SCALE) > 1.0
+
+
+def test_work_shares_are_checked_where_a_family_declares_them():
+    assert check_work({"half": 0.7, "host": 0.3}, "x") == {"float": 0.0, "half": 0.7, "exchange": 0.0, "host": 0.3}
+    for wrong in ({"gpu": 1.0}, {"float": 0.5}, {"float": 1.2, "host": -0.2}):
+        with pytest.raises(ValueError, match="family 'made-up': work"):
+            Family("made-up", 0, "", lambda ctx: None, runs()["ring"][0].sizes, work=wrong)
+
+
+def test_the_meter_counts_each_kind_of_work():
+    a32 = torch.ones(128, 128)
+    a16 = a32.bfloat16()
+    with WorkMeter() as meter:
+        for _ in range(3):
+            a16 @ a16
+            a32 @ a32
+            a32.add(1.0)
+    assert all(meter.seconds[kind] > 0 for kind in ("float", "half", "host")), meter.seconds
+    assert meter.seconds["exchange"] == 0.0
+    shares = meter.shares()
+    assert set(shares) == set(KINDS) and abs(sum(shares.values()) - 1.0) < 1e-9, shares
 
 
 def test_rounds_follow_the_scale_and_keep_a_median():

@@ -15,7 +15,7 @@ from test_bench_budget import assert_figures_readable
 
 from bench.families.inference import generate_unavailable
 from bench.runner import hardware
-from bench.runner.budget import REFERENCE, Budget
+from bench.runner.budget import MIN_SCALE, REFERENCE, Budget
 from bench.runner.cases import failed_row
 from bench.runner.family import runs
 from bench.runner.plan import DEFAULT_BUDGET_S, REFERENCE_CORES, SIZE_NAMES, RunPlan
@@ -162,11 +162,12 @@ def test_bench_quick_runs_and_writes_results(tmp_path):
 
 def test_the_default_fits_the_budget():
     # The estimates each family declares (its FAMILY's sizes) were measured on the
-    # reference machine; on it the default run keeps at least 90% of every family's timed
-    # rounds within the default budget (a slower machine keeps fewer: test_bench_budget).
+    # reference machine; on it the default run fits the default budget with more than the
+    # fewest timed rounds, so that a machine somewhat slower still fits (a slower machine
+    # keeps fewer: test_bench_budget).
     quick, default, full = (RunPlan(runs(), size, on_gpu=False).total_estimate for size in SIZE_NAMES)
     budget = Budget(RunPlan(runs(), "default", on_gpu=False), REFERENCE, DEFAULT_BUDGET_S)
-    assert budget.fits and budget.scale >= 0.9 and REFERENCE_CORES == 2, (default, budget.scale)
+    assert budget.fits and budget.scale >= 1.25 * MIN_SCALE and REFERENCE_CORES == 2, (default, budget.scale)
     assert budget.planned_total() <= DEFAULT_BUDGET_S * 1.001, budget.planned_total()
     assert quick < default < full, (quick, default, full)
 

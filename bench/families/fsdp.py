@@ -85,9 +85,9 @@ GiB = 2**30
 MiB = 2**20
 
 SIZES = Sizes(
-    quick=Size(f"a tiny Llama on dp 2 x cp 2, {' and '.join(map(str, QUICK_TOKENS))} tokens, 3 configurations", 3),
-    default=Size(f"Llama of 2 layers, hidden 128, {' and '.join(map(str, TOKENS))} tokens, 3 configurations", 15),
-    full=Size(f"Llama of 4 layers, hidden 256, {' and '.join(map(str, FULL_TOKENS))} tokens, 3 configurations", 60),
+    quick=Size(f"a tiny Llama on dp 2 x cp 2, {' and '.join(map(str, QUICK_TOKENS))} tokens, 3 configurations", 2),
+    default=Size(f"Llama of 2 layers, hidden 128, {' and '.join(map(str, TOKENS))} tokens, 3 configurations", 13),
+    full=Size(f"Llama of 4 layers, hidden 256, {' and '.join(map(str, FULL_TOKENS))} tokens, 3 configurations", 52),
 )
 
 
@@ -389,4 +389,6 @@ FAMILY = Family(
     measures="what a rank holds of parameters, gradients and Adam's states under FSDP with sequence parallelism",
     run=run,
     sizes=SIZES,
+    timed_share=0.00,
+    work={"float": 0.75, "exchange": 0.01, "host": 0.24},
 )

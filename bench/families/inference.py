@@ -187,12 +187,12 @@ SIZES = Sizes(
         f"prefill of {_lengths(DEFAULT.prompts)} tokens, decode over {_lengths(DEFAULT.caches)}, turns "
         f"{', '.join(f'{_lengths([t.chunk])} over {_lengths([t.cached])}' for t in DEFAULT.turns)}; the Llama's "
         f"generate of {_lengths(DEFAULT.model_prompts)}-token prompts (first token, {DEFAULT.new_tokens} steps)",
-        30,
+        21,
     ),
     full=Size(
         f"prefill of {_lengths(FULL.prompts)}, decode over {_lengths(FULL.caches)}, {len(FULL.turns)} turns; "
         f"generate of {_lengths(FULL.model_prompts)}-token prompts ({FULL.new_tokens} steps)",
-        240,
+        168,
     ),
 )
 
@@ -681,6 +681,8 @@ FAMILY = Family(
     measures="a KV cache sharded across the ranks (prefill, decode, a next turn, generate) against one process",
     run=run,
     sizes=SIZES,
-    timed_share=0.3,
+    timed_share=0.71,
+    work={"float": 0.46, "half": 0.09, "exchange": 0.01, "host": 0.44},
+    fewest_share=0.67,  # 1 warm-up + 5 timed rounds a case: the fewest keep 4 of 6
     metadata=lambda: {"inference_baseline": BASELINE_NOTE, "inference_generate_skipped": generate_unavailable()},
 )

@@ -131,10 +131,10 @@ class MemoryCase(TransformersCase):
 
 SIZES = Sizes(
     quick=Size(f"a tiny Llama, {' and '.join(map(str, QUICK_TOKENS))} tokens", 3),
-    default=Size(f"Llama of 2 layers, hidden 128, {', '.join(map(str, TOKENS))} tokens, 5 configurations", 10),
+    default=Size(f"Llama of 2 layers, hidden 128, {', '.join(map(str, TOKENS))} tokens, 5 configurations", 17),
     full=Size(
         f"Llama of 4 layers, hidden 256, {' and '.join(map(str, FULL_CPU_TOKENS))} tokens",
-        600,
+        1020,
         gpu_runs=f"Llama of 4 layers, hidden 256, {', '.join(map(str, FULL_TOKENS))} tokens",
     ),  # fmt: skip
 )
@@ -464,6 +464,7 @@ FAMILY = Family(
     measures="the peak memory per rank of a training step at growing lengths against one rank",
     run=run,
     sizes=SIZES,
-    timed_share=0.0,  # it times its own single steps, outside the timed rounds
+    timed_share=0.00,  # it times its own single steps, outside the timed rounds
+    work={"float": 0.7, "host": 0.3},
     metadata=lambda: {"memory_baseline": BASELINE_NOTE},
 )

@@ -121,16 +121,16 @@ def in_cpu_default(case: RingCase) -> bool:
 
 
 SIZES = Sizes(
-    quick=Size("S = 64: 2 forward and 2 forward + backward cases", 8),
+    quick=Size("S = 64: 2 forward and 2 forward + backward cases", 3),
     default=Size(
         "S = 2048 forward, 1024 forward + backward, H = 8, D = 64: bf16 MHA in every layout, "
         "zigzag GQA and fp32: 10 cases",
-        75,
+        229,
         gpu_runs="S_l = 4096 per rank, H = 32 (GQA: 8 kv), D = 128, bf16, every layout: 12 cases",
     ),
     full=Size(
         "the same lengths, every layout of bf16 MHA and GQA and fp32 MHA: 18 cases",
-        160,
+        489,
         gpu_runs="the default's 12 cases",
     ),
 )
@@ -296,7 +296,8 @@ FAMILY = Family(
     measures="ring_attention on P ranks against single-device SDPA (forward; forward + backward)",
     run=run,
     sizes=SIZES,
-    timed_share=0.6,
+    timed_share=0.92,
+    work={"float": 0.22, "half": 0.62, "exchange": 0.01, "host": 0.15},
     metadata=lambda: {"ring_reference": REFERENCE_NOTE},
     then=("ring-probe",),
 )

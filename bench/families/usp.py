@@ -120,14 +120,14 @@ def usp_cases(ctx: Context) -> list[UspCase]:
 
 
 SIZES = Sizes(  # the default is the full list
-    quick=Size("S = 64, 2 cases", 3),
+    quick=Size("S = 64, 2 cases", 2),
     default=Size(
         "S = 2048 forward, 1024 forward + backward, D = 64: MHA H = 8 full and zigzag, GQA 8/2, "
         "H = 2 zigzag; 8 cases, every grid",
-        55,
+        107,
         gpu_runs="S_l = 4096 per rank, H = 32, D = 128",
     ),
-    full=Size("the default's cases", 55, gpu_runs="the default's cases"),
+    full=Size("the default's cases", 107, gpu_runs="the default's cases"),
 )
 
 
@@ -338,6 +338,7 @@ FAMILY = Family(
     measures="usp_attention on every grid U x R of the ranks (pure Ulysses, pure ring, the hybrids) against one device",
     run=run,
     sizes=SIZES,
-    timed_share=0.5,
+    timed_share=0.70,
+    work={"float": 0.37, "half": 0.46, "host": 0.17},
     metadata=lambda: {"usp_baseline": BASELINE_NOTE},
 )

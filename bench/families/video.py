@@ -119,10 +119,10 @@ def models_at(ctx: Context) -> str:
 
 
 SIZES = Sizes(
-    quick=Size("Latte and Wan, tiny shapes", 7),
+    quick=Size("Latte and Wan, tiny shapes", 5),
     default=Size("Latte 16 x 16 x 16 x 4 latents and Wan 21 x 12 x 20 x 16, 2 blocks: DSP, Ulysses, ring, "
-                 "USP and diffusers' own against one process", 10),
-    full=Size("the default's shapes (the published ones on GPUs)", 10,
+                 "USP and diffusers' own against one process", 14),
+    full=Size("the default's shapes (the published ones on GPUs)", 14,
               gpu_runs="Latte 16 x 64 x 64 x 4 (28 pairs) and Wan 21 x 60 x 104 x 16 (30 blocks)"),
 )  # fmt: skip
 
@@ -310,6 +310,8 @@ FAMILY = Family(
     measures="diffusers video transformers (Latte, Wan) under each mode of the diffusers integration",
     run=run,
     sizes=SIZES,
-    timed_share=0.5,
+    timed_share=0.63,
+    work={"float": 0.49, "exchange": 0.01, "host": 0.5},
+    fewest_share=1.0,  # its 1 warm-up + 3 timed rounds a case are the fewest already
     metadata=lambda: {"video_baseline": BASELINE_NOTE, "video_skipped": diffusers_unavailable()},
 )

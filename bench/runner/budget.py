@@ -2,15 +2,19 @@
 estimates scaled to it, and each family's timed rounds sized so that the run ends within
 its budget; sized again after every family from the time the families so far took.
 
-    calibration   every rank at once, a second or two: a small matmul and a bf16
-                  attention forward + backward (what the families time, on the cores the
-                  ranks share), and a gloo round trip of 1 MiB; the slowest rank's median
-    factor        this machine's seconds / the reference machine's (bench/runner/plan.py's
-                  REFERENCE) for the same probes: COMPUTE_WEIGHT of compute, the rest the
-                  round trip
+    calibration   every rank at once, a few seconds: one probe per kind of work
+                  (bench/runner/work.py: fp32 and bf16 matmul + attention forward +
+                  backward on the cores the ranks share, small operations, a gloo round
+                  trip of 1 MiB); the slowest rank's median of each
+    factor        of a family: its declared work shares (FAMILY.work) weighting each kind's
+                  this machine's seconds / the reference machine's (bench/runner/plan.py's
+                  REFERENCE): a family spending its time in bf16 gets slower on a CPU
+                  without bf16 instructions, an fp32 one does not
     a family      its declared seconds (its FAMILY's sizes) = fixed + timed, timed =
-                  its timed_share of it (its timed rounds; the rest: building cases, warm-up,
-                  checks, which stay whole); on this machine factor x (fixed + scale x timed)
+                  its timed_share of it (its warm-up and timed rounds; the rest: building
+                  cases, checks, which stay whole); on this machine factor x (fixed +
+                  max(scale, fewest_share) x timed), fewest_share the share of its rounds
+                  it keeps at the fewest (3 timed rounds a case, 1 warm-up)
     scale         of every family's timed rounds (bench/runner/timing.py: the least and most
                   rounds and the seconds a case fills), the largest up to 1 that fits the
                   budget, MIN_SCALE at least; after each family, the scale of the rest is
@@ -25,28 +29,21 @@ takes changes. --quick keeps its few rounds (no budget); --full and the default 
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from bench.runner.plan import RunPlan, duration
+from bench.runner.work import HOST_WORK, PROBED, probe_seconds
 
-# The probes' seconds on the reference machine (4 gloo ranks on this project's 2 cores,
-# load 3.4 with them): 80 to 105 ms and 7 to 20 ms over 15 calibrations there.
-REFERENCE_COMPUTE_S = 0.085
-REFERENCE_ROUND_TRIP_S = 0.011
-# Every family computes far more than it exchanges on CPU ranks.
-COMPUTE_WEIGHT = 0.8
+# The probes' medians on the reference machine (bench/runner/plan.py's REFERENCE: 4 gloo
+# ranks on 2 cores, idle but for them), by kind of work (bench/runner/work.py).
+REFERENCE_SECONDS = {"float": 0.048, "half": 0.095, "exchange": 0.0078}
 # The fewest rounds a budget leaves: a fifth of the default's (3 timed rounds at least,
 # bench/runner/timing.py), enough for a median.
 MIN_SCALE = 0.2
 # Seconds on the reference machine outside the families: the ranks' start and the
-# calibration before the first family, the summary, figures and report after the last
-# (measured: 21 s and 19 s at x3.8, 52 s in all at x5.1 with every family's figure).
+# calibration before the first family, the summary, figures and report after the last.
 START_S, FINISH_S = 6.0, 6.0
 # A family counts as over its share beyond this much more than its estimate.
 OVER_SHARE = 1.1
@@ -54,56 +51,44 @@ OVER_SHARE = 1.1
 
 @dataclass(frozen=True)
 class Calibration:
-    compute_s: float  # the compute probe's median seconds on the slowest rank, every rank at once
-    round_trip_s: float  # a 1 MiB all_reduce's median seconds (0 on one rank)
+    """Each kind's probe's median seconds on the slowest rank, every rank at once
+    (exchange: 0 on one rank, where nothing is exchanged)."""
 
-    def factor(self) -> float:
-        """This machine's seconds per reference second (above 1: slower or busier)."""
-        compute = self.compute_s / REFERENCE_COMPUTE_S
-        if self.round_trip_s <= 0:  # one rank: nothing exchanged
-            return compute
-        return COMPUTE_WEIGHT * compute + (1 - COMPUTE_WEIGHT) * self.round_trip_s / REFERENCE_ROUND_TRIP_S
+    seconds: dict[str, float]
+
+    def ratio(self, kind: str) -> float:
+        """This machine's seconds per reference second at one kind of work (host work at
+        the float probe's: work.PROBED)."""
+        if kind not in PROBED or (kind == "exchange" and self.seconds["exchange"] <= 0):
+            return self.ratio("float")
+        return self.seconds[kind] / REFERENCE_SECONDS[kind]
+
+    def factor(self, work: dict[str, float] = HOST_WORK) -> float:
+        """This machine's seconds per reference second for work split by kind as `work`
+        (above 1: slower or busier)."""
+        return sum(share * self.ratio(kind) for kind, share in work.items() if share)
 
     def scaled(self, by: float) -> Calibration:
         """This calibration on a machine `by` times slower (tests: a busy machine)."""
-        return Calibration(self.compute_s * by, self.round_trip_s * by)
+        return Calibration({kind: seconds * by for kind, seconds in self.seconds.items()})
+
+    def text(self) -> str:
+        """Each kind's probe against the reference's."""
+        return ", ".join(f"{kind} x{self.ratio(kind):.2f} ({self.seconds[kind] * 1e3:.1f} ms vs "
+                         f"{REFERENCE_SECONDS[kind] * 1e3:.1f} ms)" for kind in PROBED)  # fmt: skip
 
 
-REFERENCE = Calibration(REFERENCE_COMPUTE_S, REFERENCE_ROUND_TRIP_S)
-PROBE_ROUNDS = 9
-
-
-def _compute_probe() -> None:
-    """One round of what the families time: a matmul and a causal bf16 attention step."""
-    a = torch.ones(256, 256)
-    (a @ a).sum().item()
-    q, k, v = (torch.full((1, 4, 256, 64), 0.01, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-
-def _median_seconds(call, rounds: int) -> float:
-    call()  # warm-up: lazy initialisation, first-touch pages
-    samples = []
-    for _ in range(rounds):
-        begin = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+REFERENCE = Calibration(REFERENCE_SECONDS)
 
 
 def calibrate(world_size: int, barrier, reduce_max) -> Calibration:
-    """Every rank calls this together: the probes' medians, the slowest rank's.
+    """Every rank calls this together: each kind's probe (bench/runner/work.py), the
+    slowest rank's median.
 
     barrier(): lines the ranks up; reduce_max(tensor) -> the elementwise max over ranks."""
-    barrier()
-    compute = _median_seconds(_compute_probe, PROBE_ROUNDS)
-    round_trip = 0.0
-    if world_size > 1:
-        payload = torch.zeros(2**18)  # 1 MiB of fp32
-        barrier()
-        round_trip = _median_seconds(lambda: dist.all_reduce(payload), PROBE_ROUNDS)
-    slowest = reduce_max(torch.tensor([compute, round_trip], dtype=torch.float64))
-    return Calibration(*slowest.tolist())
+    mine = probe_seconds(world_size, barrier)
+    slowest = reduce_max(torch.tensor([mine[kind] for kind in PROBED], dtype=torch.float64))
+    return Calibration(dict(zip(PROBED, slowest.tolist())))
 
 
 @dataclass
@@ -123,7 +108,8 @@ class Budget:
 
     def __post_init__(self) -> None:
         self.reference = dict(self.plan.estimates)
-        self.plan.factor = self.factor
+        if self.calibration is not None:
+            self.plan.factors = {name: self.family_factor(name) for name in self.plan.families}
         start = None if self.budget_s is None else self.budget_s - START_S * self.factor
         self.scale = self._fit(list(self.plan.families), start, pace=1.0)
         self._set_estimates(list(self.plan.families))
@@ -144,33 +130,54 @@ class Budget:
     def overhead(self) -> float:
         return (START_S + FINISH_S) * self.factor
 
+    def family_factor(self, name: str) -> float:
+        """This machine's seconds per reference second for the family `name`'s kinds of work."""
+        own = self.plan.own[name]
+        if self.calibration is None or not own:
+            return self.factor
+        return self.calibration.factor(own[0].work)
+
     def parts(self, names: list[str]) -> tuple[float, float]:
         """This machine's (fixed, timed) seconds of the families `names`, at scale 1."""
         fixed = timed = 0.0
         for name in names:
-            seconds = self.reference[name] or 0.0
+            seconds = (self.reference[name] or 0.0) * self.family_factor(name)
             share = self.plan.families[name][0].timed_share if self.plan.size != "quick" else 0.0
-            fixed += seconds * (1 - share) * self.factor
-            timed += seconds * share * self.factor
+            fixed += seconds * (1 - share)
+            timed += seconds * share
         return fixed, timed
+
+    def seconds_at(self, name: str, scale: float) -> float:
+        """This machine's seconds of the family `name` with its timed rounds at `scale`:
+        fixed + timed x max(scale, its fewest_share), the share of its rounds it keeps at
+        the fewest (a family of few rounds a case keeps most of them)."""
+        fixed, timed = self.parts([name])
+        fewest = self.plan.families[name][0].fewest_share
+        return fixed + timed * max(scale, fewest)
 
     def _fit(self, names: list[str], seconds_left: float | None, pace: float) -> float:
         """The largest scale up to 1 (MIN_SCALE at least) at which `names` fit seconds_left,
-        the families' time being pace x (fixed + scale x timed) and the run's finish after."""
+        the families' time being pace x seconds_at(scale) and the run's finish after."""
         if seconds_left is None or self.plan.size == "quick":
             return 1.0
-        fixed, timed = self.parts(names)
-        room = seconds_left / pace - fixed - FINISH_S * self.factor
-        if timed <= 0:
+        room = seconds_left / pace - FINISH_S * self.factor
+
+        def total(scale: float) -> float:
+            return sum(self.seconds_at(name, scale) for name in names if self.reference[name])
+
+        if total(1.0) <= room:
             return 1.0
-        return min(1.0, max(MIN_SCALE, room / timed))
+        low, high = MIN_SCALE, 1.0
+        for _ in range(40):  # bisection: the total grows with the scale
+            middle = (low + high) / 2
+            low, high = (middle, high) if total(middle) <= room else (low, middle)
+        return low
 
     def _set_estimates(self, names: list[str]) -> None:
         for name in names:
             if self.reference[name] is None:
                 continue
-            fixed, timed = self.parts([name])
-            self.plan.estimates[name] = fixed + self.scale * timed
+            self.plan.estimates[name] = self.seconds_at(name, self.scale)
 
     def planned_total(self) -> float:
         """The run's planned seconds: the families' and the start and finish."""
@@ -197,9 +204,8 @@ class Budget:
         """The calibration against the reference's, or why there is none."""
         if self.calibration is None:
             return "not calibrated (the probes time CPU work): the declared GPU estimates"
-        return (f"calibrated: {machine} x{self.factor:.2f} the reference's time (compute probe "
-                f"{self.calibration.compute_s * 1e3:.1f} ms vs {REFERENCE.compute_s * 1e3:.1f} ms, 1 MiB round trip "
-                f"{self.calibration.round_trip_s * 1e3:.2f} ms vs {REFERENCE.round_trip_s * 1e3:.2f} ms)")  # fmt: skip
+        return (f"calibrated: {machine} per kind of work this much of the reference's time "
+                f"({self.calibration.text()}); each family's estimate follows its own kinds")  # fmt: skip
 
     def start(self, name: str) -> float:
         """The scale of the family's timed rounds, recorded."""
@@ -233,8 +239,9 @@ class Budget:
             else run_elapsed_s <= self.budget_s,
             "fits": self.fits,
             "factor": round(self.factor, 3),
-            "calibration": None if self.calibration is None else asdict(self.calibration),
-            "reference_calibration": asdict(REFERENCE),
+            "calibration": None if self.calibration is None else self.calibration.seconds,
+            "reference_calibration": REFERENCE.seconds,
+            "family_factors": {name: round(self.family_factor(name), 3) for name in self.plan.families},
             "scales": {name: round(scale, 3) for name, scale in self.scales.items()},
             "notes": list(self.notes),
         }  # fmt: skip

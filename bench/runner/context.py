@@ -20,7 +20,7 @@ from bench.runner.rows import Row
 
 @dataclass
 class RoundsClock:
-    """Seconds this rank spent in timed rounds (what the budget's repeats sizing changes)."""
+    """Seconds this rank spent in warm-up and timed rounds (what the budget's repeats sizing changes)."""
 
     seconds: float = 0.0
 

@@ -12,6 +12,14 @@ FAMILY = Family(...), and the runner knows the families only through it.
               measured seconds in the reference run bench/results/cpu-intel-xeon-gloo4-20261128-0434
               (rounded down where rows share a timed call); the JSON's plan keeps each run's
               measured timed_s to correct it
+    fewest_share  the share of its warm-up and timed rounds it keeps at the fewest (a
+              case's 1 warm-up and 3 timed rounds, bench/runner/timing.py, against its
+              declared): DEFAULT_FEWEST_SHARE with the suite's 3 + 15, more for a family of
+              fewer rounds a case (the transformers' 1 + 5: 4 of 6)
+    work      how its default seconds on the reference machine split between the kinds of
+              work (bench/runner/work.py: float, half, exchange, host), shares adding up to
+              1, from `python -m bench --only <family> --measure-work` there: the
+              calibration weighs this machine's speed at each kind by them
     metadata  metadata(): what the run's JSON records about it where it runs (its baseline's
               note, why a part was skipped); an entry whose value is None is left out
     then      the families that run right after it under its name (ring: the ring's probe),
@@ -25,11 +33,16 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from bench.runner.context import Context
 from bench.runner.plan import Sizes
+from bench.runner.work import DEFAULT_WORK, check_work
+
+# The share of a case's rounds the fewest keep with the suite's repetitions (bench/runner/launch.py's
+# REPETITIONS: 3 warm-up + 15 timed; the fewest: 1 + 3).
+DEFAULT_FEWEST_SHARE = (1 + 3) / (3 + 15)
 
 # The one folder of bench/families/ that holds no family: the helpers several families share.
 SHARED = "shared"
@@ -47,6 +60,8 @@ class Family:
     run: Callable[[Context], object]
     sizes: Sizes
     timed_share: float = 0.5
+    fewest_share: float = 0.0  # 0: DEFAULT_FEWEST_SHARE
+    work: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WORK))
     metadata: Callable[[], dict] = no_metadata
     then: tuple[str, ...] = ()
     preload: tuple[str, ...] = ()
@@ -56,6 +71,10 @@ class Family:
             raise ValueError(f"family {self.name!r}: sizes must be a Sizes, got {self.sizes!r}")
         if not 0.0 <= self.timed_share <= 1.0:
             raise ValueError(f"family {self.name!r}: timed_share must be within [0, 1], got {self.timed_share}")
+        object.__setattr__(self, "work", check_work(self.work, f"family {self.name!r}"))
+        object.__setattr__(self, "fewest_share", self.fewest_share or DEFAULT_FEWEST_SHARE)
+        if not 0.0 < self.fewest_share <= 1.0:
+            raise ValueError(f"family {self.name!r}: fewest_share must be within (0, 1], got {self.fewest_share}")
         if self.name in self.then:
             raise ValueError(f"family {self.name!r} names itself in then={self.then}")
 

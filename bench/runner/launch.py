@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from bench.runner import hardware
-from bench.runner.budget import Budget, Calibration, calibrate
+from bench.runner.budget import Budget, calibrate
 from bench.runner.context import Context, machine_threads
 from bench.runner.family import found_families, runs
 from bench.runner.plan import RunPlan, size_name
@@ -51,6 +51,7 @@ class Options:
     short: bool = False  # the default sizes with SHORT_REPETITIONS, the dk/dv tiles of the sweep (the GPU check)
     budget_s: float | None = None  # seconds the run may take (bench/runner/budget.py); None: none
     started: float | None = None  # time.monotonic() at the command's start (the budget counts from it)
+    measure_work: bool = False  # rank 0 meters each family's seconds by kind of work (bench/runner/work.py)
 
     @property
     def size(self) -> str:
@@ -116,7 +117,7 @@ def run_rank(rank: int, world_size: int, local_rank: int, local_world_size: int,
         **(QUICK_REPETITIONS if options.quick else SHORT_REPETITIONS if options.short else REPETITIONS),
     )  # fmt: skip
     try:
-        run_suite(ctx, list(options.only), options.out, options.budget_s, options.started)
+        run_suite(ctx, list(options.only), options.out, options.budget_s, options.started, options.measure_work)
     finally:
         dist.destroy_process_group()
 
@@ -153,8 +154,9 @@ def launch(options: Options) -> None:
 
 
 def plan_lines(options: Options) -> list[str]:
-    """The plan of the run `options` describe, calibrated in this one process: the compute
-    probe with a rank's threads, times the ranks per core beyond one (no round trip)."""
+    """The plan of the run `options` describe, calibrated in this one process: the probes
+    with a rank's threads, times the ranks per core beyond one (no round trip: the
+    exchange counted at the float probe's pace)."""
     world_size, backend = options.resolved_world_size(), options.resolved_backend()
     plan = RunPlan({name: runs()[name] for name in options.only}, options.size, on_gpu=backend == "nccl")
     calibration = None
@@ -162,7 +164,7 @@ def plan_lines(options: Options) -> list[str]:
         torch.set_num_threads(threads_per_rank(world_size))
         alone = calibrate(1, lambda: None, lambda values: values)
         crowding = max(1.0, world_size * torch.get_num_threads() / machine_threads())
-        calibration = Calibration(alone.compute_s * crowding, 0.0)
+        calibration = alone.scaled(crowding)
     budget = Budget(plan, calibration, options.budget_s)
     return budget.plan_lines(world_size, backend, machine_threads())
 

@@ -112,9 +112,9 @@ class RunPlan:
     runs_with: dict[str, str] = field(init=False)  # a name whose families all ran before -> where
     estimates: dict[str, float | None] = field(init=False)
     elapsed: dict[str, float] = field(default_factory=dict)  # finished family -> seconds
-    # This machine's seconds per reference second (bench/runner/budget.py calibrates it): the
-    # other sizes' totals in the heading are scaled by it.
-    factor: float = 1.0
+    # Per name, this machine's seconds per reference second (bench/runner/budget.py calibrates
+    # them; empty: not calibrated): the other sizes' totals in the heading are scaled by them.
+    factors: dict[str, float] = field(default_factory=dict)
     _started: float = field(default_factory=time.perf_counter)
     _family_started: float = 0.0
 
@@ -149,7 +149,7 @@ class RunPlan:
         else:
             others = "; ".join(f"{flags[size]}: about {self._total_text(size)}"
                                for size in SIZE_NAMES if size != self.size)  # fmt: skip
-            note = machine_note(world_size, backend, self.on_gpu) if self.factor == 1.0 else "calibrated"
+            note = "calibrated" if self.factors else machine_note(world_size, backend, self.on_gpu)
             lines = [f"plan: {self.size} sizes, about {self._total_text(self.size, self.estimates)} for the "
                      f"families ({others}; {note})"]  # fmt: skip
         width = max(len(name) for name in self.families)
@@ -163,10 +163,10 @@ class RunPlan:
         return lines
 
     def _total_text(self, size: str, estimates: dict[str, float | None] | None = None) -> str:
-        """The families' estimates at `size` (on this machine: times factor), summed, naming
+        """The families' estimates at `size` (on this machine: times their factors), summed, naming
         those without one."""
         if estimates is None:
-            estimates = {name: None if seconds is None else seconds * self.factor
+            estimates = {name: None if seconds is None else seconds * self.factors.get(name, 1.0)
                          for name, seconds in self._estimates(size).items()}  # fmt: skip
         unknown = [name for name, seconds in estimates.items() if seconds is None]
         if len(unknown) == len(estimates):

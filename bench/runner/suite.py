@@ -9,6 +9,7 @@ cases go on; the run then exits with status 1.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -25,12 +26,13 @@ from bench.runner.budget import Budget, calibrate
 from bench.runner.cases import failed_row
 from bench.runner.context import Context, machine_threads
 from bench.runner.family import found_families, runs
-from bench.runner.plan import RunPlan
+from bench.runner.plan import RunPlan, duration
 from bench.runner.plot import write_figures
 from bench.runner.report import write_report
 from bench.runner.results import progress_line, summary_table, write_results
 from bench.runner.rows import Row, is_failed
 from bench.runner.targets import target_checks
+from bench.runner.work import WorkMeter
 from seqpar_kernels.extension import build_info
 
 # The case column of the row recorded when a bench raises outside its cases.
@@ -155,7 +157,7 @@ def run_bench(ctx: Context, name: str, results: ResultsFiles, done: set) -> None
 
 
 def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | None = None,
-              run_started: float | None = None) -> None:  # fmt: skip
+              run_started: float | None = None, measure_work: bool = False) -> None:  # fmt: skip
     """Runs the benches in `only` within budget_s seconds where given (bench/runner/budget.py),
     counted from run_started (time.monotonic(); default: now); rank 0 writes the results
     as it goes, then the summary, the figures and the report. Raises SystemExit(1) on
@@ -181,6 +183,7 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | No
     stem = results_stem(ctx, out_dir, started)
     results = ResultsFiles(ctx, stem, run_metadata(ctx, started, load_at_start, only))
     timed = {}  # family -> seconds of timed rounds (rank 0's)
+    work = {}  # family -> its shares of each kind of work, where metered (rank 0's)
     results.metadata["plan"] = budget.family_record(timed)  # per family: the estimate, then the time taken
     results.metadata["budget"] = budget.record(None)
     ctx.record_metadata = results.add_metadata
@@ -190,7 +193,11 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | No
         ctx.repeat_scale = budget.start(name)
         ctx.log(plan.start(name))
         first, rounds = len(results.rows), ctx.rounds_clock.seconds
-        run_bench(ctx, name, results, done)
+        with WorkMeter() if measure_work and ctx.is_root else contextlib.nullcontext() as meter:
+            run_bench(ctx, name, results, done)
+        if meter is not None:
+            work[name] = meter.shares()
+            ctx.log(f"work: {name} {work[name]} of {duration(sum(meter.seconds.values()))} (rank 0)")
         family_rows[name] = results.rows[first:]
         timed[name] = ctx.rounds_clock.seconds - rounds
         ctx.log(plan.finish(name))
@@ -203,6 +210,8 @@ def run_suite(ctx: Context, only: list[str], out_dir: Path, budget_s: float | No
         if note:
             ctx.log(f"budget: {note}")
         results.metadata.update(plan=budget.family_record(timed), budget=budget.record(None))
+        if work:
+            results.metadata.update(work=work)
     rows = results.rows
     failed = ctx.reduce_over_ranks(torch.tensor([sum(is_failed(row) for row in rows)])).item()
     if not ctx.is_root:

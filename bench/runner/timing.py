@@ -82,6 +82,12 @@ def _repetitions(round_seconds: float, ctx: Context, collective: bool) -> int:
     return max(least, min(most, affordable))
 
 
+def warmup_rounds(ctx: Context) -> int:
+    """Untimed rounds before timing: ctx.warmup scaled by the budget's ctx.repeat_scale as
+    the timed rounds are, one at least (its time sizes the timed rounds)."""
+    return max(1, min(ctx.warmup, round(ctx.warmup * ctx.repeat_scale)))
+
+
 def time_side_by_side(
     candidates: Mapping[str, Callable[[], object]], ctx: Context, *, collective: bool = True
 ) -> dict[str, Timing]:
@@ -101,7 +107,8 @@ def time_side_by_side(
     """
     names = list(candidates)
     round_seconds = 0.0
-    for _ in range(ctx.warmup):
+    began = time.perf_counter()
+    for _ in range(warmup_rounds(ctx)):
         begin = time.perf_counter()
         for name in names:
             candidates[name]()
@@ -111,7 +118,6 @@ def time_side_by_side(
     # Python's collector pausing inside one sample would be noise charged to one side.
     gc.collect()
     gc.disable()
-    begin = time.perf_counter()
     try:
         samples = torch.zeros(reps, len(names), dtype=torch.float64)
         for rep in range(reps):
@@ -120,7 +126,7 @@ def time_side_by_side(
                 samples[rep, index] = _time_once(candidates[names[index]], ctx, collective)
     finally:
         gc.enable()
-        ctx.rounds_clock.seconds += time.perf_counter() - begin
+        ctx.rounds_clock.seconds += time.perf_counter() - began
     if collective:
         samples = ctx.reduce_over_ranks(samples)
     return {name: Timing(tuple(samples[:, index].tolist())) for index, name in enumerate(names)}

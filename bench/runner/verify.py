@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from bench.runner.context import Context
 from seqpar_kernels import comm_stats
-from tools.reference import ERROR_FACTOR, error_bound, magnitude, max_error
+from tools.reference import ERROR_FACTOR, einsum_as_gemm, error_bound, magnitude, max_error
 
 # Query rows per chunk of the exact reference (memory: chunk x S fp64 per head).
 REFERENCE_CHUNK = 1024
@@ -75,7 +75,8 @@ def volume_against_theory(ctx: Context, measured: int, theory: int) -> Volume:
 def chunked_attention(q, k, v, dout, causal: bool, scale: float, dtype: torch.dtype):
     """Attention of (B, S, H, D) q over (B, S, H_kv, D) k, v, and its gradients when dout
     is given, computed in `dtype` as plain attention computes it (scores, softmax and
-    products in that dtype; the backward as autograd's: dS = P * (dP - rowsum(dP * P)),
+    products in that dtype, each product as a GEMM computes it: einsum_as_gemm; the
+    backward as autograd's: dS = P * (dP - rowsum(dP * P)),
     computed wide and rounded once, as torch's softmax backward does),
     one q head and REFERENCE_CHUNK query rows at a time: memory chunk x S, never S x S,
     no autograd graph. Rows are independent, so the chunks change nothing but the dK/dV
@@ -105,19 +106,19 @@ def chunked_attention(q, k, v, dout, causal: bool, scale: float, dtype: torch.dt
             for start in range(0, seqlen, REFERENCE_CHUNK):
                 rows = slice(start, min(start + REFERENCE_CHUNK, seqlen))
                 qc = q[b, rows, h]
-                scores = (qc @ kh.T) * scale
+                scores = einsum_as_gemm("qd,kd->qk", qc, kh) * scale
                 if causal:
                     scores.masked_fill_(columns[None, :] > columns[rows, None], float("-inf"))
                 probs = torch.softmax(scores, dim=-1)
                 lse_magnitude = max(lse_magnitude, torch.logsumexp(scores, dim=-1).abs().max().item())
-                out[b, rows, h] = probs @ vh
+                out[b, rows, h] = einsum_as_gemm("qk,kd->qd", probs, vh)
                 if grads:
                     doc = dout[b, rows, h]
                     dv_head += probs.T.to(wide) @ doc.to(wide)  # one GEMM's fp32 sum
-                    dprobs = (doc @ vh.T).to(wide)  # softmax's backward: one rounding
+                    dprobs = einsum_as_gemm("qd,kd->qk", doc, vh).to(wide)  # softmax's backward: one rounding
                     dscores = probs.to(wide) * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
                     dscores = dscores.to(dtype) * scale
-                    dq[b, rows, h] = dscores @ kh
+                    dq[b, rows, h] = einsum_as_gemm("qk,kd->qd", dscores, kh)
                     dk_head += dscores.T.to(wide) @ qc.to(wide)
             if grads:
                 dk[b, :, h // group] += dk_head.to(dtype)

@@ -35,7 +35,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 HOST_WORK = {"float": 0.3, "host": 0.7}
 # A family that declares no work shares: mostly fp32 compute.
 DEFAULT_WORK = {"float": 0.6, "half": 0.1, "exchange": 0.05, "host": 0.25}
-PROBE_ROUNDS = 7
+PROBE_ROUNDS = 9
 
 
 def check_work(work: Mapping[str, float], owner: str) -> dict[str, float]:
@@ -68,28 +68,33 @@ def _float_probe(dtype: torch.dtype) -> Callable[[], None]:
     return probe
 
 
-def _median_seconds(call: Callable[[], object], rounds: int) -> float:
+def _low_quartile_seconds(call: Callable[[], object], rounds: int) -> float:
+    """The lower quartile of `rounds` timed calls after a warm-up one: a neighbour's burst
+    only lengthens a round, so the lower quartile sees a steadily busier machine and
+    leaves out the bursts (medians of the same probes moved by up to a fifth from one
+    calibration to the next with 4 ranks on 2 cores)."""
     call()  # warm-up: lazy initialisation, first-touch pages
     samples = []
     for _ in range(rounds):
         begin = time.perf_counter()
         call()
         samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+    return statistics.quantiles(samples, n=4)[0]
 
 
 def probe_seconds(world_size: int, barrier: Callable[[], None]) -> dict[str, float]:
-    """This rank's median seconds of each PROBED kind's probe, every rank at once (call on
-    every rank together). exchange: a 1 MiB all_reduce (0 on one rank)."""
+    """This rank's seconds of each PROBED kind's probe (the lower quartile of PROBE_ROUNDS),
+    every rank at once (call on every rank together). exchange: a 1 MiB all_reduce (0 on
+    one rank)."""
     seconds = {}
     for kind, dtype in (("float", torch.float32), ("half", torch.bfloat16)):
         barrier()
-        seconds[kind] = _median_seconds(_float_probe(dtype), PROBE_ROUNDS)
+        seconds[kind] = _low_quartile_seconds(_float_probe(dtype), PROBE_ROUNDS)
     seconds["exchange"] = 0.0
     if world_size > 1:
         payload = torch.zeros(2**18)
         barrier()
-        seconds["exchange"] = _median_seconds(lambda: dist.all_reduce(payload), PROBE_ROUNDS)
+        seconds["exchange"] = _low_quartile_seconds(lambda: dist.all_reduce(payload), PROBE_ROUNDS)
     return seconds
 
 

@@ -35,7 +35,7 @@ def causal_keep(sq, sk, offset=0):
 
 
 def reference_attention(q, k, v, scale, keep=None, softcap=0.0):
-    """fp64 attention; returns out (b, sq, h, d) and lse (b, h, sq).
+    """fp64 attention; returns out (b, sq, h, dv) and lse (b, h, sq), dv v's head dim.
 
     keep: optional bool (sq, sk) mask of visible keys.  Rows with no visible
     key give out = 0 and lse = -inf.  softcap > 0: the scores are
@@ -109,14 +109,16 @@ def fresh_state(b, sq, h, d):
     return out, lse
 
 
-def ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32):
-    """K/V of the own (diagonal, causal) block followed by full blocks of other ranks.
+def ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32, dv=None):
+    """K/V of the own (diagonal, causal) block followed by full blocks of other ranks;
+    v of head dim dv (None: d).
 
     Returns the list of (k, v, mask_mode) steps in ring order (diagonal first)
     and the global K/V, keep-mask in the order [full blocks..., diagonal].
     """
-    fulls = [(randn(b, n, hk, d, dtype=dtype), randn(b, n, hk, d, dtype=dtype)) for n in full_lens]
-    kd, vd = randn(b, sq, hk, d, dtype=dtype), randn(b, sq, hk, d, dtype=dtype)
+    dv = dv or d
+    fulls = [(randn(b, n, hk, d, dtype=dtype), randn(b, n, hk, dv, dtype=dtype)) for n in full_lens]
+    kd, vd = randn(b, sq, hk, d, dtype=dtype), randn(b, sq, hk, dv, dtype=dtype)
     steps = [(kd, vd, MASK_CAUSAL)] + [(kf, vf, MASK_FULL) for kf, vf in fulls]
     k_all = torch.cat([kf for kf, _ in fulls] + [kd], dim=1)
     v_all = torch.cat([vf for _, vf in fulls] + [vd], dim=1)
@@ -124,27 +126,28 @@ def ring_blocks(b, sq, hk, d, full_lens, dtype=torch.float32):
     return steps, k_all, v_all, keep
 
 
-def check_low_precision_step(mode, sq, sk, dtype=torch.bfloat16, d=128, softcap=0.0, q_scale=1.0):
+def check_low_precision_step(mode, sq, sk, dtype=torch.bfloat16, d=128, softcap=0.0, q_scale=1.0, dv=None):
     """One fp16/bf16 GQA step, forward and backward, against fp64 autograd with
     the tolerances of the other low-precision tests: the output within twice
     plain PyTorch attention's error in ``dtype``, the gradients within 3% of
     their largest entry.  ``mode``: a mask mode, or an (intervals, keep) pair
-    of MASK_INTERVALS; q_scale multiplies q (logits that a soft cap bends)."""
-    b, h, hk = 1, 4, 2
-    q, dout = randn(b, sq, h, d, dtype=dtype, scale=q_scale), randn(b, sq, h, d, dtype=dtype)
-    k, v = (randn(b, sk, hk, d, dtype=dtype) for _ in range(2))
+    of MASK_INTERVALS; q_scale multiplies q (logits that a soft cap bends); dv:
+    v's head dim (None: d)."""
+    b, h, hk, dv = 1, 4, 2, dv or d
+    q, dout = randn(b, sq, h, d, dtype=dtype, scale=q_scale), randn(b, sq, h, dv, dtype=dtype)
+    k, v = randn(b, sk, hk, d, dtype=dtype), randn(b, sk, hk, dv, dtype=dtype)
     intervals = None
     if isinstance(mode, tuple):
         (intervals, keep), mode = mode, MASK_INTERVALS
     else:
         keep = causal_keep(sq, sk) if mode == MASK_CAUSAL else None
     scale = d**-0.5
-    out, lse = fresh_state(b, sq, h, d)
+    out, lse = fresh_state(b, sq, h, dv)
     options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, softcap=softcap)
     launchers.attention_step_forward(q, k, v, out, lse, **options)
-    dq, dk, dv = zeros(b, sq, h, d), zeros(b, sk, hk, d), zeros(b, sk, hk, d)
-    launchers.attention_step_backward(q, k, v, out, dout, lse, None, dq, dk, dv, **options)
-    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, (dq, dk, dv), softcap)
+    grads = zeros(*q.shape), zeros(*k.shape), zeros(*v.shape)
+    launchers.attention_step_backward(q, k, v, out, dout, lse, None, *grads, **options)
+    assert_low_precision_accuracy(q, k, v, scale, keep, out, lse, dout, grads, softcap)
 
 
 def run_steps(q, steps, k_all, full_lens, dout, dq, scale, softcap=0.0, first_step=False):
@@ -153,8 +156,8 @@ def run_steps(q, steps, k_all, full_lens, dout, dq, scale, softcap=0.0, first_st
     dk/dv are slices of one fp32 buffer (like the travelling gradient buffers of the
     ring), in k_all's order [full blocks..., diagonal].  first_step: the first
     forward starts from a NaN state with first_step=True (as the ring does)."""
-    b, sq, h, d = q.shape
-    out, lse = fresh_state(b, sq, h, d)
+    b, sq, h, _ = q.shape
+    out, lse = fresh_state(b, sq, h, dout.shape[3])
     if first_step:
         out.fill_(float("nan")), lse.fill_(float("nan"))
     for index, (k, v, mode) in enumerate(steps):
@@ -170,7 +173,7 @@ def run_steps(q, steps, k_all, full_lens, dout, dq, scale, softcap=0.0, first_st
             first_step=first_step and index == 0,
         )
     delta = launchers.attention_backward_preprocess(out, dout)
-    dk_all, dv_all = zeros(*k_all.shape), zeros(*k_all.shape)
+    dk_all, dv_all = zeros(*k_all.shape), zeros(*k_all.shape[:3], steps[0][1].shape[3])
     n_full = sum(full_lens)
     bounds = [(n_full, n_full + sq)]
     start = 0
@@ -196,14 +199,15 @@ def run_steps(q, steps, k_all, full_lens, dout, dq, scale, softcap=0.0, first_st
     return out, lse, dk_all, dv_all
 
 
-def check_steps_forward_and_backward(h, hk, d, full_lens, b, sq, softcap=0.0, q_scale=1.0):
+def check_steps_forward_and_backward(h, hk, d, full_lens, b, sq, softcap=0.0, q_scale=1.0, dv=None):
     """Forward over a causal diagonal block and full blocks, then the backward of
     every step, against fp64 autograd of the whole attention (out and lse too
-    when softcap > 0; q_scale multiplies q, for logits the cap bends)."""
-    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=full_lens)
+    when softcap > 0; q_scale multiplies q, for logits the cap bends); dv: v's
+    head dim (None: d)."""
+    steps, k_all, v_all, keep = ring_blocks(b, sq, hk, d, full_lens=full_lens, dv=dv)
     q = randn(b, sq, h, d, scale=q_scale)
     scale = d**-0.5
-    dout = randn(b, sq, h, d)
+    dout = randn(b, sq, h, v_all.shape[3])
     # dq starts non-zero to check accumulation (+=).
     dq0 = randn(b, sq, h, d)
     dq = dq0.clone()
@@ -275,8 +279,8 @@ def interval_steps(q, dout, steps, scale, softcap=0.0):
     """The steps [(k, v, intervals)] through the step kernels: every forward, then
     every backward with the final lse.  Returns (out, lse) after the first step,
     the final (out, lse), dq, and per step (dk, dv)."""
-    b, sq, h, d = q.shape
-    out, lse = fresh_state(b, sq, h, d)
+    b, sq, h, _ = q.shape
+    out, lse = fresh_state(b, sq, h, dout.shape[3])
     first = None
     for k, v, intervals in steps:
         launchers.attention_step_forward(
@@ -307,19 +311,19 @@ def interval_steps(q, dout, steps, scale, softcap=0.0):
     return first, (out, lse), dq, dkv
 
 
-def check_intervals(h, hk, d, causal, layout, b, seed):
+def check_intervals(h, hk, d, causal, layout, b, seed, dv=None):
     """Forward (after the first step and merged over every step) and backward of
     the steps of positions(layout) with documents DOC_LENS, against fp64 autograd
-    of the dense document mask."""
+    of the dense document mask; dv: v's head dim (None: d)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     q_pos, k_positions = positions(layout, generator)
-    sq = len(q_pos)
-    q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
+    sq, dv = len(q_pos), dv or d
+    q, dout = randn(b, sq, h, d), randn(b, sq, h, dv)
     steps, keeps = [], []
     for k_pos in k_positions:
         intervals, keep = document_intervals(q_pos, k_pos, DOC_LENS, causal)
-        steps.append((randn(b, len(k_pos), hk, d), randn(b, len(k_pos), hk, d), intervals))
+        steps.append((randn(b, len(k_pos), hk, d), randn(b, len(k_pos), hk, dv), intervals))
         keeps.append(keep)
     if layout == "ring":
         # The cases the layout is there for: rows 16-31 (a tile of the interpreter)

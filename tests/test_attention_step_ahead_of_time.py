@@ -4,7 +4,8 @@ Every CUDA launch the step launchers can make (dtypes fp32/fp16/bf16, head dims
 64/128/256, full or causal, MHA or GQA; the interval mask of packed documents and
 sliding windows for bf16 at head dims 128 and 256 and fp32 at 128; soft-capped
 scores for bf16/fp16 at 128 and 256 and fp32 at 128 (tools/ahead_of_time.py,
-TABLE_SOFTCAP_CASES); on sm_90 the pointer loads that a q layout TMA cannot take
+TABLE_SOFTCAP_CASES); v of another head dim than q and k (TABLE_VALUE_DIM_CASES:
+192/128 bf16 and fp32, 96/64 bf16); on sm_90 the pointer loads that a q layout TMA cannot take
 falls back to, bf16 at head dim 128) is compiled by
 tools.ahead_of_time for one GPU of each family the tile choice
 tells apart: sm_90 (H100/H200), sm_80 (A100), sm_86 (RTX 30xx/40xx, L4, L40S:
@@ -51,6 +52,7 @@ from seqpar_kernels.kernels.attention_step_tiles import (  # noqa: E402
 )
 from tools.ahead_of_time import (  # noqa: E402
     DEFAULT_CAPABILITIES,
+    TABLE_VALUE_DIM_CASES,
     block_copy_report,
     is_serialization_warning,
     read_record,
@@ -159,6 +161,11 @@ def test_the_recorded_kernels_compile_as_recorded():
         assert {name: row[name] for name in expected} == expected, (row, expected)
 
 
+def _of_value_dim(row):
+    # "d192v128": v of another head dim than q's and k's.
+    return "v" in row["description"].split()[2]
+
+
 def _describe(row):
     return (
         f"sm_{row['capability']} {row['description']} {row['constexprs']} warps {row['num_warps']} "
@@ -194,7 +201,9 @@ def test_every_kernel_compiles_for_every_target(compiled):
             intervals = {
                 tuple(row["description"].split()[:5])
                 for row in rows
-                if " intervals " in row["description"] and ("softcap" in row["description"].split()) == capped
+                if " intervals " in row["description"]
+                and ("softcap" in row["description"].split()) == capped
+                and not _of_value_dim(row)
             }
             assert intervals == {
                 (kernel, dtype, headdim, "intervals", heads)
@@ -217,6 +226,16 @@ def test_every_kernel_compiles_for_every_target(compiled):
             for mask in masks
             for heads in ("MHA", "GQA")
         }, (capability, sorted(capped))
+        # v of another head dim: each step kernel, MHA and GQA, with the masks of
+        # TABLE_VALUE_DIM_CASES.
+        value_dims = {tuple(row["description"].split()[:5]) for row in rows if _of_value_dim(row)}
+        assert value_dims == {
+            (kernel, str(dtype).removeprefix("torch."), f"d{headdim}v{value_dim}", mask, heads)
+            for (dtype, headdim, value_dim), masks in TABLE_VALUE_DIM_CASES.items()
+            for kernel in step_kernels
+            for mask in masks
+            for heads in ("MHA", "GQA")
+        }, (capability, sorted(value_dims))
     # sm_90: bf16 d128 through tensor descriptors and, for a q TMA cannot take,
     # through pointers; each step kernel, full and causal, MHA and GQA.
     if not TENSOR_DESCRIPTORS_AVAILABLE:

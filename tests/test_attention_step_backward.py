@@ -1,7 +1,7 @@
 """The step kernels' backward (seqpar_kernels/kernels/attention_step_*.py): delta, dq and
 dk/dv over several ring steps against autograd of the fp64 reference, the two kernels
-launched apart, the dk/dv split of a GQA group's q heads, and every CUDA tile, sweep
-and load path run in the interpreter.
+launched apart, the dk/dv split of a GQA group's q heads, v of another head dim than q
+and k, and every CUDA tile, sweep and load path run in the interpreter.
 """
 
 import pytest
@@ -38,6 +38,29 @@ def test_backward_preprocess():
 def test_backward_multi_step_matches_autograd(h, hk, d, full_lens):
     torch.manual_seed(8)
     cases.check_steps_forward_and_backward(h, hk, d, full_lens, b=2, sq=17)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize(
+    "h, hk, d, dv, full_lens",
+    [
+        (2, 1, 192, 128, [9]),  # multi-head latent attention's 128 nope + 64 rope dims, v 128
+        (2, 1, 64, 80, [17]),  # v wider than q and k, and padded (BLOCK_DV 128)
+        (2, 2, 80, 64, [17]),  # q and k padded, v not
+    ],
+)
+def test_value_head_dim_multi_step_matches_autograd(h, hk, d, dv, full_lens):
+    # v (and out, dout, dv) of another head dim than q and k: q.k over d columns,
+    # p.v and dout.v^T over dv, delta over dv.
+    torch.manual_seed(19)
+    cases.check_steps_forward_and_backward(h, hk, d, full_lens, b=1, sq=17, dv=dv)
+
+
+@runs_triton_on(DEVICE)
+def test_value_head_dim_low_precision():
+    # bf16 at multi-head latent attention's head dims, by the 2x rule.
+    torch.manual_seed(20)
+    cases.check_low_precision_step(MASK_CAUSAL, sq=20, sk=20, d=192, dv=128)
 
 
 @runs_triton_on(DEVICE)
@@ -81,12 +104,13 @@ def test_steps_with_and_without_the_split_sweeps(monkeypatch, split_sweep):
 
 @runs_triton_on(DEVICE)
 @pytest.mark.skipif(not step_tiles.TENSOR_DESCRIPTORS_AVAILABLE, reason="this Triton has no tl.make_tensor_descriptor")
-@pytest.mark.parametrize("case", ["steps", "intervals", "bf16"])
+@pytest.mark.parametrize("case", ["steps", "intervals", "bf16", "value-dim"])
 def test_tensor_descriptor_loads(monkeypatch, case):
     # The loads through tensor descriptors (TMA on sm_90), run by the
     # interpreter: rows past the block and head-dim columns past 80 come in as
     # 0 from the descriptors' bounds instead of masks; with the intervals, the
-    # descriptors end at the hull of the tile's intervals.
+    # descriptors end at the hull of the tile's intervals; with v of another
+    # head dim, v's and dout's descriptors are of its width.
     monkeypatch.setattr(step_tiles, "_INTERPRETER_TENSOR_DESCRIPTORS", True)
     if DEVICE == "cpu":
         q = torch.zeros(1, 8, 2, 80)
@@ -98,14 +122,26 @@ def test_tensor_descriptor_loads(monkeypatch, case):
         assert not launchers._forward_call(strided, q, q, q, q, 1.0, False, None, target=None, interpreted=True)[
             0
         ].constexprs["TENSOR_DESCRIPTORS"]
+        # So does a v of another head dim in such a layout.
+        wide_v = torch.zeros(1, 8, 2, 96)
+        assert launchers._forward_call(q, q, wide_v, wide_v, q, 1.0, False, None, target=None, interpreted=True)[
+            0
+        ].constexprs["TENSOR_DESCRIPTORS"]
+        strided_v = wide_v[..., ::2]
+        assert not launchers._forward_call(
+            q, q, strided_v, strided_v, q, 1.0, False, None, target=None, interpreted=True
+        )[0].constexprs["TENSOR_DESCRIPTORS"]
     if case == "steps":
         torch.manual_seed(16)
         cases.check_steps_forward_and_backward(h=4, hk=2, d=80, full_lens=[9, 70], b=1, sq=45)
     elif case == "intervals":
         cases.check_intervals(h=2, hk=1, d=80, causal=True, layout="ring", b=1, seed=25)
-    else:
+    elif case == "bf16":
         torch.manual_seed(17)
         cases.check_low_precision_step(MASK_CAUSAL, sq=33, sk=33)
+    else:
+        torch.manual_seed(18)
+        cases.check_steps_forward_and_backward(h=2, hk=1, d=64, full_lens=[40], b=1, sq=20, dv=80)
 
 
 @runs_triton_on(DEVICE)

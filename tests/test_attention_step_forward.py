@@ -1,6 +1,6 @@
 """The step kernels' forward (seqpar_kernels/kernels/attention_step_*.py): one step against the
 fp64 reference, steps merged in place, the first step over garbage state, any finite
-scale, large logits, rows that see no key.
+scale, large logits, rows that see no key, v of another head dim than q and k.
 """
 
 import pytest
@@ -105,6 +105,31 @@ def test_forward_merge_strided_kv_and_garbage_initial_out():
     launchers.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
     launchers.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
     ref_out, ref_lse = cases.reference_attention(q, big_k[..., ::2], big_v, scale)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@runs_triton_on(DEVICE)
+@pytest.mark.parametrize("d, dv", [(80, 48), (48, 80)], ids=["narrower-v", "wider-v"])
+def test_forward_value_head_dim_first_step_then_merge(d, dv):
+    # v of another head dim than q and k, each padded to its own BLOCK: a first
+    # step over NaN state (a causal diagonal block) and a full block merged into
+    # it, with a v whose head dim has a stride of 2 and an out stored head-major.
+    torch.manual_seed(16)
+    b, sq, h, hk = 1, 17, 2, 1
+    q = cases.randn(b, sq, h, d)
+    k1, k2 = cases.randn(b, sq, hk, d), cases.randn(b, 9, hk, d)
+    v1, v2 = cases.randn(b, sq, hk, 2 * dv)[..., ::2], cases.randn(b, 9, hk, dv)
+    scale = d**-0.5
+    out = torch.full((b, h, sq, dv), float("nan"), device=DEVICE).transpose(1, 2)
+    lse = torch.full((b, h, sq), float("nan"), device=DEVICE)
+    launchers.attention_step_forward(q, k1, v1, out, lse, softmax_scale=scale, mask_mode=MASK_CAUSAL, first_step=True)
+    ref_out, ref_lse = cases.reference_attention(q, k1, v1, scale, cases.causal_keep(sq, sq))
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+    launchers.attention_step_forward(q, k2, v2, out, lse, softmax_scale=scale, mask_mode=MASK_FULL)
+    keep = torch.cat([cases.causal_keep(sq, sq), torch.ones(sq, 9, dtype=torch.bool, device=DEVICE)], dim=1)
+    ref_out, ref_lse = cases.reference_attention(q, torch.cat([k1, k2], 1), torch.cat([v1, v2], 1), scale, keep)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 

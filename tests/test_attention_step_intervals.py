@@ -1,6 +1,6 @@
 """The step kernels with MASK_INTERVALS (packed documents): per-row key intervals against
 the dense document mask, forward and backward, every CUDA tile in the interpreter, low
-precision, and no read outside the intervals' span.
+precision, v of another head dim than q and k, and no read outside the intervals' span.
 """
 
 import pytest
@@ -25,6 +25,14 @@ from seqpar_kernels.kernels import attention_step_tiles as step_tiles
 )
 def test_intervals_match_the_dense_document_mask(h, hk, d, causal, layout):
     cases.check_intervals(h, hk, d, causal, layout, b=2, seed=20)
+
+
+@runs_triton_on(DEVICE)
+def test_intervals_with_value_head_dim():
+    # Packed documents with v of another head dim than q and k (multi-head
+    # latent attention on packed sequences), both padded: rows without a key,
+    # MQA, seqlen_q != seqlen_k.
+    cases.check_intervals(h=2, hk=1, d=80, causal=True, layout="subsets", b=1, seed=27, dv=48)
 
 
 @runs_triton_on(DEVICE)

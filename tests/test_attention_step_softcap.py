@@ -1,8 +1,8 @@
 """The step kernels with soft-capped scores (softcap > 0: score = softcap * tanh(scale * q.k
 / softcap), as Gemma 2 and Grok use): forward and backward of every mask mode against the
-fp64 reference written out in full, GQA/MQA, head dims 64 to 256, the first step over
-garbage state, fp16/bf16 by the 2x rule, sliding windows as intervals, and the launches
-(no trace of the cap in the kernels without it).
+fp64 reference written out in full, GQA/MQA, head dims 64 to 256 (and 192 with v of 128),
+the first step over garbage state, fp16/bf16 by the 2x rule, sliding windows as
+intervals, and the launches (no trace of the cap in the kernels without it).
 """
 
 import math
@@ -18,7 +18,7 @@ from seqpar_kernels.kernels import attention_step_tiles as step_tiles
 
 
 def softcap_reference(q, k, v, scale, softcap, keep=None):
-    """fp64 soft-capped attention written out: (out (b, sq, h, d), lse (b, h, sq)),
+    """fp64 soft-capped attention written out: (out (b, sq, h, dv), lse (b, h, sq)),
     K/V heads repeated for GQA.  A row that sees no key: out 0, lse -inf."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
@@ -40,29 +40,30 @@ def window_intervals(sq, sk, left, right=0):
 
 @runs_triton_on(DEVICE)
 @pytest.mark.parametrize(
-    "mode, h, hk, d, sq, sk",
+    "mode, h, hk, d, dv, sq, sk",
     [
-        (MASK_FULL, 2, 2, 64, 17, 40),  # MHA, partial tiles at both ends
-        (MASK_CAUSAL, 4, 2, 128, 33, 33),  # GQA diagonal block
-        ("window", 3, 1, 256, 20, 45),  # MQA, the largest head dim, a causal window of 24 keys
+        (MASK_FULL, 2, 2, 64, 64, 17, 40),  # MHA, partial tiles at both ends
+        (MASK_CAUSAL, 4, 2, 128, 128, 33, 33),  # GQA diagonal block
+        ("window", 3, 1, 256, 256, 20, 45),  # MQA, the largest head dim, a causal window of 24 keys
+        ("window", 2, 1, 192, 128, 20, 45),  # v of another head dim (multi-head latent attention)
     ],
 )
-def test_softcap_step_fp32_matches_the_written_out_reference(mode, h, hk, d, sq, sk):
+def test_softcap_step_fp32_matches_the_written_out_reference(mode, h, hk, d, dv, sq, sk):
     # q scaled by 4: scores of about +-4 standard deviations against a cap of 5,
     # so the tanh bends and saturates.  The gradients start non-zero (+=).
     torch.manual_seed(30)
     b, softcap, scale = 2, 5.0, d**-0.5
-    q, dout = cases.randn(b, sq, h, d, scale=4.0), cases.randn(b, sq, h, d)
-    k, v = cases.randn(b, sk, hk, d), cases.randn(b, sk, hk, d)
+    q, dout = cases.randn(b, sq, h, d, scale=4.0), cases.randn(b, sq, h, dv)
+    k, v = cases.randn(b, sk, hk, d), cases.randn(b, sk, hk, dv)
     intervals, keep = None, None
     if mode == "window":
         (intervals, keep), mode = window_intervals(sq, sk, left=23), MASK_INTERVALS
     elif mode == MASK_CAUSAL:
         keep = cases.causal_keep(sq, sk)
     options = dict(softmax_scale=scale, mask_mode=mode, intervals=intervals, softcap=softcap)
-    out, lse = cases.fresh_state(b, sq, h, d)
+    out, lse = cases.fresh_state(b, sq, h, dv)
     launchers.attention_step_forward(q, k, v, out, lse, **options)
-    grads0 = [cases.randn(b, sq, h, d), cases.randn(b, sk, hk, d), cases.randn(b, sk, hk, d)]
+    grads0 = [cases.randn(b, sq, h, d), cases.randn(b, sk, hk, d), cases.randn(b, sk, hk, dv)]
     grads = [g.clone() for g in grads0]
     launchers.attention_step_backward(q, k, v, out, dout, lse, None, *grads, **options)
 

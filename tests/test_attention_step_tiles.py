@@ -59,6 +59,79 @@ def test_tiles_follow_the_target_family():
         target(75)
 
 
+def test_value_head_dim_takes_the_tiles_of_the_wider_dim():
+    # v of another head dim than q and k: VALUE_DIM and its BLOCK_DV beside
+    # HEAD_DIM and BLOCK_D, the tiles of the wider BLOCK_D (what fits there
+    # for both dims fits the pair) but for sm_90's dk/dv, whose full-mask MHA
+    # kernel serializes its wgmma with those at BLOCK_D 64 or 128 and whose
+    # fp32 kernel spills at 192/128 (_VALUE_DIM_TILE_OVERRIDES); without
+    # value_dim, v's head dim is q's.
+    from seqpar_kernels.kernels import attention_step_launch as launchers
+
+    bf16, target = torch.bfloat16, step_tiles.GpuTarget.of_capability
+    sm_90_dkdv = {
+        (bf16, 64, 80): (64, 32, 8, 2),
+        (bf16, 80, 64): (64, 32, 8, 2),
+        (torch.float32, 192, 128): (16, 16, 4, 2),
+    }
+    for capability in (80, 90, 100, 120):
+        for dtype, headdim, value_dim, wider in (
+            (bf16, 192, 128, 256),
+            (bf16, 64, 80, 128),
+            (bf16, 80, 64, 128),
+            (torch.float32, 192, 128, 256),
+        ):
+            options = dict(target=target(capability), interpreted=False)
+            launches = [
+                step_tiles.forward_launch(dtype, headdim, True, value_dim=value_dim, **options),
+                *step_tiles.backward_launches(dtype, headdim, True, value_dim=value_dim, **options),
+            ]
+            alike = [
+                step_tiles.forward_launch(dtype, wider, True, **options),
+                *step_tiles.backward_launches(dtype, wider, True, **options),
+            ]
+            for kernel, launch, one_dim in zip(("forward", "dq", "dkdv"), launches, alike):
+                blocks = {name: launch.constexprs[name] for name in ("HEAD_DIM", "VALUE_DIM", "BLOCK_D", "BLOCK_DV")}
+                assert blocks == dict(
+                    HEAD_DIM=headdim,
+                    VALUE_DIM=value_dim,
+                    BLOCK_D=step_tiles._block_d(headdim),
+                    BLOCK_DV=step_tiles._block_d(value_dim),
+                )
+                tiles = (
+                    launch.constexprs["BLOCK_M"],
+                    launch.constexprs["BLOCK_N"],
+                    launch.num_warps,
+                    launch.num_stages,
+                )
+                expected = (
+                    one_dim.constexprs["BLOCK_M"],
+                    one_dim.constexprs["BLOCK_N"],
+                    one_dim.num_warps,
+                    one_dim.num_stages,
+                )
+                if capability == 90 and kernel == "dkdv":
+                    expected = sm_90_dkdv.get((dtype, headdim, value_dim), expected)
+                assert tiles == expected, (capability, kernel, dtype, headdim, value_dim)
+    one = step_tiles.forward_launch(bf16, 80, False, target=None, interpreted=True).constexprs
+    assert (one["VALUE_DIM"], one["BLOCK_DV"]) == (80, 128)
+    # What the ahead-of-time table compiles: out and dout of v's head dim, dq of q's,
+    # dk of k's, dv of v's; sm_90 takes tensor descriptors where both dims are
+    # within 128.
+    for headdim, value_dim, descriptors in ((192, 128, False), (96, 64, step_tiles.TENSOR_DESCRIPTORS_AVAILABLE)):
+        q = torch.empty(2, 256, 8, headdim, dtype=bf16, device="meta")
+        k = torch.empty(2, 256, 2, headdim, dtype=bf16, device="meta")
+        v = torch.empty(2, 256, 2, value_dim, dtype=bf16, device="meta")
+        calls = launchers.cuda_kernel_calls(q, k, v, cases.MASK_CAUSAL, target(90))
+        forward, preprocess, dq, dkdv = calls[0][1], calls[2][1], calls[3][1], calls[4][1]
+        assert forward[3].shape == (2, 256, 8, value_dim)  # out
+        assert preprocess[0].shape == preprocess[1].shape == (2, 256, 8, value_dim)  # out, dout
+        assert dq[3].shape == (2, 256, 8, value_dim) and dq[6].shape == q.shape  # dout, dq
+        assert dkdv[6].shape == k.shape and dkdv[7].shape == v.shape  # dk, dv
+        for launch, _ in calls:
+            assert launch.constexprs.get("TENSOR_DESCRIPTORS", descriptors) is descriptors
+
+
 def test_tiles_follow_the_triton_release(monkeypatch):
     # Triton 3.6 serializes the wgmma of sm_90's bf16 d128 dk/dv tile: that entry only
     # differs, and only on sm_90 and under 3.6.

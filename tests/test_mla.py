@@ -5,8 +5,8 @@ The ops (ring contiguous and zigzag, Ulysses, USP, packed documents, windows, ch
 softcap, sinks) against fp64 attention written out (tools/reference.py), gradients
 too, on 2 and 3 gloo ranks (test_attention_variants.run_cases: its rule, cases and
 helpers); one realistic head dim (192/128); opcheck of the engine's custom ops; the
-ring's and Ulysses' bytes against the formulas with k and v counted apart; the checks
-that refuse what the Triton kernels cannot take. The MLA families (DeepSeek-V3,
+ring's and Ulysses' bytes against the formulas with k and v counted apart; the Triton
+step kernels on the ring; the entry's checks of v's shape. The MLA families (DeepSeek-V3,
 GLM-4.7-Flash, LongCat-Flash; MiMo-V2-Flash's GQA with Dv != D) through apply against
 transformers' single-process run (test_transformers_integration.run_parity_cases), and
 generate over a sharded cache (test_generation.run_generate).
@@ -19,10 +19,10 @@ import torch
 from conftest import pool_for
 from on_ranks import on_every_rank, rank_and_world, timeout_group
 from test_attention_variants import case, run_cases
+from triton_interpreter import runs_triton_on
 
 import seqpar_kernels as sp
 from seqpar_kernels.engine.step_backends import AUTO
-from seqpar_kernels.testing import ring_attention_with_step_kernels
 from seqpar_kernels.traffic import (
     PASS_KV,
     PASS_Q,
@@ -153,10 +153,21 @@ def test_ops_pass_opcheck():
     assert shapes == [((1, 3 + rank, 4, 16),) * 2 for rank in range(2)]
 
 
-def test_triton_refuses_value_head_dim_at_the_entry():
+@runs_triton_on("cpu")
+def test_triton_step_kernels_take_value_head_dim():
+    # The GPU path's kernels (in the interpreter on the ranks' CPU tensors): v narrower
+    # than q and k over the zigzag ring with a window and softcap, and wider.
+    cases = [
+        case("mla-triton-zigzag-window-softcap", "ring", layout="zigzag", D=24, Dv=16, H=2, H_kv=1, window=(4, -1),
+             softcap=1.5, step_kernels="triton"),
+        case("mla-triton-wider-v", "ring", D=8, Dv=20, H=2, H_kv=1, causal=False, step_kernels="triton"),
+    ]  # fmt: skip
+    failures = [failure for per_rank in pool_for(2).run(run_cases, cases, torch.float32) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_the_entry_refuses_value_shapes_it_cannot_take():
     q, k, v = torch.randn(1, 4, 2, 24), torch.randn(1, 4, 2, 24), torch.randn(1, 4, 2, 16)
-    with pytest.raises(ValueError, match="one head dim for q, k and v; v's head dim 16 differs from q's 24"):
-        ring_attention_with_step_kernels(q, k, v, "triton")
     with pytest.raises(ValueError, match=r"v head dim must be in \[1, 256\], got 0"):
         sp.ulysses_attention(q, k, v[..., :0])
     with pytest.raises(ValueError, match="k and v must share batch, sequence length and heads"):

@@ -716,6 +716,17 @@ TABLE_SOFTCAP = 50.0  # a runtime argument: any value compiles alike
 # tightest of the pointer tiles in registers, at 18 kernels on sm_90 where
 # every descriptor case would add 72.
 TABLE_POINTER_FALLBACK_CASES = ((torch.bfloat16, 128),)
+# v of another head dim than q and k (multi-head latent attention), by (dtype, q's
+# and k's head dim, v's head dim): the masks compiled, MHA and GQA each.  192/128
+# is DeepSeek-V3's, Kimi K2's and MiMo-V2-Flash's (whose sliding-window layers take
+# the interval mask), in bf16 and in fp32 (which "auto" runs on the Triton kernels);
+# 96/64 has both dims within 128, so sm_90 loads it through tensor descriptors of
+# two widths.
+TABLE_VALUE_DIM_CASES = {
+    (torch.bfloat16, 192, 128): ("full", "causal", "intervals"),
+    (torch.bfloat16, 96, 64): ("full", "causal"),
+    (torch.float32, 192, 128): ("full", "causal"),
+}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -730,12 +741,14 @@ def step_kernel_cases(capability: int):
     and 4 (GQA) on every target: register use differs between them (GQA dk/dv
     at d128 spills on sm_80 with the sm_90 tiles).  Masks full and causal
     everywhere, intervals for TABLE_INTERVAL_CASES; the soft-capped scores
-    (SOFTCAP) for TABLE_SOFTCAP_CASES.  On a target whose
+    (SOFTCAP) for TABLE_SOFTCAP_CASES; v of another head dim for
+    TABLE_VALUE_DIM_CASES.  On a target whose
     launches take tensor descriptors, TABLE_POINTER_FALLBACK_CASES also with a
     q that TMA cannot take (each row padded by one element), which takes the
     pointer loads.
 
-    A description reads "kernel dtype dN mask MHA|GQA", followed by "softcap"
+    A description reads "kernel dtype dN mask MHA|GQA" ("dNvM" where v's head
+    dim M differs from q's N), followed by "softcap"
     for the soft-capped scores; where several launches share one, each is
     followed by the lower-cased names of the boolean compile-time flags it sets
     and another of them does not (e.g. "first_step" for the forward of a ring's
@@ -746,6 +759,29 @@ def step_kernel_cases(capability: int):
     mask_names = {MASK_FULL: "full", MASK_CAUSAL: "causal", MASK_INTERVALS: "intervals"}
     target = GpuTarget.of_capability(capability)
     cases, seen = [], set()
+
+    def add(dtype, headdim, value_dim, mask_mode, softcap, kv_heads, q_row):
+        q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, q_row, dtype=dtype, device="meta")[..., :headdim]
+        k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
+        v = torch.empty(2, TABLE_SEQLEN, kv_heads, value_dim, dtype=dtype, device="meta")
+        dims = f"d{headdim}" + (f"v{value_dim}" if value_dim != headdim else "")
+        for launch, args in cuda_kernel_calls(q, k, v, mask_mode, target, softcap=softcap):
+            key = (
+                launch.kernel.__name__,
+                repr(_specialize(launch, args)),
+                launch.num_warps,
+                launch.num_stages,
+            )
+            if key in seen:
+                continue
+            seen.add(key)
+            description = (
+                f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
+                f"{dims} {mask_names[mask_mode]} "
+                f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}" + " softcap" * bool(softcap)
+            )
+            cases.append((description, launch, args))
+
     for dtype in TABLE_DTYPES:
         for headdim in TABLE_HEAD_DIMS:
             masks = [MASK_FULL, MASK_CAUSAL] + [MASK_INTERVALS] * ((dtype, headdim) in TABLE_INTERVAL_CASES)
@@ -758,25 +794,11 @@ def step_kernel_cases(capability: int):
                     and uses_tensor_descriptors(dtype, headdim, target)
                 )
                 for kv_heads, q_row in itertools.product((TABLE_HEADS, 4), layouts):
-                    q = torch.empty(2, TABLE_SEQLEN, TABLE_HEADS, q_row, dtype=dtype, device="meta")[..., :headdim]
-                    k = torch.empty(2, TABLE_SEQLEN, kv_heads, headdim, dtype=dtype, device="meta")
-                    v = torch.empty_like(k)
-                    for launch, args in cuda_kernel_calls(q, k, v, mask_mode, target, softcap=softcap):
-                        key = (
-                            launch.kernel.__name__,
-                            repr(_specialize(launch, args)),
-                            launch.num_warps,
-                            launch.num_stages,
-                        )
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        description = (
-                            f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} "
-                            f"d{headdim} {mask_names[mask_mode]} "
-                            f"{'MHA' if kv_heads == TABLE_HEADS else 'GQA'}" + " softcap" * bool(softcap)
-                        )
-                        cases.append((description, launch, args))
+                    add(dtype, headdim, headdim, mask_mode, softcap, kv_heads, q_row)
+    for (dtype, headdim, value_dim), mask_modes in TABLE_VALUE_DIM_CASES.items():
+        for mask_mode in [mode for mode in mask_names if mask_names[mode] in mask_modes]:
+            for kv_heads in (TABLE_HEADS, 4):
+                add(dtype, headdim, value_dim, mask_mode, 0.0, kv_heads, headdim)
     alike: dict[str, list[dict]] = {}
     for description, launch, _ in cases:
         alike.setdefault(description, []).append(launch.constexprs)
@@ -794,8 +816,9 @@ def step_kernel_cases(capability: int):
 def _reference_launch(step: KernelLaunch, dtype) -> tuple[KernelLaunch, tuple] | None:
     """The reference kernel (reference_kernels.py) of the step kernel launch
     ``step`` on ``dtype`` inputs, with the same tiles, warps, stages, head dim
-    and product precision, and the arguments of its launch on the table's
-    shapes; None for a kernel without a reference (the backward preprocess).
+    (q's, where v's differs: the reference has one) and product precision, and
+    the arguments of its launch on the table's shapes; None for a kernel
+    without a reference (the backward preprocess).
     Its mask is causal where the step's is (a step with the interval mask is
     set against the full reference: neither has a tile it may skip)."""
     from seqpar_kernels.kernels.attention_step_kernels import (
@@ -1185,7 +1208,7 @@ def format_row(row: dict) -> str:
     blocks = row["constexprs"]
     tiles = f"{blocks.get('BLOCK_M', '-')}x{blocks.get('BLOCK_N', '-')} w{row['num_warps']} s{row['num_stages']}"
     line = (
-        f"sm_{row['capability']:<4}{_SHORT_KERNELS.get(kernel, kernel):<8}{dtype:<9}{headdim:<5}{mask:<10}"
+        f"sm_{row['capability']:<4}{_SHORT_KERNELS.get(kernel, kernel):<8}{dtype:<9}{headdim:<9}{mask:<10}"
         f"{heads:<4}{','.join(flags) or '-':<12}{tiles:<16}{row['registers']:>4}{row['spill_bytes']:>7}"
         f"{row['spills_in_loops']:>7}"
         f"{row['shared_memory_bytes']:>8}{_loop_text(row):>11}  {short_diagnostics(row['ptxas_warnings']):<12}"
@@ -1201,7 +1224,7 @@ def format_row(row: dict) -> str:
 
 
 TABLE_HEADER = (
-    f"{'target':<7}{'kernel':<8}{'dtype':<9}{'d':<5}{'mask':<10}{'kv':<4}{'variant':<12}{'tiles':<16}{'reg':>4}"
+    f"{'target':<7}{'kernel':<8}{'dtype':<9}{'d':<9}{'mask':<10}{'kv':<4}{'variant':<12}{'tiles':<16}{'reg':>4}"
     f"{'spill':>7}{'inloop':>7}{'smem':>8}{'instr/mma':>11}  {'ptxas':<12}"
     f"| reference kernel, same tiles: reg spill inloop smem instr/mma ptxas"
 )

@@ -49,8 +49,8 @@ def _tokens_major(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _steps(q, v, mask: AttentionMask, spec: StepSpec):
-    return step_kernels_for(AUTO, q, spec.softcap > 0 or mask.is_local, value_dim=v.shape[3])
+def _steps(q, mask: AttentionMask, spec: StepSpec):
+    return step_kernels_for(AUTO, q, spec.softcap > 0 or mask.is_local)
 
 
 def local_forward(q, k, v, mask: AttentionMask, spec: StepSpec, sinks=None):
@@ -71,7 +71,7 @@ def local_forward(q, k, v, mask: AttentionMask, spec: StepSpec, sinks=None):
     lse = torch.full((q.shape[0], q.shape[2], total), float("-inf"), dtype=torch.float32, device=q.device)
     step = _step_mask(mask, total)
     if step is not None and q.shape[0] * q.shape[2] * q.shape[3] > 0:
-        forward_step(_steps(q, v, mask, spec), step, q, k, v, out, lse, spec)
+        forward_step(_steps(q, mask, spec), step, q, k, v, out, lse, spec)
     if sinks is not None:
         merge_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
@@ -92,7 +92,7 @@ def local_backward(dout, q, k, v, out, lse, mask: AttentionMask, spec: StepSpec,
             torch.empty(0, device=q.device), scale=scale,
         )  # fmt: skip
         return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), None
-    steps = _steps(q, v, mask, spec)
+    steps = _steps(q, mask, spec)
     fp32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, dv = torch.zeros(q.shape, **fp32), torch.zeros(k.shape, **fp32), torch.zeros(v.shape, **fp32)
     step = _step_mask(mask, total)

@@ -64,7 +64,7 @@ def ring_attention_forward(
     log, sinks included; -inf for a row that saw no key and has no sink, whose out is 0)."""
     refuse_capture("seqpar::ring_attention_forward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
-    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local, value_dim=v.shape[3])
+    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local)
     return ring_forward(q, k, v, StepSpec(softmax_scale, softcap), group_name, steps, masks, sinks=sinks)
 
 
@@ -115,7 +115,7 @@ def ring_attention_backward(
     results; dK/dV of each block accumulate in fp32 while they travel the ring."""
     refuse_capture("seqpar::ring_attention_backward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
-    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local, value_dim=v.shape[3])
+    steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local)
     spec = StepSpec(softmax_scale, softcap)
     dq, dk, dv = ring_backward(dout, q, k, v, out, lse, spec, group_name, steps, masks)
     return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks)

@@ -213,9 +213,6 @@ STEP_KERNELS = {
 
 # The public choices of ring_attention(step_backend=...) and usp_attention.
 AUTO = "auto"
-# The step backends whose kernels take one head dim for q, k and v: a call whose v has
-# another (multi-head latent attention) names another backend or AUTO.
-TRITON_ONE_HEAD_DIM = ("triton",)
 STEP_BACKENDS = (AUTO, "triton", "aten")
 # Where "auto" looks up each GPU family's backend: python -m bench --only
 # ring-step rewrites a family's entry in the source tree with what it measured.
@@ -263,19 +260,16 @@ def _device_capability(device_index: int) -> int:
     return 10 * major + minor
 
 
-def auto_step_backend(
-    device: torch.device, dtype: torch.dtype, in_kernel_features: bool = False, one_head_dim: bool = True
-) -> str:  # fmt: skip
+def auto_step_backend(device: torch.device, dtype: torch.dtype, in_kernel_features: bool = False) -> str:
     """The backend "auto" runs for tensors of `dtype` on `device` (CPU or CUDA: the
     public entry checks it): "aten" on CPUs (Triton kernels run there only in the
     interpreter); on GPUs "triton" for fp32 (exact fp32 products, where the library
     kernels round to TF32 or refuse fp32) and for what only the Triton kernels do in the
     kernel (in_kernel_features: softcapped scores, windows and chunks, which the library
     kernels would take as plain torch or masked blocks), and the table's entry for the
-    GPU's family otherwise. one_head_dim=False (v's head dim is not q's: multi-head latent
-    attention): "aten" everywhere, as the Triton kernels take one head dim
-    (TRITON_ONE_HEAD_DIM)."""
-    if device.type == "cpu" or not one_head_dim:
+    GPU's family otherwise. v's head dim does not enter: both backends take one that
+    differs from q's (multi-head latent attention)."""
+    if device.type == "cpu":
         return "aten"
     if dtype == torch.float32 or in_kernel_features:
         return "triton"
@@ -283,12 +277,10 @@ def auto_step_backend(
     return step_backend_table()[gpu_family(_device_capability(index))]["backend"]
 
 
-def step_kernels_for(name: str, q: torch.Tensor, in_kernel_features: bool = False, value_dim: int | None = None
-                     ) -> StepBackend:  # fmt: skip
+def step_kernels_for(name: str, q: torch.Tensor, in_kernel_features: bool = False) -> StepBackend:
     """The step backend called `name` (a key of STEP_KERNELS, or AUTO: auto_step_backend's
-    choice for q's device and dtype, in_kernel_features, and v's head dim value_dim, None:
-    q's). The name was checked at the public entry (parallel/attention_checks.py)."""
+    choice for q's device and dtype and in_kernel_features). The name was checked at the
+    public entry (parallel/attention_checks.py)."""
     if name == AUTO:
-        one_head_dim = value_dim is None or value_dim == q.shape[-1]
-        name = auto_step_backend(q.device, q.dtype, in_kernel_features, one_head_dim)
+        name = auto_step_backend(q.device, q.dtype, in_kernel_features)
     return STEP_KERNELS[name]

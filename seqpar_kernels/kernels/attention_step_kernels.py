@@ -60,11 +60,15 @@ through an unmasked sweep between two masked ones (``_seen_by_every_row``):
 most tiles of a long window or document.
 
 Layouts follow flash-attention: ``q`` is (batch, seqlen_q, nheads, headdim),
-``k``/``v`` are (batch, seqlen_k, nheads_kv, headdim) with
-``nheads % nheads_kv == 0`` (GQA/MQA: q head ``h`` reads kv head
-``h // (nheads // nheads_kv)``, ``kv_group = nheads // nheads_kv``; K/V are
-never repeated in memory).  ``lse`` and ``delta`` are (batch, nheads,
-seqlen_q).  Every tensor may have arbitrary strides: the kernels take strides.
+``k`` (batch, seqlen_k, nheads_kv, headdim) and ``v`` (batch, seqlen_k,
+nheads_kv, headdim_v) with ``nheads % nheads_kv == 0`` (GQA/MQA: q head ``h``
+reads kv head ``h // (nheads // nheads_kv)``, ``kv_group = nheads //
+nheads_kv``; K/V are never repeated in memory).  ``out`` and ``dout`` are
+(batch, seqlen_q, nheads, headdim_v); ``headdim_v`` may differ from
+``headdim`` either way (multi-head latent attention: D = 192, Dv = 128):
+q . k runs over HEAD_DIM columns, p . v and dout . v^T over VALUE_DIM.
+``lse`` and ``delta`` are (batch, nheads, seqlen_q).  Every tensor may have
+arbitrary strides: the kernels take strides.
 
 Soft-capped scores (SOFTCAP, compile-time, with any mask mode): the score of
 row i and key j is ``softcap * tanh(softmax_scale * q_i . k_j / softcap)``
@@ -84,9 +88,10 @@ Compile-time switches of the launches (attention_step_tiles.py):
                         masked loops (dk/dv: not with INTERVALS)
     TENSOR_DESCRIPTORS  q, k, v and dout come through tensor descriptors (TMA
                         on sm_90), built per program over one (batch, head):
-                        rows past the block and columns past the head dim load
-                        as 0, so those loads need no mask and no pointer or
-                        offset tensor lives in registers
+                        rows past the block and columns past the head dim
+                        (VALUE_DIM for v and dout) load as 0, so those loads
+                        need no mask and no pointer or offset tensor lives in
+                        registers
     FIRST_STEP          forward: out and lse are written, never read
     SPLIT_HEADS         dk/dv: the GQA group's q heads split over programs
                         that add with atomics
@@ -103,8 +108,10 @@ units; its unmasked sweep needs ``qk_scale >= 0``, which the launcher
 ensures).  With SOFTCAP the capped score is taken to base 2 the same way
 (``softcap * log2(e) * tanh``) and the running max is of it.  ``lse`` is
 stored in natural-log units, the convention of flash-attention.  The head
-dim is a compile-time constant (``HEAD_DIM``), so the head-dim masks vanish
-when it is a power of two.
+dims are compile-time constants (``HEAD_DIM``, ``VALUE_DIM``), so each
+head-dim mask vanishes when its dim is a power of two; with VALUE_DIM ==
+HEAD_DIM the value columns' offsets and masks are the same values as the
+key columns', which the compiler merges: the kernel of one head dim.
 Rows that see no valid key are never written by the forward after the first
 step (they stay exactly as they were), and rows whose final ``lse`` is ``-inf``
 get zero gradient.
@@ -225,6 +232,7 @@ def _attention_fwd_sweep(
     offs_m,
     offs_n,
     mask_d,
+    mask_dv,
     seqlen_k,
     row_start,
     row_end,
@@ -301,9 +309,9 @@ def _attention_fwd_sweep(
         if TENSOR_DESCRIPTORS:
             v = v_desc.load([start_n, 0])
         elif MASKED:
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
         else:
-            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_dv[None, :], other=0.0)
         # p goes to the input dtype so that fp16/bf16 use tensor cores; the
         # accumulation itself stays fp32, in the MMA's accumulator.
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
@@ -351,10 +359,12 @@ def attention_step_fwd_kernel(
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
+    HEAD_DIM: tl.constexpr,  # q's and k's head dim; BLOCK_D is it padded to a power of two
+    VALUE_DIM: tl.constexpr,  # v's head dim (out's, dout's); BLOCK_DV is it padded
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
@@ -377,8 +387,10 @@ def attention_step_fwd_kernel(
     offs_tm = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_m = offs_m < seqlen_q
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    mask_dv = _dim_mask(offs_dv, VALUE_DIM, BLOCK_DV)
 
     if TENSOR_DESCRIPTORS:
         q = tl.make_tensor_descriptor(
@@ -397,7 +409,7 @@ def attention_step_fwd_kernel(
     # Online softmax state in base 2: running max m_i, running sum l_i, acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     if INTERVALS:
         # Packed documents, windows, chunks: only the hull [lo, hi) of the rows'
@@ -420,7 +432,7 @@ def attention_step_fwd_kernel(
     # The bounds come before the pointers, as in the full and causal kernels'
     # instruction order, which takes fewer registers on sm_100 (docs/tuning.md).
     k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K^T tile
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     if TENSOR_DESCRIPTORS:
         # The tiles of this (batch, kv head) through TMA: rows from key_end on
         # and columns past the head dim load as 0, and no pointer tensor
@@ -429,7 +441,7 @@ def attention_step_fwd_kernel(
             k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
         )
         v_desc = tl.make_tensor_descriptor(
-            v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+            v_base, shape=[key_end, VALUE_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV]
         )
     else:
         k_desc, v_desc = None, None
@@ -460,6 +472,7 @@ def attention_step_fwd_kernel(
                 offs_m,
                 offs_n,
                 mask_d,
+                mask_dv,
                 key_end,
                 row_start,
                 row_end,
@@ -496,6 +509,7 @@ def attention_step_fwd_kernel(
             offs_m,
             offs_n,
             mask_d,
+            mask_dv,
             seqlen_k,
             row_start,
             row_end,
@@ -528,6 +542,7 @@ def attention_step_fwd_kernel(
         offs_m,
         offs_n,
         mask_d,
+        mask_dv,
         key_end,
         row_start,
         row_end,
@@ -555,7 +570,7 @@ def attention_step_fwd_kernel(
         Out
         + _offset64(off_b, stride_ob, off_h, stride_oh, start_m, stride_om)
         + offs_tm[:, None] * stride_om
-        + offs_d[None, :] * stride_od
+        + offs_dv[None, :] * stride_od
     )
     if FIRST_STEP:
         # Nothing to merge with: this block's result is the running state, and
@@ -564,13 +579,13 @@ def attention_step_fwd_kernel(
         # a tile whose intervals are all empty and whose sweep ran no
         # iteration) gets out = 0, lse = -inf, the state of no key at all.
         new_out = tl.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
-        tl.store(o_ptrs, new_out, mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(o_ptrs, new_out, mask=mask_m[:, None] & mask_dv[None, :])
         tl.store(lse_ptrs, tl.where(has_keys, block_lse, float("-inf")), mask=mask_m)
     else:
         # Rows that saw no valid key in this block (l_i == 0) are not written
         # at all: the running state stays bit-for-bit what it was.
         old_lse = tl.load(lse_ptrs, mask=has_keys, other=float("-inf"))
-        o_mask = has_keys[:, None] & mask_d[None, :]
+        o_mask = has_keys[:, None] & mask_dv[None, :]
         old_out = tl.load(o_ptrs, mask=o_mask, other=0.0)
         # A row whose running lse is -inf carries no information: ignore
         # whatever its out holds (e.g. torch.empty garbage) instead of letting
@@ -660,6 +675,7 @@ def _attention_dq_sweep(
     offs_m,
     offs_n,
     mask_d,
+    mask_dv,
     key_end,
     row_start,
     row_end,
@@ -713,9 +729,9 @@ def _attention_dq_sweep(
         if TENSOR_DESCRIPTORS:
             vt = tl.trans(v_desc.load([start_n, 0]))
         elif MASKED:
-            vt = tl.load(vt_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=mask_dv[:, None] & mask_n[None, :], other=0.0)
         else:
-            vt = tl.load(vt_ptrs, mask=mask_d[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=mask_dv[:, None], other=0.0)
         dp = _dot(do, vt, None, DOT_PRECISION, DOT_UPCAST)
         ds = p * (dp - delta[:, None])
         if not TENSOR_DESCRIPTORS:
@@ -778,10 +794,12 @@ def attention_step_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
+    HEAD_DIM: tl.constexpr,  # q's and k's head dim; BLOCK_D is it padded to a power of two
+    VALUE_DIM: tl.constexpr,  # v's head dim (out's, dout's); BLOCK_DV is it padded
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
@@ -799,8 +817,10 @@ def attention_step_bwd_dq_kernel(
     offs_m = start_m + offs_tm
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_m = offs_m < seqlen_q
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    mask_dv = _dim_mask(offs_dv, VALUE_DIM, BLOCK_DV)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q_ptrs = (
@@ -813,7 +833,7 @@ def attention_step_bwd_dq_kernel(
         DO
         + _offset64(off_b, stride_gb, off_h, stride_gh, start_m, stride_gm)
         + offs_tm[:, None] * stride_gm
-        + offs_d[None, :] * stride_gd
+        + offs_dv[None, :] * stride_gd
     )
     if TENSOR_DESCRIPTORS:
         q = tl.make_tensor_descriptor(
@@ -824,13 +844,13 @@ def attention_step_bwd_dq_kernel(
         ).load([start_m, 0])
         do = tl.make_tensor_descriptor(
             DO + _offset64(off_b, stride_gb, off_h, stride_gh),
-            shape=[seqlen_q, HEAD_DIM],
+            shape=[seqlen_q, VALUE_DIM],
             strides=[stride_gm, 1],
-            block_shape=[BLOCK_M, BLOCK_D],
+            block_shape=[BLOCK_M, BLOCK_DV],
         ).load([start_m, 0])
     else:
         q = tl.load(q_ptrs, mask=mask_md, other=0.0)
-        do = tl.load(do_ptrs, mask=mask_md, other=0.0)
+        do = tl.load(do_ptrs, mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
     lse = tl.load(Lse + _offset64(off_b, stride_lb, off_h, stride_lh) + offs_m * stride_lm, mask=mask_m, other=0.0)
     delta = tl.load(Delta + _offset64(off_b, stride_eb, off_h, stride_eh) + offs_m * stride_em, mask=mask_m, other=0.0)
     # Final lse == -inf means the row saw no key in any step: its probabilities
@@ -841,7 +861,7 @@ def attention_step_bwd_dq_kernel(
     v_base = V + _offset64(off_b, stride_vb, off_hk, stride_vh)
     kt_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    vt_ptrs = v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The keys [lo, hi) this q tile sees, as in the forward; keys from key_end
@@ -866,7 +886,7 @@ def attention_step_bwd_dq_kernel(
             k_base, shape=[key_end, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
         )
         v_desc = tl.make_tensor_descriptor(
-            v_base, shape=[key_end, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+            v_base, shape=[key_end, VALUE_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV]
         )
     else:
         k_desc, v_desc = None, None
@@ -895,6 +915,7 @@ def attention_step_bwd_dq_kernel(
                 offs_m,
                 offs_n,
                 mask_d,
+                mask_dv,
                 key_end,
                 row_start,
                 row_end,
@@ -933,6 +954,7 @@ def attention_step_bwd_dq_kernel(
             offs_m,
             offs_n,
             mask_d,
+            mask_dv,
             key_end,
             row_start,
             row_end,
@@ -967,6 +989,7 @@ def attention_step_bwd_dq_kernel(
         offs_m,
         offs_n,
         mask_d,
+        mask_dv,
         key_end,
         row_start,
         row_end,
@@ -1017,7 +1040,9 @@ def _attention_dkdv_sweep(
     offs_m,
     offs_n,
     offs_d,
+    offs_dv,
     mask_d,
+    mask_dv,
     row_end,
     col_start,
     col_end,
@@ -1057,8 +1082,8 @@ def _attention_dkdv_sweep(
                 other=0.0,
             )
             do = tl.load(
-                do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm + offs_d[None, :] * stride_gd,
-                mask=mask_md,
+                do_base + _offset64(start_m, stride_gm) + offs_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                mask=mask_m[:, None] & mask_dv[None, :],
                 other=0.0,
             )
         lse = tl.load(lse_base + rows * stride_lm, mask=mask_m, other=0.0)
@@ -1141,10 +1166,12 @@ def attention_step_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,  # the head dim; BLOCK_D is it padded to a power of two
+    HEAD_DIM: tl.constexpr,  # q's and k's head dim; BLOCK_D is it padded to a power of two
+    VALUE_DIM: tl.constexpr,  # v's head dim (out's, dout's); BLOCK_DV is it padded
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     SPLIT_SWEEP: tl.constexpr,
@@ -1175,9 +1202,12 @@ def attention_step_bwd_dkdv_kernel(
     offs_n = start_n + offs_tn
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_n = offs_n < seqlen_k
     mask_d = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    mask_dv = _dim_mask(offs_dv, VALUE_DIM, BLOCK_DV)
     mask_nd = mask_n[:, None] & mask_d[None, :]
+    mask_ndv = mask_n[:, None] & mask_dv[None, :]
 
     k_ptrs = (
         K
@@ -1189,16 +1219,16 @@ def attention_step_bwd_dkdv_kernel(
         V
         + _offset64(off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn)
         + offs_tn[:, None] * stride_vn
-        + offs_d[None, :] * stride_vd
+        + offs_dv[None, :] * stride_vd
     )
     # Loaded once, through pointers also with TENSOR_DESCRIPTORS: their offsets
     # are dead after this, and with k and v through descriptors ptxas
     # serializes the wgmma of the full-mask MHA kernel (C7515, docs/tuning.md).
     k = tl.load(k_ptrs, mask=mask_nd, other=0.0)
-    v = tl.load(v_ptrs, mask=mask_nd, other=0.0)
+    v = tl.load(v_ptrs, mask=mask_ndv, other=0.0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # The q rows [lo, hi) that see this k tile's keys; rows from hi on are
     # neither read nor attended.
@@ -1235,7 +1265,7 @@ def attention_step_bwd_dkdv_kernel(
                 q_base, shape=[hi, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D]
             )
             do_desc = tl.make_tensor_descriptor(
-                do_base, shape=[hi, HEAD_DIM], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_D]
+                do_base, shape=[hi, VALUE_DIM], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_DV]
             )
         else:
             q_desc, do_desc = None, None
@@ -1263,7 +1293,9 @@ def attention_step_bwd_dkdv_kernel(
                 offs_m,
                 offs_n,
                 offs_d,
+                offs_dv,
                 mask_d,
+                mask_dv,
                 hi,
                 col_start,
                 col_end,
@@ -1304,7 +1336,9 @@ def attention_step_bwd_dkdv_kernel(
                     offs_m,
                     offs_n,
                     offs_d,
+                    offs_dv,
                     mask_d,
+                    mask_dv,
                     hi,
                     col_start,
                     col_end,
@@ -1332,7 +1366,7 @@ def attention_step_bwd_dkdv_kernel(
         DV
         + _offset64(off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn)
         + offs_tn[:, None] * stride_dvn
-        + offs_d[None, :] * stride_dvd
+        + offs_dv[None, :] * stride_dvd
     )
     # As fp32 atomic adds (reductions, nothing returned) also when this
     # program is the only writer: then the sum is exactly the load + add +
@@ -1341,4 +1375,4 @@ def attention_step_bwd_dkdv_kernel(
     # here it serializes every wgmma of the full-mask MHA kernel (C7515, sm_90
     # bf16 d128, 32 x 64 tiles).
     tl.atomic_add(dk_ptrs, dk * softmax_scale, mask=mask_nd, sem="relaxed")
-    tl.atomic_add(dv_ptrs, dv, mask=mask_nd, sem="relaxed")
+    tl.atomic_add(dv_ptrs, dv, mask=mask_ndv, sem="relaxed")

@@ -107,10 +107,11 @@ def _runs_in_interpreter(t):
 
 def _tensor_descriptors(target, *tensors):
     """Whether the kernels load ``tensors`` through tensor descriptors: where
-    uses_tensor_descriptors says so for their dtype and ``target``, and every
-    one has the layout TMA takes (unit last stride, the other strides and the
-    address multiples of 16 bytes).  Any other layout takes pointer loads."""
-    if not uses_tensor_descriptors(tensors[0].dtype, tensors[0].shape[-1], target):
+    uses_tensor_descriptors says so for their dtype, their widest head dim and
+    ``target``, and every one has the layout TMA takes (unit last stride, the
+    other strides and the address multiples of 16 bytes).  Any other layout
+    takes pointer loads."""
+    if not uses_tensor_descriptors(tensors[0].dtype, max(t.shape[-1] for t in tensors), target):
         return False
     for t in tensors:
         size = t.element_size()
@@ -185,6 +186,7 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
         q.dtype,
         headdim,
         causal,
+        value_dim=v.shape[3],
         intervals=intervals is not None,
         first_step=first_step,
         softcap=bool(softcap),
@@ -217,7 +219,8 @@ def _forward_call(q, k, v, out, lse, scale, causal, intervals, *, first_step=Fal
 
 
 def _backward_preprocess_call(out, dout, delta, *, target):
-    """(KernelLaunch, grid, positional arguments) of the delta = rowsum(dout * out) kernel."""
+    """(KernelLaunch, grid, positional arguments) of the delta = rowsum(dout * out)
+    kernel, over out's (v's) head dim."""
     batch, seqlen_q, nheads, headdim = out.shape
     launch = backward_preprocess_launch(headdim, target=target)
     grid = (triton.cdiv(seqlen_q, launch.constexprs["BLOCK_M"]), nheads, batch)
@@ -255,6 +258,7 @@ def _backward_call(
         q.dtype,
         headdim,
         causal,
+        value_dim=v.shape[3],
         intervals=intervals is not None,
         softcap=bool(softcap),
         tensor_descriptors=_tensor_descriptors(target, q, k, v, dout),
@@ -333,11 +337,12 @@ def cuda_kernel_calls(q, k, v, mask_mode, target, *, softcap=0.0):
     forward of the first step and of a later one; with GQA also the dk/dv
     launch that splits the group's q heads, which a grid too small for the GPU
     takes) on CUDA tensors shaped and strided like ``q``, ``k``, ``v`` (which
-    may live on the meta device) on the GPU ``target`` (a GpuTarget), as
-    ``[(KernelLaunch, positional arguments)]``.  The running state (out, lse),
-    dout, the gradients and the intervals of MASK_INTERVALS are taken contiguous,
-    as the ring allocates them.  tools/ahead_of_time.py compiles these for GPU
-    targets."""
+    may live on the meta device; v's head dim may differ from q's) on the GPU
+    ``target`` (a GpuTarget), as ``[(KernelLaunch, positional arguments)]``.
+    The running state (out, lse), dout, the gradients and the intervals of
+    MASK_INTERVALS are taken contiguous, as the ring allocates them: out and
+    dout (batch, seqlen_q, nheads, headdim_v), dq like q, dk like k, dv like v.
+    tools/ahead_of_time.py compiles these for GPU targets."""
     fp32 = torch.float32
     batch, seqlen_q, nheads, _ = q.shape
     causal = mask_mode == MASK_CAUSAL
@@ -346,12 +351,11 @@ def cuda_kernel_calls(q, k, v, mask_mode, target, *, softcap=0.0):
         intervals = tuple(
             torch.empty(n, dtype=torch.int32, device=q.device) for n in (seqlen_q, seqlen_q, k.shape[1], k.shape[1])
         )
-    out = torch.empty(q.shape, dtype=fp32, device=q.device)
+    out = torch.empty((batch, seqlen_q, nheads, v.shape[3]), dtype=fp32, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=fp32, device=q.device)
-    dout = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dout = torch.empty(out.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty_like(lse)
-    dq = torch.empty_like(out)
-    dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=fp32, device=t.device) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
     options = dict(softcap=softcap, target=target, interpreted=False)
     calls = [
@@ -409,9 +413,11 @@ def attention_step_forward(
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), float32/float16/bfloat16.
-        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype as q;
-            nheads % nheads_kv == 0 (q head h uses kv head h // (nheads // nheads_kv)).
-        out: float32 (batch, seqlen_q, nheads, headdim), running output; updated in place.
+        k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k,
+            nheads_kv, headdim_v), same dtype as q; headdim_v may differ from
+            headdim (multi-head latent attention); nheads % nheads_kv == 0
+            (q head h uses kv head h // (nheads // nheads_kv)).
+        out: float32 (batch, seqlen_q, nheads, headdim_v), running output; updated in place.
         lse: float32 (batch, nheads, seqlen_q), running natural-log log-sum-exp;
             updated in place.  Start with out = 0 and lse = -inf, or pass
             first_step=True.
@@ -483,7 +489,7 @@ def attention_backward_preprocess(out, dout):
     """delta = rowsum(dout * out) in float32.
 
     Args:
-        out: (batch, seqlen_q, nheads, headdim), the FINAL attention output
+        out: (batch, seqlen_q, nheads, headdim_v), the FINAL attention output
             (after all ring steps), float32/float16/bfloat16.
         dout: gradient of out, same shape, float32/float16/bfloat16.
 
@@ -509,17 +515,19 @@ def attention_step_backward(
     (attention_step_backward_dkdv).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
-            same dtype (float32/float16/bfloat16); nheads % nheads_kv == 0.
-        out: (batch, seqlen_q, nheads, headdim) final output; only used to build
+        q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim);
+            v: (batch, seqlen_k, nheads_kv, headdim_v); same dtype
+            (float32/float16/bfloat16); nheads % nheads_kv == 0.
+        out: (batch, seqlen_q, nheads, headdim_v) final output; only used to build
             delta when delta is None.
-        dout: (batch, seqlen_q, nheads, headdim) gradient of the final output.
+        dout: (batch, seqlen_q, nheads, headdim_v) gradient of the final output.
         lse: float32 (batch, nheads, seqlen_q), the FINAL log-sum-exp after all
             ring steps (rows with -inf get zero gradient).
         delta: float32 (batch, nheads, seqlen_q) = rowsum(dout * out), from
             attention_backward_preprocess; None computes it here.
         dq: float32 (batch, seqlen_q, nheads, headdim), accumulated in place.
-        dk, dv: float32 (batch, seqlen_k, nheads_kv, headdim), accumulated in place.
+        dk: float32 (batch, seqlen_k, nheads_kv, headdim), dv: float32
+            (batch, seqlen_k, nheads_kv, headdim_v), accumulated in place.
         softmax_scale, mask_mode, intervals, softcap: as given to
             attention_step_forward for this block (with softcap the gradient
             of a score goes through the cap: d score / d(q_i . k_j) =

@@ -153,7 +153,9 @@ def _device_target(device_index):
 
 # CUDA tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by kernel and by (bytes
 # per element, BLOCK_D); BLOCK_D 16 and 32 use the 64 entry.  _TILES holds the
-# sm_90 choice; _TILE_OVERRIDES replace entries for other targets.
+# sm_90 choice; _TILE_OVERRIDES replace entries for other targets.  Where v's
+# head dim differs from q's, the wider of BLOCK_D and BLOCK_DV picks the entry
+# (what fits there for both dims fits the pair), then _VALUE_DIM_TILE_OVERRIDES.
 #
 # fp16/bf16 follow the Triton fused-attention tutorial: wide q tiles forward and
 # in dq, wide k tiles in dk/dv (on sm_90 a tile dimension of 64+ rows per
@@ -260,6 +262,19 @@ _SOFTCAP_TILE_OVERRIDES = (
     (lambda target, intervals: target.capability >= 120 and intervals, {"dq": {(2, 128): (128, 32, 8, 1)}}),
 )
 
+# v of another head dim than q and k (multi-head latent attention), applied last:
+# (which targets, {kernel: {(bytes per element, BLOCK_D, BLOCK_DV): tiles}}), BLOCK_D
+# and BLOCK_DV at least 64 as in _TILES.  On sm_90 the full-mask MHA dk/dv kernel
+# with BLOCK_DV != BLOCK_D up to 128 serializes its wgmma (C7515) with every tile
+# of 64 or 128 keys (BLOCK_N) tried, through descriptors and pointers alike; 32
+# keys do not (docs/tuning.md).  fp32 dk/dv at D = 192, Dv = 128 on sm_90 spills in
+# its loop with 8 warps (2 accesses causal GQA, 1 with one stage causal MHA), with
+# 4 none.
+_VALUE_DIM_TILE_OVERRIDES = (
+    (_is_hopper, {"dkdv": {(2, 128, 64): (64, 32, 8, 2), (2, 64, 128): (64, 32, 8, 2)}}),
+    (_is_hopper, {"dkdv": {(4, 256, 128): (16, 16, 4, 2)}}),
+)
+
 # The Triton interpreter (CPU tensors, TRITON_INTERPRET=1): small tiles keep the
 # numpy work cheap and still exercise multi-tile loops and edge masks on short
 # test sequences.
@@ -302,6 +317,7 @@ def all_cuda_tiles():
         for _, overrides in _TILE_OVERRIDES
         + _INTERVAL_TILE_OVERRIDES
         + _SOFTCAP_TILE_OVERRIDES
+        + _VALUE_DIM_TILE_OVERRIDES
         + tuple(entry for entries in _TILES_BY_TRITON_RELEASE.values() for entry in entries)
         for table in overrides.values()
     ]
@@ -333,15 +349,17 @@ def tile_override(kernel, tiles):
             _TRIED_TILES[kernel] = previous
 
 
-def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False, softcap=False):
+def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=False, softcap=False, block_dv=None):
     # kernel: "forward", "dq" or "dkdv"; target: a GpuTarget, None for CPU tensors;
     # intervals: the tiles of the interval mask; tensor_descriptors: of the
-    # loads through tensor descriptors; softcap: of the soft-capped scores.
+    # loads through tensor descriptors; softcap: of the soft-capped scores;
+    # block_dv: v's BLOCK_DV, None for block_d (one head dim).
     if target is None:
         return _INTERPRETER_TILES
     if kernel in _TRIED_TILES:
         return _TRIED_TILES[kernel]
-    key = (dtype.itemsize, max(64, block_d))
+    pair = (dtype.itemsize, max(64, block_d), max(64, block_d if block_dv is None else block_dv))
+    key = (dtype.itemsize, max(pair[1:]))
     tiles = _TILES[kernel][key]
     by_release = _TILES_BY_TRITON_RELEASE.get(TRITON_RELEASE, ())
     for applies, overrides in _TILE_OVERRIDES + by_release + (_INTERVAL_TILE_OVERRIDES if intervals else ()):
@@ -353,6 +371,10 @@ def _tiles(kernel, dtype, block_d, target, intervals=False, tensor_descriptors=F
         for applies, overrides in _SOFTCAP_TILE_OVERRIDES:
             if applies(target, intervals) and key in overrides.get(kernel, {}):
                 tiles = overrides[kernel][key]
+    if pair[1] != pair[2]:
+        for applies, overrides in _VALUE_DIM_TILE_OVERRIDES:
+            if applies(target) and pair in overrides.get(kernel, {}):
+                tiles = overrides[kernel][pair]
     return tiles
 
 
@@ -406,8 +428,9 @@ _INTERPRETER_TENSOR_DESCRIPTORS = False
 
 def uses_tensor_descriptors(dtype, headdim, target):
     """Whether the step kernels load q, k, v and dout through tensor descriptors
-    (TMA on the GPU) for ``dtype`` on ``target`` (None: the interpreter), given
-    tensors whose layout allows it (attention_step_launch checks that).
+    (TMA on the GPU) for ``dtype`` and ``headdim`` (the wider of q's and v's
+    head dims) on ``target`` (None: the interpreter), given tensors whose
+    layout allows it (attention_step_launch checks that).
 
     sm_90 with fp16/bf16: TMA moves the tiles into shared memory without a
     pointer or an offset tensor in registers.  With pointer loads, the
@@ -449,7 +472,7 @@ def _dot_upcast(dtype, interpreted):
     return dtype == torch.bfloat16 and interpreted
 
 
-def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, softcap, interpreted, **more_constexprs):
+def _step_launch(kernel, tiles, dtype, headdim, value_dim, causal, intervals, softcap, interpreted, **more_constexprs):
     assert not (causal and intervals), "with intervals the causality is in the intervals"
     block_m, block_n, num_warps, num_stages = tiles
     constexprs = dict(
@@ -457,9 +480,11 @@ def _step_launch(kernel, tiles, dtype, headdim, causal, intervals, softcap, inte
         INTERVALS=bool(intervals),
         SOFTCAP=bool(softcap),
         HEAD_DIM=headdim,
+        VALUE_DIM=value_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=_block_d(headdim),
+        BLOCK_DV=_block_d(value_dim),
         DOT_PRECISION=_dot_precision(dtype),
         DOT_UPCAST=_dot_upcast(dtype, interpreted),
         **more_constexprs,
@@ -472,6 +497,7 @@ def forward_launch(
     headdim,
     causal,
     *,
+    value_dim=None,
     intervals=False,
     first_step=False,
     softcap=False,
@@ -481,6 +507,10 @@ def forward_launch(
 ):
     """The KernelLaunch of ``attention_step_fwd_kernel``.
 
+    ``headdim``: q's and k's head dim; ``value_dim``: v's (and out's), None
+    for headdim (the tiles are those of the wider of the two but where
+    _VALUE_DIM_TILE_OVERRIDES replaces them; with equal dims the kernel is the
+    one of a single head dim).
     ``causal``: the diagonal block's mask; ``intervals``: the mask of packed
     documents, windows or chunks given as index intervals (MASK_INTERVALS; not
     with ``causal``); ``first_step``: the kernel that neither reads the
@@ -492,11 +522,22 @@ def forward_launch(
     tensors, which only the interpreter runs.  ``interpreted`` says whether
     the Triton interpreter runs the kernel.
     """
+    value_dim = headdim if value_dim is None else value_dim
     return _step_launch(
         attention_step_fwd_kernel,
-        _tiles("forward", dtype, _block_d(headdim), target, intervals, tensor_descriptors, softcap),
+        _tiles(
+            "forward",
+            dtype,
+            _block_d(headdim),
+            target,
+            intervals,
+            tensor_descriptors,
+            softcap,
+            block_dv=_block_d(value_dim),
+        ),
         dtype,
         headdim,
+        value_dim,
         causal,
         intervals,
         softcap,
@@ -508,8 +549,9 @@ def forward_launch(
 
 
 def backward_preprocess_launch(headdim, *, target):
-    """The KernelLaunch of ``attention_bwd_preprocess_kernel`` (any input dtype:
-    the kernel widens out and dout to fp32 before it multiplies)."""
+    """The KernelLaunch of ``attention_bwd_preprocess_kernel`` for out and dout
+    of ``headdim`` columns (v's head dim; any input dtype: the kernel widens
+    out and dout to fp32 before it multiplies)."""
     # num_warps / num_stages are Triton's defaults, written out so that the
     # ahead-of-time compile test builds exactly the kernel the launcher runs.
     return KernelLaunch(
@@ -521,18 +563,38 @@ def backward_preprocess_launch(headdim, *, target):
 
 
 def backward_launches(
-    dtype, headdim, causal, *, intervals=False, softcap=False, tensor_descriptors=False, target, interpreted
+    dtype,
+    headdim,
+    causal,
+    *,
+    value_dim=None,
+    intervals=False,
+    softcap=False,
+    tensor_descriptors=False,
+    target,
+    interpreted,
 ):
     """(dq KernelLaunch, dk/dv KernelLaunch) of the backward step kernels;
-    ``causal``, ``intervals``, ``softcap``, ``tensor_descriptors``, ``target``
-    and ``interpreted`` as in forward_launch."""
-    block_d = _block_d(headdim)
+    ``value_dim``, ``causal``, ``intervals``, ``softcap``,
+    ``tensor_descriptors``, ``target`` and ``interpreted`` as in
+    forward_launch."""
+    value_dim = headdim if value_dim is None else value_dim
+    blocks = dict(block_d=_block_d(headdim), block_dv=_block_d(value_dim))
     return (
         _step_launch(
             attention_step_bwd_dq_kernel,
-            _tiles("dq", dtype, block_d, target, intervals, tensor_descriptors, softcap),
+            _tiles(
+                "dq",
+                dtype,
+                target=target,
+                intervals=intervals,
+                tensor_descriptors=tensor_descriptors,
+                softcap=softcap,
+                **blocks,
+            ),
             dtype,
             headdim,
+            value_dim,
             causal,
             intervals,
             softcap,
@@ -552,9 +614,18 @@ def backward_launches(
         # instructions per iteration where it does not.
         _step_launch(
             attention_step_bwd_dkdv_kernel,
-            _tiles("dkdv", dtype, block_d, target, intervals, tensor_descriptors, softcap),
+            _tiles(
+                "dkdv",
+                dtype,
+                target=target,
+                intervals=intervals,
+                tensor_descriptors=tensor_descriptors,
+                softcap=softcap,
+                **blocks,
+            ),
             dtype,
             headdim,
+            value_dim,
             causal,
             intervals,
             softcap,

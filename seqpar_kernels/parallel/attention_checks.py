@@ -22,7 +22,7 @@ import torch
 from seqpar_kernels.attention_mask import AttentionMask
 from seqpar_kernels.comm.grid import Grid
 from seqpar_kernels.engine.attention_ops import mask_arguments
-from seqpar_kernels.engine.step_backends import AUTO, STEP_BACKENDS, TRITON_ONE_HEAD_DIM
+from seqpar_kernels.engine.step_backends import AUTO, STEP_BACKENDS
 from seqpar_kernels.groups import GroupInfo, resolve_group
 from seqpar_kernels.layouts import zigzag_piece_lengths
 from seqpar_kernels.parallel.checks import (
@@ -156,12 +156,6 @@ def check_attention_call(
             raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
         if step_backend not in step_backends:
             raise ValueError(f"step_backend must be one of {tuple(step_backends)}, got {step_backend!r}")
-        if step_backend in TRITON_ONE_HEAD_DIM and v.shape[3] != q.shape[3]:
-            raise ValueError(
-                f"{describe}: step_backend={step_backend!r} takes one head dim for q, k and v; v's head dim "
-                f"{v.shape[3]} differs from q's {q.shape[3]} ({describe_shapes(q, k, v)}): pass step_backend='aten' "
-                f"or 'auto'"
-            )
     scale = resolve_softmax_scale(softmax_scale, q)
     check_bool("return_lse", return_lse)
     pieces = ranks.pieces if isinstance(ranks, Grid) else ranks

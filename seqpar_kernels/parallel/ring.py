@@ -70,7 +70,7 @@ def ring_attention(
         headdim) with nheads % nheads_kv == 0 (GQA, MQA: only the nheads_kv heads travel,
         never repeated). fp16, bf16 or fp32, one dtype; CPU or CUDA; head dim up to 256
         (64, 80, 96, 128, 256 are the tested ones); v's head dim headdim_v may differ
-        (multi-head latent attention; not with step_backend="triton"); any strides.
+        (multi-head latent attention); any strides.
         seqlen_local may differ by rank (0 too); batch, heads and head dims may not.
     causal: mask by global position.
     layout: where this rank's rows sit in the global sequence:

@@ -4,8 +4,8 @@ its budget; sized again after every family from the time the families so far too
 
     calibration   every rank at once, a few seconds: one probe per kind of work
                   (bench/runner/work.py: fp32 and bf16 matmul + attention forward +
-                  backward on the cores the ranks share, small operations, a gloo round
-                  trip of 1 MiB); the slowest rank's lower quartile of each
+                  backward on the cores the ranks share, a gloo round trip of 1 MiB; host
+                  work at the fp32 pace); the slowest rank's lower quartile of each
     factor        of a family: its declared work shares (FAMILY.work) weighting each kind's
                   this machine's seconds / the reference machine's (bench/runner/plan.py's
                   REFERENCE): a family spending its time in bf16 gets slower on a CPU
@@ -48,7 +48,7 @@ MIN_SCALE = 0.2
 START_S, FINISH_S = 6.0, 6.0
 # A family counts as over its share beyond this much more than its estimate.
 OVER_SHARE = 1.1
-# The share of the budget the plan leaves for its estimates' error: the probes' medians
+# The share of the budget the plan leaves for its estimates' error: the probes' readings
 # move by about a tenth from one calibration to the next (a plan to the whole budget,
 # its scale raised as early families ran under their estimates, ended 46 s over 540 s).
 RESERVE = 0.08

@@ -57,19 +57,20 @@ def _model(looped: bool, seed: int = 0):
     return model
 
 
-@on_every_rank
-def run_inkling(looped: bool):
-    """The parity failures (strings), then the refusals' problems (None where it raised as expected)."""
+def parity_failures(looped: bool, mode: str, layout: str, groups: dict, kind: str = "dense") -> list[str]:
+    """The loss and every parameter's gradient (summed over the ranks) of the model in
+    `mode` on a batch of `kind` (integration._batch's) against the single-process
+    model's (packed: each document alone, as the model's convolutions read across
+    documents without seq_idx): the failures."""
     import seqpar_kernels.integrations.transformers as sp_transformers
 
-    groups = {"group": timeout_group()}
     reference = _model(looped)
     model = copy.deepcopy(reference)
-    sp_transformers.apply(model, "ulysses", **groups)
-    batch, labels, positions = integration._batch("dense", SEQLEN)
-    expected = integration._reference_step(reference, batch, labels, positions)
+    sp_transformers.apply(model, mode, layout=layout, **groups)
+    batch, labels, positions = integration._batch(kind, SEQLEN)
+    expected = integration._reference_step(reference, batch, labels, positions, per_document=kind == "packed")
     expected.backward()
-    loss = integration._sp_step(model, batch, "ulysses", "contiguous", groups)
+    loss = integration._sp_step(model, batch, mode, layout, groups)
     loss.backward()
     sp_transformers.all_reduce_gradients(model, **groups)
     failures = []
@@ -80,16 +81,36 @@ def run_inkling(looped: bool):
         error = integration._relative_error(ours.grad, theirs.grad)
         if not error <= integration.FP32_GRAD_RTOL:
             failures.append(f"grad of {name} relative error {error:.2e}")
+    return [f"{mode} {layout} {kind}: {failure}" for failure in failures]
+
+
+@on_every_rank
+def run_inkling(looped: bool):
+    """The parity failures (strings), then the refusals' problems (None where it raised as expected)."""
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    groups = {"group": timeout_group()}
+    failures = parity_failures(looped, "ulysses", "contiguous", groups)
+    model = _model(looped)
+    sp_transformers.apply(model, "ulysses", **groups)
+    batch = integration._batch("dense", SEQLEN)[0]
     # Without shard_batch's shard, and packed documents: raise at the call, on every rank; the ring at apply().
     local = sp_transformers.shard_batch(batch, mode="ulysses", **groups)
     bare = {key: local[key] for key in ("input_ids", "position_ids")}
     packed = sp_transformers.shard_batch(integration._batch("packed", SEQLEN)[0], mode="ulysses", **groups)
     packed.pop("shift_labels")
-    ring = _model(looped)
     refusals = [raises(lambda: model.model(**bare), "sequence_shard"),
-                raises(lambda: model.model(**packed), "packed documents"),
-                raises(lambda: sp_transformers.apply(ring, "ring", **groups), "mode='ulysses' only")]  # fmt: skip
+                raises(lambda: model.model(**packed), "not 'ulysses'")]  # fmt: skip
     return failures, refusals
+
+
+@on_every_rank
+def run_inkling_modes(looped: bool, cases):
+    """The parity failures of each (mode, layout, batch kind) case."""
+    failures = []
+    for mode, layout, kind in cases:
+        failures += parity_failures(looped, mode, layout, integration._parallelism(mode, 2), kind)
+    return failures
 
 
 # Inkling 2 Loop on 2 ranks (its layers are Inkling 2's), Inkling 2 on 3 (uneven pieces of 12-13 tokens).
@@ -99,4 +120,19 @@ def test_inkling2_matches_the_single_process_model(world_size, looped):
         pytest.skip(f"transformers {transformers.__version__} has no Inkling 2 Loop")
     for rank, (failures, refusals) in enumerate(pool_for(world_size).run(run_inkling, looped)):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
-        assert refusals == [None, None, None], f"rank {rank}: {refusals}"
+        assert refusals == [None, None], f"rank {rank}: {refusals}"
+
+
+# The ring (the bias's near band from halos, the rest over the shifted ring) and USP (that
+# ring over the 2 x 2 grid): contiguous on 3 ranks, balanced (zigzag) on 2, both on 4;
+# packed documents (5, 1, 17 and 14 tokens) in balanced plans on 3 and 4 ranks.
+@pytest.mark.parametrize("world_size, looped, cases", [
+    (2, True, [("ring", "balanced", "dense")]),
+    (3, False, [("ring", "contiguous", "dense"), ("ring", "balanced", "packed")]),
+    (4, False, [("usp", "balanced", "dense"), ("usp", "contiguous", "dense"), ("usp", "balanced", "packed")]),
+], ids=["P2-ring-balanced-loop", "P3-ring", "P4-usp"])  # fmt: skip
+def test_inkling2_ring_and_usp_match_the_single_process_model(world_size, looped, cases):
+    if looped and not hasattr(transformers, "Inkling2LoopTextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Inkling 2 Loop")
+    for rank, failures in enumerate(pool_for(world_size).run(run_inkling_modes, looped, cases)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)

@@ -5,7 +5,7 @@ travel as op arguments, and the autograd of a forward op through its backward op
     mask_arguments(mask, cu_seqlens_tensor)   an AttentionMask as the ops' keyword arguments
     mask_of(causal, cu_seqlens, ...)          those arguments back as the AttentionMask
     encode_segments / decode_segments         every slot's global ranges as a tensor, and back
-    register_attention_autograd(fwd, bwd)     fwd differentiable in q, k, v and the sinks
+    register_attention_autograd(fwd, bwd)     fwd differentiable in q, k, v and the sinks (and lse)
 
 The op schemas take primitive arguments (torch.library infers schemas from them): the
 mask's document bounds and a packed layout travel as CPU int64 tensors, so that a new
@@ -50,10 +50,12 @@ def decode_segments(segments: torch.Tensor, slot_count: int) -> tuple[tuple[tupl
     return tuple(tuple(slot) for slot in per_slot)
 
 
-def register_attention_autograd(forward_op, backward_op) -> None:
+def register_attention_autograd(forward_op, backward_op, lse_differentiable: bool = False) -> None:
     """Makes forward_op, (q, k, v, *args) -> (out, lse) whose last argument is the sinks
     (or None), differentiable in q, k, v and the sinks through backward_op, (dout, q, k,
-    v, out, lse, *args) -> (dq, dk, dv, dsinks)."""
+    v, out, lse, *args[, grad_lse=]) -> (dq, dk, dv, dsinks). lse_differentiable: lse's
+    gradient goes to backward_op as grad_lse; else lse is a non-differentiable output (as
+    flash-attention's returned lse) and its gradient, if any, is ignored."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, *args = inputs
@@ -62,16 +64,18 @@ def register_attention_autograd(forward_op, backward_op) -> None:
         ctx.args = tuple(args)
 
     def backward(ctx, grad_out, grad_lse):
-        # lse is a non-differentiable output (as flash-attention's returned lse): its
-        # gradient, if any, is ignored; the public functions hand it out detached.
         q, k, v, out, lse = ctx.saved_tensors
         no_grads = [None] * len(ctx.args)
+        more = {}
+        if lse_differentiable and grad_lse is not None:
+            more = dict(grad_lse=grad_lse.float())
+            grad_out = torch.zeros_like(out) if grad_out is None else grad_out
         if grad_out is None:
             return None, None, None, *no_grads
         sinks = ctx.args[-1]
         # The sinks as data: the backward op is not differentiated again.
         args = (*ctx.args[:-1], None if sinks is None else sinks.detach())
-        dq, dk, dv, dsinks = backward_op(grad_out, q, k, v, out, lse, *args)
+        dq, dk, dv, dsinks = backward_op(grad_out, q, k, v, out, lse, *args, **more)
         if sinks is not None:
             no_grads[-1] = dsinks
         return dq, dk, dv, *no_grads

@@ -69,7 +69,14 @@ import torch
 from seqpar_kernels.comm.ring import GRAD_KV_TAG, KV_TAG, DoubleBuffer, Ring
 from seqpar_kernels.engine.step_backends import StepBackend
 from seqpar_kernels.engine.step_masks import StepMasks
-from seqpar_kernels.engine.steps import StepSpec, backward_step, first_step_writes_every_row, forward_step, merge_sinks_
+from seqpar_kernels.engine.steps import (
+    StepSpec,
+    backward_inputs,
+    backward_step,
+    first_step_writes_every_row,
+    forward_step,
+    merge_sinks_,
+)
 
 # ----------------------------------------------------------------------------------
 # K|V packing: one flat buffer per block
@@ -169,10 +176,10 @@ def last_step(masks: StepMasks, world_size: int) -> int:
 
 
 def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: StepBackend, masks: StepMasks,
-                  exchange=Ring):  # fmt: skip
+                  exchange=Ring, grad_lse=None):  # fmt: skip
     """(dq, dk, dv) of ring_forward's out (seqpar::ring_attention_backward); out and lse
     are its final results (sinks merged). spec, steps, masks, exchange: as in
-    ring_forward."""
+    ring_forward. grad_lse: None, or the gradient of lse (B, H, S) fp32 too."""
     batch, seqlen, heads, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     fp32 = dict(dtype=torch.float32, device=q.device)
@@ -183,7 +190,7 @@ def ring_backward(dout, q, k, v, out, lse, spec: StepSpec, group_name, steps: St
         return _backward_outputs(dq, own, q, k, v)
     _check_slots(ring, seqlen, masks)
     last = last_step(masks, world_size)
-    delta = steps.prepare_backward(out, dout)
+    dout, out, delta = backward_inputs(steps, out, dout, grad_lse)
     if last > 0:
         numels = _block_numels(k, v, rank, masks.lengths)[: last + 1]
         capacity = max(numels)

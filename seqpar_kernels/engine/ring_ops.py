@@ -108,23 +108,26 @@ def ring_attention_backward(
     chunk_size: int = 0,
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    grad_lse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ring_attention_forward's out: (dq, dk, dv, dsinks), contiguous, dq,
-    dk, dv in q's dtype and shaped like q, k, v; dsinks this rank's share of the sinks'
-    gradient, in their dtype ((0,) without sinks). out and lse are the forward's (final)
-    results; dK/dV of each block accumulate in fp32 while they travel the ring."""
+    """Gradients of ring_attention_forward's outputs: (dq, dk, dv, dsinks), contiguous,
+    dq, dk, dv in q's dtype and shaped like q, k, v; dsinks this rank's share of the
+    sinks' gradient, in their dtype ((0,) without sinks). out and lse are the forward's
+    (final) results; grad_lse: None, or lse's gradient (B, H, S) fp32 (a caller that
+    merges the result with other attention by lse); dK/dV of each block accumulate in
+    fp32 while they travel the ring."""
     refuse_capture("seqpar::ring_attention_backward", q)
     masks = _step_masks(causal, zigzag, seq_lens, cu_seqlens, segments, window_left, window_right, chunk_size)
     steps = step_kernels_for(step_kernels, q, softcap > 0 or masks.mask.is_local)
     spec = StepSpec(softmax_scale, softcap)
-    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, spec, group_name, steps, masks)
-    return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, spec, group_name, steps, masks, grad_lse=grad_lse)
+    return dq, dk, dv, _sinks_gradient(out, dout, lse, sinks, grad_lse)
 
 
-def _sinks_gradient(out, dout, lse, sinks):
+def _sinks_gradient(out, dout, lse, sinks, grad_lse):
     if sinks is None:
         return out.new_empty((0,))
-    return sinks_gradient(out, dout, lse, sinks)
+    return sinks_gradient(out, dout, lse, sinks, grad_lse)
 
 
 register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
@@ -133,10 +136,10 @@ register_as_collective(torch.ops.seqpar.ring_attention_backward.default)
 @ring_attention_backward.register_fake
 def _ring_attention_backward_fake(
     dout, q, k, v, out, lse, causal, softmax_scale, zigzag, group_name, step_kernels, seq_lens, cu_seqlens=None,
-    segments=None, window_left=-1, window_right=-1, chunk_size=0, softcap=0.0, sinks=None,
+    segments=None, window_left=-1, window_right=-1, chunk_size=0, softcap=0.0, sinks=None, grad_lse=None,
 ):  # fmt: skip
     dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-register_attention_autograd(ring_attention_forward, ring_attention_backward)
+register_attention_autograd(ring_attention_forward, ring_attention_backward, lse_differentiable=True)

@@ -144,7 +144,11 @@ class AtenSteps:
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         blocks = self._blocks(q, spec.softcap)
         more = (spec.softcap,) if blocks is MATH_BLOCKS else ()
+        value_dim = v.shape[-1]
+        if dout.shape[-1] == value_dim + 1:  # lse's gradient rides in one more column (steps.backward_inputs)
+            v = torch.nn.functional.pad(v, (0, 1))
         grad_q, grad_k, grad_v = blocks.backward(dout, q, k, v, out, lse, spec.scale, causal, mask, *more)
+        grad_v = grad_v[..., :value_dim]
         dq.add_(grad_q)
         dk, dv = grad_kv()
         dk.add_(grad_k)

@@ -7,6 +7,7 @@ one-process attention (engine/local_attention.py).
     inputs_precision(device)          autocast off: a step computes in its inputs' dtypes
     first_step_writes_every_row       whether step 0 may start from uninitialised state
     merge_sinks_ / sinks_gradient     per-head sink logits folded into the final result
+    backward_inputs                   (dout, out, delta) of a backward given lse's gradient too
 
 Layouts: q, out, dout, dq (B, S, H, D); k, v (B, S_k, H_kv, D); lse, delta (B, H, S) fp32.
 """
@@ -103,6 +104,24 @@ def backward_step(
                 steps.backward_masked(*arguments, block.mask)
 
 
+def backward_inputs(steps: StepBackend, out, dout, grad_lse=None):
+    """(dout, out, delta) the backward steps read, once per call; grad_lse: None, or the
+    gradient of the final lse (B, H, S) fp32. d lse / d s_j is p_j, so a score's gradient
+    p_j (dout.v_j - delta) becomes p_j (dout.v_j - (delta - grad_lse)): kernels that take
+    delta get it lowered by grad_lse; kernels that compute rowsum(dout * out) themselves
+    (prepare_backward gives None) get dout with a column of ones and out with a column
+    of -grad_lse, and v gains a zero column in the step (AtenSteps), which leaves
+    dout.v_j as it is."""
+    delta = steps.prepare_backward(out, dout)
+    if grad_lse is None:
+        return dout, out, delta
+    if delta is not None:
+        return dout, out, delta - grad_lse
+    lowered = -grad_lse.transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    dout = torch.cat([dout, torch.ones_like(lowered, dtype=dout.dtype)], dim=-1)
+    return dout, torch.cat([out, lowered.to(out.dtype)], dim=-1), None
+
+
 def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     """Folds per-head sink logits (H,) into the final fp32 out (B, S, H, D) and lse
     (B, H, S), in place: each row's softmax denominator gains exp(sinks[h]), with no value
@@ -113,10 +132,14 @@ def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> N
     lse.copy_(merged)
 
 
-def sinks_gradient(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sinks_gradient(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                   grad_lse: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """d loss / d sinks (H,) of this rank's rows, given the final (sink-merged) out, lse:
     a sink's probability is exp(sink - lse), and d out / d sink = -p_sink * out, so the
-    gradient is -sum over rows of p_sink * rowsum(dout * out). In sinks' dtype."""
+    gradient is -sum over rows of p_sink * (rowsum(dout * out) - grad_lse), grad_lse
+    (B, H, S) the gradient of lse (d lse / d sink = p_sink), or None. In sinks' dtype."""
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)
+    if grad_lse is not None:
+        delta = delta - grad_lse
     p_sink = torch.exp(sinks.float()[None, :, None] - lse)
     return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)

@@ -381,8 +381,8 @@ def apply(
         images and videos of shard_batch(..., model=model) (vision.install). Or PEFT's
         PeftModel of one, before or after get_peft_model: the model under it switches,
         adapters and all (adapters.transformers_model; prompt learning raises).
-        Inkling 2 and Inkling 2 Loop run in mode "ulysses" only (inkling.install raises
-        for the others, naming why).
+        Inkling 2 and Inkling 2 Loop run in every mode, without tensor parallelism
+        (inkling.install raises for it).
     mode: "ulysses" or "ring" (over group, default the world), or "usp" (over mesh, a
         2-D DeviceMesh with dims "ring" and "ulysses", or ulysses_group and ring_group
         from make_usp_groups). Or one mesh for every parallelism: mesh= a DeviceMesh with

@@ -4,8 +4,13 @@ parallelism.
 Its decoder layers ("hybrid_sliding" and "hybrid" layer types) mix the sequence in four
 places, each served here or by the package's mixers:
     attention          per-query relative position bias and per-query sinks: attention()
-                       below, in mode "ulysses" (each rank attends the whole sequence for
-                       its heads, so the bias and sinks only follow the head split)
+                       below. Mode "ulysses": each rank attends the whole sequence for its
+                       heads, so the bias and sinks only follow the head split. Modes
+                       "ring" and "usp": parallel/relative_bias.py (the near band, where
+                       the bias applies, from each run's halo of E rows of K|V; the rest
+                       through the ring over K|V shifted E rows; merged by lse with the
+                       sinks); under USP that ring runs over every rank of the U x R grid
+                       (one group made at apply), with all of the rank's heads
     relative bias      Inkling2RelativePositionBias returns a DistanceBias (the logits per
                        query and backward distance) instead of the model's (Q, K) bias,
                        which is built from this rank's rows only
@@ -18,9 +23,10 @@ The block attention residuals (Inkling2BlockAttentionResidual) and the looped va
 message residuals call the attention interface over the layers' outputs of each token,
 not over the sequence: they run transformers' eager attention on this rank's tokens.
 
-What is not served raises at apply(): the ring and USP modes, tensor parallelism; and at
-the call: a KV cache, packed documents (a varlen plan), a batch without shard_batch's
-sequence_shard.
+Packed documents (shard_batch's varlen plan) run in modes ring and usp: the attention's
+halos, its far ring and the convolutions restart at each document's start.
+What is not served raises at apply(): tensor parallelism; and at the call: a KV cache,
+packed documents in mode ulysses, a batch without shard_batch's sequence_shard.
 """
 
 from __future__ import annotations
@@ -31,10 +37,14 @@ import sys
 
 import torch
 
+from seqpar_kernels.groups import resolve_group
 from seqpar_kernels.integrations.transformers.generation import running_step
+from seqpar_kernels.integrations.transformers.indexed import grid_group
 from seqpar_kernels.parallel.parallelism import SequenceParallelism
 from seqpar_kernels.parallel.recurrent import causal_conv1d
+from seqpar_kernels.parallel.relative_bias import relative_bias_attention
 from seqpar_kernels.parallel.reshard import all_to_all_reshard
+from seqpar_kernels.parallel.state_passing import SequenceRuns
 from seqpar_kernels.parallel.training import SequenceShard
 
 __all__ = ["DistanceBias", "install", "attention", "serves", "MODEL_TYPES", "LAYER_TYPES"]
@@ -44,6 +54,8 @@ MODEL_TYPES = ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
 # The role apply() records on each module whose attention-interface calls this module serves.
 ROLE_ATTRIBUTE = "seqpar_inkling_role"
+# Under USP: the GridGroup (indexed.grid_group) the sequence attention's ring runs over.
+GRID_ATTRIBUTE = "seqpar_inkling_grid"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +84,10 @@ def install(model, settings: SequenceParallelism) -> tuple[str, ...]:
     else replaces the relative bias and dynamic convolutions' forwards and marks the
     attention and residual modules. Returns the layer types served (LAYER_TYPES)."""
     name = type(model).__name__
-    if settings.mode != "ulysses":
-        raise ValueError(
-            f"apply: {name}'s attention layers ({', '.join(LAYER_TYPES)}) add a per-query relative position bias "
-            f"and per-query sink logits, which the package runs in mode='ulysses' only (each rank attends the whole "
-            f"sequence for its heads); mode={settings.mode!r} would need them in the ring's blocks"
-        )
     if settings.tensor_size > 1:
-        raise ValueError(f"apply: tensor_dims= with {name}: its attention is served by Ulysses alone")
+        raise ValueError(f"apply: tensor_dims= with {name}: its attention's bias and sinks are not split by heads")
+    # Collective over the grid (every rank runs apply): one group for the ring of every layer.
+    grid = grid_group(settings) if settings.mode == "usp" else None
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith("RelativePositionBias"):
@@ -88,6 +96,7 @@ def install(model, settings: SequenceParallelism) -> tuple[str, ...]:
             module.forward = functools.partial(_dynamic_convolution, module, settings)
         elif kind.endswith(("SlidingAttention", "FullAttention")):
             setattr(module, ROLE_ATTRIBUTE, "sequence")
+            setattr(module, GRID_ATTRIBUTE, grid)
         elif kind.endswith(("BlockAttentionResidual", "MessageAttentionResidual")):
             setattr(module, ROLE_ATTRIBUTE, "layers")
     return LAYER_TYPES
@@ -110,9 +119,10 @@ def _dynamic_convolution(self, settings, hidden_states, dynamic_input, cache=Non
     describe = f"{type(self).__name__} (layer {self.layer_idx})"
     if cache is not None:
         raise ValueError(f"{describe}: got a cache; sequence-parallel Inkling 2 runs without one: pass use_cache=False")
-    if kwargs.get("seq_idx") is not None:
-        raise ValueError(f"{describe}: got seq_idx; packed documents are not served for Inkling 2")
     shard = _shard_of(describe, kwargs, settings)
+    if kwargs.get("seq_idx") is not None and shard.varlen is None:
+        raise ValueError(f"{describe}: got seq_idx with a batch sharded without documents: pass the packed batch "
+                         "(position_ids restarting at each document) to shard_batch")  # fmt: skip
     kernel, (batch, rows, channels) = self.conv_kernel_size, hidden_states.shape
     dynamic = self.weight_proj(dynamic_input).float().view(batch, rows, self.num_heads, 1, kernel)
     weights = self.static_weight.float().T.view(self.num_heads, -1, kernel) + dynamic
@@ -128,6 +138,10 @@ def _dynamic_convolution(self, settings, hidden_states, dynamic_input, cache=Non
 
 
 def _where(settings: SequenceParallelism, shard: SequenceShard) -> dict:
+    """The mixers' and relative_bias_attention's keyword arguments for the batch: the
+    groups, and the layout and lengths (packed documents: the shard's varlen plan)."""
+    if shard.varlen is not None:
+        return dict(settings.group_kwargs(), varlen=shard.varlen)
     return dict(settings.group_kwargs(), layout=settings.dense_layout, seq_lens=list(shard.seq_lens))
 
 
@@ -141,9 +155,9 @@ def _shard_of(describe: str, kwargs: dict, settings: SequenceParallelism) -> Seq
     if shard.parallelism != settings:
         raise ValueError(f"{describe}: the batch was sharded for {shard.parallelism}, the model runs {settings}: "
                          "pass shard_batch the mode, layout and groups given to apply()")  # fmt: skip
-    if shard.varlen is not None:
-        raise ValueError(f"{describe}: packed documents (a varlen plan) are not served for Inkling 2: its relative "
-                         "bias and convolutions would need each document's start")  # fmt: skip
+    if shard.varlen is not None and settings.mode == "ulysses":
+        raise ValueError(f"{describe}: packed documents (a varlen plan) are served for Inkling 2 in modes 'ring' and "
+                         "'usp', not 'ulysses'")  # fmt: skip
     return shard
 
 
@@ -155,11 +169,12 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
     value (B, S_local, L, hidden) -> (B, n, S_local, hidden), as eager returns it.
     "sequence": query (B, H, S_local, D), key, value (B, H_kv, S_local, D), the
     DistanceBias (B, H, S_local, rel_extent) as position_bias, sinks (B, H, S_local, 1);
-    -> (B, S_local, H, D). One all-to-all brings each rank the whole sequence for its
-    share of the heads (key and value repeated to H heads first, so any head count
-    splits), the attention runs there as transformers' eager attention computes it
+    -> (B, S_local, H, D). Ulysses: one all-to-all brings each rank the whole sequence
+    for its share of the heads (key and value repeated to H heads first, so any head
+    count splits), the attention runs there as transformers' eager attention computes it
     (scores, bias, mask, the sink as one more logit of zero value: memory
-    (B, H / P, S, S)), and a second all-to-all brings the output back."""
+    (B, H / P, S, S)), and a second all-to-all brings the output back. Ring and USP:
+    relative_bias_attention on this rank's rows (_ring_attention)."""
     role = getattr(module, ROLE_ATTRIBUTE)
     if role == "layers":
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -186,6 +201,8 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
         raise ValueError(f"{describe}: sinks must be (B, H, S_local, 1) = {(batch, heads, rows, 1)} and the bias "
                          f"logits (B, H, S_local, rel_extent), got {None if sinks is None else tuple(sinks.shape)} "
                          f"and {tuple(bias.logits.shape)}")  # fmt: skip
+    if settings.mode != "ulysses":
+        return _ring_attention(describe, module, query, key, value, mask, scaling, bias, sinks, shard, settings)
     if list(shard.seq_lens) != [len(piece) for piece in torch.arange(sum(shard.seq_lens)).tensor_split(
             len(shard.seq_lens))]:  # fmt: skip
         raise ValueError(f"{describe}: pieces of {list(shard.seq_lens)} tokens; Ulysses' all-to-all returns the "
@@ -208,6 +225,31 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
     probabilities = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)  # (B, S, h, D)
     return all_to_all_reshard(out, scatter_dim=1, gather_dim=2, group=group)  # (B, S_local, H, D)
+
+
+def _ring_attention(describe, module, query, key, value, mask, scaling, bias, sinks, shard, settings):
+    """The "sequence" role in modes ring and usp: query (B, H, S_local, D), key, value
+    (B, H_kv, S_local, D) -> (B, S_local, H, D) through relative_bias_attention, over the
+    ring group, or under USP over the grid group apply() made."""
+    left, right = mask.window
+    if not mask.causal or right not in (-1, 0):
+        raise ValueError(f"{describe}: a relative position bias is served under causal masks (a window to the "
+                         f"left at most) in mode {settings.mode!r}, got causal={mask.causal}, "
+                         f"window={mask.window}")  # fmt: skip
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S_local, heads, D)
+    runs = SequenceRuns.of(describe, q, **_where(settings, shard), inputs=(k, v, bias.logits, sinks))
+    grid = getattr(module, GRID_ATTRIBUTE, None)
+    if settings.mode == "usp":
+        if grid is None or grid.group_names != settings.group_names:
+            raise ValueError(f"{describe}: the model runs {settings}, but apply() set up its layers for another "
+                             "grid: apply the model again with these groups")  # fmt: skip
+        group_name, pieces = grid.group.group_name, grid.pieces
+    else:
+        info = resolve_group(settings.group_kwargs()["group"])
+        group_name, pieces = info.name, range(info.world_size)
+    return relative_bias_attention(q, k, v, bias.logits, sinks.squeeze(-1), scale=scaling, window_left=left,
+                                   runs=runs, group_name=group_name, group_pieces=list(pieces),
+                                   step_backend=settings.step_backend)  # fmt: skip
 
 
 def _allowed(mask, distance: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,11 @@ The block attention residuals (Inkling2BlockAttentionResidual) and the looped va
 message residuals call the attention interface over the layers' outputs of each token,
 not over the sequence: they run transformers' eager attention on this rank's tokens.
 
-Packed documents (shard_batch's varlen plan) run in modes ring and usp: the attention's
-halos, its far ring and the convolutions restart at each document's start.
+Packed documents (shard_batch's varlen plan) run in every mode, the attention through
+relative_bias_attention (in mode ulysses too, as a ring over the Ulysses group): the
+attention's halos, its far ring and the convolutions restart at each document's start.
 What is not served raises at apply(): tensor parallelism; and at the call: a KV cache,
-packed documents in mode ulysses, a batch without shard_batch's sequence_shard.
+a batch without shard_batch's sequence_shard.
 """
 
 from __future__ import annotations
@@ -155,9 +156,6 @@ def _shard_of(describe: str, kwargs: dict, settings: SequenceParallelism) -> Seq
     if shard.parallelism != settings:
         raise ValueError(f"{describe}: the batch was sharded for {shard.parallelism}, the model runs {settings}: "
                          "pass shard_batch the mode, layout and groups given to apply()")  # fmt: skip
-    if shard.varlen is not None and settings.mode == "ulysses":
-        raise ValueError(f"{describe}: packed documents (a varlen plan) are served for Inkling 2 in modes 'ring' and "
-                         "'usp', not 'ulysses'")  # fmt: skip
     return shard
 
 
@@ -173,8 +171,9 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
     for its share of the heads (key and value repeated to H heads first, so any head
     count splits), the attention runs there as transformers' eager attention computes it
     (scores, bias, mask, the sink as one more logit of zero value: memory
-    (B, H / P, S, S)), and a second all-to-all brings the output back. Ring and USP:
-    relative_bias_attention on this rank's rows (_ring_attention)."""
+    (B, H / P, S, S)), and a second all-to-all brings the output back. Ring, USP and
+    packed documents in any mode: relative_bias_attention on this rank's rows
+    (_ring_attention; Ulysses' group then runs it as a ring)."""
     role = getattr(module, ROLE_ATTRIBUTE)
     if role == "layers":
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -201,7 +200,7 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
         raise ValueError(f"{describe}: sinks must be (B, H, S_local, 1) = {(batch, heads, rows, 1)} and the bias "
                          f"logits (B, H, S_local, rel_extent), got {None if sinks is None else tuple(sinks.shape)} "
                          f"and {tuple(bias.logits.shape)}")  # fmt: skip
-    if settings.mode != "ulysses":
+    if settings.mode != "ulysses" or shard.varlen is not None:
         return _ring_attention(describe, module, query, key, value, mask, scaling, bias, sinks, shard, settings)
     if list(shard.seq_lens) != [len(piece) for piece in torch.arange(sum(shard.seq_lens)).tensor_split(
             len(shard.seq_lens))]:  # fmt: skip
@@ -228,9 +227,10 @@ def attention(describe, module, query, key, value, mask, scaling, dropout, kwarg
 
 
 def _ring_attention(describe, module, query, key, value, mask, scaling, bias, sinks, shard, settings):
-    """The "sequence" role in modes ring and usp: query (B, H, S_local, D), key, value
-    (B, H_kv, S_local, D) -> (B, S_local, H, D) through relative_bias_attention, over the
-    ring group, or under USP over the grid group apply() made."""
+    """The "sequence" role in modes ring and usp, and for packed documents in mode
+    ulysses: query (B, H, S_local, D), key, value (B, H_kv, S_local, D) -> (B, S_local,
+    H, D) through relative_bias_attention, over the ring (or Ulysses) group, or under
+    USP over the grid group apply() made."""
     left, right = mask.window
     if not mask.causal or right not in (-1, 0):
         raise ValueError(f"{describe}: a relative position bias is served under causal masks (a window to the "

@@ -4,7 +4,8 @@ sequence's attention in one process (fp64, per document for packed ones), the ou
 every gradient (q, k, v, the bias logits, the sinks), every layout the ring takes (groups
 contiguous and zigzag, USP grids, packed documents), world sizes 1-4, extents shorter
 and longer than a rank's piece, full and sliding layers, GQA and a value head dim of its
-own; and the ring op's lse gradient it relies on."""
+own; in bf16 and fp16 the accuracy rule (twice plain torch's error against fp64); and
+the ring op's lse gradient it relies on."""
 
 from __future__ import annotations
 
@@ -153,4 +154,81 @@ def run_lse_gradient(step_kernels):
 @pytest.mark.parametrize("step_kernels", ["aten", "triton"])
 def test_ring_op_lse_is_differentiable(step_kernels):
     failures = pool_for(2).run(run_lse_gradient, step_kernels)
+    assert not [failure for per_rank in failures for failure in per_rank], failures
+
+
+def plain(q, k, v, logits, sinks, window_left):
+    """transformers' eager Inkling 2 attention in the inputs' dtype (the accuracy rule's
+    yardstick): scores, bias and the matmuls rounded to it, the softmax in fp32."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    total, extent = q.shape[1], logits.shape[-1]
+    positions = torch.arange(total)
+    distance = positions[:, None] - positions[None, :]
+    scores = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(2, 3)) * SCALE
+    bias = logits.transpose(1, 2).gather(-1, distance.clamp(0, extent - 1).expand(*scores.shape))
+    scores = scores + bias.masked_fill((distance < 0) | (distance >= extent), 0.0)
+    seen = (distance >= 0) if window_left < 0 else (distance >= 0) & (distance <= window_left)
+    scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
+    combined = torch.cat([scores, sinks.transpose(1, 2).unsqueeze(-1)], dim=-1).float()
+    probabilities = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype)
+    return torch.matmul(probabilities, v.transpose(1, 2)).transpose(1, 2)
+
+
+@on_every_rank
+def run_low_precision(dtype):
+    """The output and every gradient in `dtype` within the accuracy rule (twice plain
+    torch's error in that dtype, against fp64), contiguous and zigzag, full and sliding."""
+    from tools import reference as rule
+
+    failures = []
+    generator = torch.Generator().manual_seed(3)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = resolve_group(None)
+    for layout, extent, window_left in (("contiguous", 6, -1), ("zigzag", 6, -1), ("zigzag", 6, 5)):
+        total = 16 * world + 5
+        shapes = [(1, total, 4, 64), (1, total, 2, 64), (1, total, 2, 64), (1, total, 4, extent), (1, total, 4)]
+        full = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+        dout = torch.randn(1, total, 4, 64, generator=generator).to(dtype)
+        answers = []
+        for cast in (torch.float64, None):
+            leaves = [x.to(cast or dtype, copy=True).requires_grad_() for x in full]
+            out = (reference if cast else plain)(*leaves, window_left)
+            out.backward(dout.to(out.dtype))
+            answers.append([out.detach(), *(leaf.grad for leaf in leaves)])
+        rows = _rows(total, world, rank, layout)
+        mine = [x[:, rows].clone().requires_grad_() for x in full]
+        runs = SequenceRuns.of("test", mine[0], layout=layout, seq_lens=_lengths(total, world, layout),
+                               inputs=mine[1:])  # fmt: skip
+        out = relative_bias_attention(mine[0], mine[1], mine[2], mine[3].transpose(1, 2), mine[4].transpose(1, 2),
+                                      scale=SCALE, window_left=window_left, runs=runs, group_name=group.name,
+                                      group_pieces=list(range(world)))  # fmt: skip
+        out.backward(dout[:, rows])
+        got = [out.detach(), *(x.grad for x in mine)]
+        for name, ours, exact, yardstick in zip(("out", "dq", "dk", "dv", "dlogits", "dsinks"), got, *answers):
+            # Each row's gradient is whole on its own rank: the shares other ranks' halos and ring
+            # steps gave its k and v come home in the backward.
+            try:
+                rule.assert_within_rule(ours, exact[:, rows], yardstick[:, rows], dtype, f"{layout} E={extent} "
+                                        f"left={window_left} rank {rank} {name}")  # fmt: skip
+            except AssertionError as error:
+                failures.append(str(error))
+    return failures
+
+
+def _rows(total, world, rank, layout):
+    """The global rows rank holds: contiguous, or zigzag chunks r and 2P - 1 - r."""
+    if layout == "zigzag":
+        chunks = torch.arange(total).tensor_split(2 * world)
+        return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]])
+    return torch.arange(total).tensor_split(world)[rank]
+
+
+def _lengths(total, world, layout):
+    return [len(_rows(total, world, rank, layout)) for rank in range(world)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_within_twice_plain_torch_error(dtype):
+    failures = pool_for(3).run(run_low_precision, dtype)
     assert not [failure for per_rank in failures for failure in per_rank], failures

@@ -232,3 +232,30 @@ def _lengths(total, world, layout):
 def test_low_precision_within_twice_plain_torch_error(dtype):
     failures = pool_for(3).run(run_low_precision, dtype)
     assert not [failure for per_rank in failures for failure in per_rank], failures
+
+
+def test_a_ring_whose_lse_nothing_reads_takes_the_plain_backward(monkeypatch):
+    """The ring op's backward gets grad_lse None (not zeros) where the loss reads out
+    only, eager and compiled: a zero grad_lse would still take the lse path (one more
+    column for the aten kernels, and on a GPU the memory-efficient kernel for it)."""
+    import seqpar_kernels as sp
+    from seqpar_kernels.engine import ring_driver
+
+    seen = []
+    plain_inputs = ring_driver.backward_inputs
+
+    def spy(steps, out, dout, grad_lse=None):
+        seen.append(grad_lse)
+        return plain_inputs(steps, out, dout, grad_lse)
+
+    monkeypatch.setattr(ring_driver, "backward_inputs", spy)
+    q, k, v = (torch.randn(1, 16, 2, 8, requires_grad=True) for _ in range(3))
+    sp.ring_attention(q, k, v, causal=True).sum().backward()
+    sp.ring_attention(q, k, v, causal=True, return_lse=True)[0].sum().backward()
+    compiled = torch.compile(lambda q, k, v: sp.ring_attention(q, k, v, causal=True), backend="aot_eager")
+    compiled(q, k, v).sum().backward()
+    group_name = resolve_group(None).name
+    out, lse = ring_attention_forward(q, k, v, causal=True, softmax_scale=SCALE, zigzag=False, group_name=group_name,
+                                      step_kernels="aten", seq_lens=[16])  # fmt: skip
+    (out.sum() + lse.sum()).backward()
+    assert [grad is None for grad in seen] == [True, True, True, False], seen

@@ -62,6 +62,9 @@ def register_attention_autograd(forward_op, backward_op, lse_differentiable: boo
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = tuple(args)
+        # An output nothing read (lse, mostly) gets None, not zeros: a zero grad_lse would
+        # still send the backward down its lse path (one more column for the aten kernels).
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors

@@ -117,9 +117,10 @@ def backward_inputs(steps: StepBackend, out, dout, grad_lse=None):
         return dout, out, delta
     if delta is not None:
         return dout, out, delta - grad_lse
-    lowered = -grad_lse.transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    lowered = -grad_lse.transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1) fp32
     dout = torch.cat([dout, torch.ones_like(lowered, dtype=dout.dtype)], dim=-1)
-    return dout, torch.cat([out, lowered.to(out.dtype)], dim=-1), None
+    # out in fp32, so that grad_lse is not rounded to a bf16 out (the CPU kernels read fp32).
+    return dout, torch.cat([out.float(), lowered], dim=-1), None
 
 
 def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:

@@ -421,6 +421,8 @@ def run_unsupported_cases():
     # Positions counted from 0 on every rank (a model given only its tokens).
     if torch.distributed.get_world_size() > 1:
         problems["local positions"] = raises(lambda: model.model(input_ids=local["input_ids"]), "global positions")
+    # Attention weights asked for: the model would return no attentions at all.
+    problems["output_attentions"] = raises(lambda: model.model(**local, output_attentions=True), "output_attentions")
     # Dropout while training.
     dropout_model = model_with(attention_dropout=0.1).train()
     problems["dropout"] = raises(lambda: dropout_model.model(**local), "dropout")

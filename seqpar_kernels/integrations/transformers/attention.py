@@ -213,6 +213,10 @@ def _attention(mode: str, module, query, key, value, attention_mask, dropout=0.0
     query: (batch, nheads, seqlen_local, headdim); key, value: (batch, nheads_kv,
     seqlen_local, headdim). Returns ((batch, seqlen_local, nheads, headdim), None)."""
     describe = f"{IMPLEMENTATIONS[mode]} attention in {type(module).__name__}"
+    if kwargs.get("output_attentions"):
+        # The model would record this function's None weights as no attentions at all.
+        raise ValueError(f"{describe}: output_attentions=True: sequence-parallel attention never forms the attention "
+                         "weights (its softmax runs block by block); run without it, or in one process")  # fmt: skip
     settings = _settings_of(module, mode)
     if isinstance(attention_mask, IndexedMask):  # a DSA layer: the keys its indexer chose (indexed.py)
         _check_call(describe, module, query, key, dropout, kwargs)

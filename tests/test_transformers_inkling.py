@@ -34,7 +34,7 @@ LOOP = dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
             n_layers_per_attn_res_block=1)  # fmt: skip
 
 
-def _model(looped: bool, seed: int = 0):
+def _model(looped: bool, seed: int = 0, **overrides):
     """A tiny random Inkling 2 (looped: Inkling 2 Loop) on eager attention, with the
     parameters its init zeroes (dynamic convolutions' static taps, the residuals'
     queries) drawn, so that they matter."""
@@ -47,7 +47,7 @@ def _model(looped: bool, seed: int = 0):
         rel_extent=7, log_scaling_n_floor=8, conv_kernel_size=3, moe_intermediate_size=16, n_routed_experts=4,
         num_experts_per_tok=2, max_position_embeddings=256, use_cache=False,
     )  # fmt: skip
-    config = getattr(transformers, f"{prefix}TextConfig")(**{**settings, **(LOOP if looped else {})})
+    config = getattr(transformers, f"{prefix}TextConfig")(**{**settings, **(LOOP if looped else {}), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     model.set_attn_implementation("eager")
@@ -58,14 +58,14 @@ def _model(looped: bool, seed: int = 0):
     return model
 
 
-def parity_failures(looped: bool, mode: str, layout: str, groups: dict, kind: str = "dense") -> list[str]:
+def parity_failures(looped: bool, mode: str, layout: str, groups: dict, kind: str = "dense", **overrides) -> list[str]:
     """The loss and every parameter's gradient (summed over the ranks) of the model in
     `mode` on a batch of `kind` (integration._batch's) against the single-process
     model's (packed: each document alone, as the model's convolutions read across
-    documents without seq_idx): the failures."""
+    documents without seq_idx), the config changed by `overrides`: the failures."""
     import seqpar_kernels.integrations.transformers as sp_transformers
 
-    reference = _model(looped)
+    reference = _model(looped, **overrides)
     model = copy.deepcopy(reference)
     sp_transformers.apply(model, mode, layout=layout, **groups)
     batch, labels, positions = integration._batch(kind, SEQLEN)
@@ -82,7 +82,7 @@ def parity_failures(looped: bool, mode: str, layout: str, groups: dict, kind: st
         error = integration._relative_error(ours.grad, theirs.grad)
         if not error <= integration.FP32_GRAD_RTOL:
             failures.append(f"grad of {name} relative error {error:.2e}")
-    return [f"{mode} {layout} {kind}: {failure}" for failure in failures]
+    return [f"{mode} {layout} {kind} {overrides}: {failure}" for failure in failures]
 
 
 @on_every_rank
@@ -104,10 +104,10 @@ def run_inkling(looped: bool):
 
 @on_every_rank
 def run_inkling_modes(looped: bool, cases):
-    """The parity failures of each (mode, layout, batch kind) case."""
+    """The parity failures of each (mode, layout, batch kind, config overrides) case."""
     failures = []
-    for mode, layout, kind in cases:
-        failures += parity_failures(looped, mode, layout, integration._parallelism(mode, 2), kind)
+    for mode, layout, kind, *overrides in cases:
+        failures += parity_failures(looped, mode, layout, integration._parallelism(mode, 2), kind, **dict(*overrides))
     return failures
 
 
@@ -124,11 +124,13 @@ def test_inkling2_matches_the_single_process_model(world_size, looped):
 # The ring (the bias's near band from halos, the rest over the shifted ring) and USP (that
 # ring over the 2 x 2 grid): contiguous on 3 ranks, balanced (zigzag) on 2, both on 4;
 # packed documents (5, 1, 17 and 14 tokens) in balanced plans on 3 and 4 ranks, and in
-# Ulysses mode (a ring over the Ulysses group) on 3.
+# Ulysses mode (a ring over the Ulysses group) on 3; a window (11) and an extent (13)
+# longer than USP's pieces of 9-10 tokens, so that the halos span two ranks.
 @pytest.mark.parametrize("world_size, looped, cases", [
     (2, True, [("ring", "balanced", "dense")]),
     (3, False, [("ring", "contiguous", "dense"), ("ring", "balanced", "packed"), ("ulysses", "contiguous", "packed")]),
-    (4, False, [("usp", "balanced", "dense"), ("usp", "contiguous", "dense"), ("usp", "balanced", "packed")]),
+    (4, False, [("usp", "balanced", "dense"), ("usp", "balanced", "packed"),
+                ("usp", "contiguous", "dense", dict(sliding_window_size=11, rel_extent=13))]),
 ], ids=["P2-ring-balanced-loop", "P3-ring", "P4-usp"])  # fmt: skip
 def test_inkling2_ring_and_usp_match_the_single_process_model(world_size, looped, cases):
     if looped and not hasattr(transformers, "Inkling2LoopTextConfig"):

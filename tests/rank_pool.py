@@ -25,7 +25,7 @@ TIMEOUT_SECONDS = float(os.environ.get("SEQPAR_TEST_TIMEOUT", "300"))
 FAILURE_GRACE_SECONDS = 5.0
 # Groups a rank may keep (cached by tests, or held where the pool cannot free them: DTensor
 # parameters of a finished FSDP2 test) before the pool restarts: each holds three threads.
-MAX_GROUPS = 32
+MAX_GROUPS = 64
 
 
 def _free_port() -> int:

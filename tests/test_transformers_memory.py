@@ -7,7 +7,9 @@ under autocast: within twice the untiled error against fp64), and its peak is bo
 by one tile's intermediates plus what scales with the tokens alone (the output and the
 input's gradient), a bound the untiled MLP exceeds. Offloaded activation checkpoints
 give the same gradients and lower the allocator's peak by at least the checkpoints of
-all layers but one. Peaks: the CPU allocator's own counters (peak_cpu_memory).
+all layers but one. Peaks: the CPU allocator's own counters (peak_cpu_memory). And on
+2 gloo ranks, a tensor-parallel MLP (DTensor parameters, activations inside it DTensors)
+tiled and offloaded gives the whole MLP's gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from conftest import pool_for  # noqa: E402
 
 from seqpar_kernels.testing import peak_cpu_memory  # noqa: E402
 
@@ -143,3 +147,55 @@ def test_offloaded_checkpoints_give_the_same_gradients_in_less_memory():
     # At the peak (a layer's recompute in the backward) the other layers' checkpoints
     # are in host memory.
     assert plain_peak - offloaded_peak >= (layers - 1) * checkpoint, (plain_peak, offloaded_peak)
+
+
+def run_tensor_parallel_mlp() -> dict:
+    """On each of 2 ranks: a Llama MLP sharded as its tensor-parallel plan says (gate/up
+    column-wise, down row-wise), tiled by 16 tokens, and untiled under
+    offload_activations (min_bytes=0: every saved activation offloaded, the DTensors
+    inside the sharded layers too), against the whole MLP: the input's and every
+    parameter's gradient (relative max error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from seqpar_kernels.integrations.transformers import offload_activations, tile_mlp
+
+    whole = _model(layers=1).model.layers[0]
+    x = torch.randn(2, 37, HIDDEN, generator=torch.Generator().manual_seed(4))  # 74 tokens: 4 tiles and one of 10
+    x_whole = x.clone().requires_grad_(True)
+    whole.mlp(x_whole).square().sum().backward()
+    mesh = init_device_mesh("cpu", (2,))
+    errors, offloaded = {}, {}
+    for kind in ("tiled", "offloaded"):
+        layer = copy.deepcopy(whole)
+        layer.zero_grad(set_to_none=True)
+        plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+        parallelize_module(layer.mlp, mesh, plan)
+        x_ours = x.clone().requires_grad_(True)
+        if kind == "tiled":
+            assert tile_mlp(layer, 16) == 1
+            layer.mlp(x_ours).square().sum().backward()
+        else:
+            saved = []
+
+            class Counting(offload_activations):  # counts the DTensors it is handed
+                def _pack(self, tensor):
+                    saved.append(isinstance(tensor, DTensor) and not tensor.is_leaf)
+                    return super()._pack(tensor)
+
+            with Counting(min_bytes=0) as hooks:
+                out = layer.mlp(x_ours)
+            out.square().sum().backward()
+            offloaded = {"bytes": hooks.offloaded_bytes, "dtensor activations": sum(saved)}
+        errors[kind] = {"x": _relative(x_ours.grad, x_whole.grad)}
+        for (name, parameter), reference in zip(layer.mlp.named_parameters(), whole.mlp.parameters()):
+            errors[kind][name] = _relative(parameter.grad.full_tensor(), reference.grad)
+    return {"errors": errors, "offloaded": offloaded}
+
+
+def test_tiled_and_offloaded_tensor_parallel_mlp_gives_the_whole_gradients():
+    for result in pool_for(2).run(run_tensor_parallel_mlp):
+        assert result["offloaded"]["bytes"] > 0 and result["offloaded"]["dtensor activations"] > 0, result["offloaded"]
+        for kind, errors in result["errors"].items():
+            assert all(error <= 1e-5 for error in errors.values()), (kind, errors)

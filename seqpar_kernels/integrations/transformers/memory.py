@@ -36,6 +36,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 # The attribute tile_mlp() sets on an MLP: its tokens per tile (and its forward is the tiled one).
 TILE_ATTRIBUTE = "seqpar_tile_tokens"
@@ -92,9 +93,9 @@ class TiledTokenwise(torch.autograd.Function):
         needs_x = ctx.needs_input_grad[2]
         wanted = [index for index, needed in enumerate(ctx.needs_input_grad[3:]) if needed]
         grad_x = torch.empty_like(rows) if needs_x else None
-        # Parameter gradients summed over the tiles in fp32 (one rounding for fp16/bf16).
-        sums = {index: torch.zeros(params[index].shape, dtype=torch.float32, device=params[index].device)
-                for index in wanted}  # fmt: skip
+        # Parameter gradients summed over the tiles in fp32 (one rounding for fp16/bf16); zeros_like
+        # keeps a tensor-parallel parameter's DTensor placements, which its tiles' gradients have.
+        sums = {index: torch.zeros_like(params[index], dtype=torch.float32) for index in wanted}
         device_type, autocast_enabled, autocast_dtype = ctx.autocast
         for start in range(0, rows.shape[0], ctx.tile_tokens):
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
@@ -202,10 +203,21 @@ class _Offloaded:
         self.host, self.device, self.stored, self.fetched = host, device, stored, None
 
 
+class _OffloadedShard:
+    """A DTensor saved for the backward: its local shard offloaded (an _Offloaded) and
+    what rebuilds it."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: _Offloaded, mesh, placements, shape, stride):
+        self.local, self.mesh, self.placements, self.shape, self.stride = local, mesh, placements, shape, stride
+
+
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     """While active, every tensor autograd saves for the backward that is an activation
     (not a parameter or another leaf that requires grad) of at least min_bytes is copied
-    to host memory and freed on the device; the backward gets it back.
+    to host memory and freed on the device; the backward gets it back. A DTensor (inside
+    a tensor-parallel layer) offloads its local shard, min_bytes counted on the shard.
 
     Meant around the forward of a model with activation checkpointing: what is saved
     then is each layer's input (the checkpoints, layers x tokens x hidden) and a few
@@ -240,6 +252,15 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         return self._streams[device]
 
     def _pack(self, tensor: torch.Tensor):
+        if isinstance(tensor, DTensor):  # a tensor-parallel layer's activation: its local shard goes
+            if tensor.requires_grad and tensor.is_leaf:
+                return tensor
+            with torch.no_grad():
+                local = tensor.to_local()
+            packed = self._pack(local)
+            if packed is local:
+                return tensor
+            return _OffloadedShard(packed, tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
         nbytes = tensor.numel() * tensor.element_size()
         if (tensor.requires_grad and tensor.is_leaf) or nbytes == 0 or nbytes < self.min_bytes \
                 or tensor.layout != torch.strided:  # fmt: skip
@@ -280,6 +301,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         offloaded.fetched = (fetched, ready)
 
     def _unpack(self, packed):
+        if isinstance(packed, _OffloadedShard):
+            local = self._unpack(packed.local)
+            return DTensor.from_local(local, packed.mesh, packed.placements, run_check=False, shape=packed.shape,
+                                      stride=packed.stride)  # fmt: skip
         if not isinstance(packed, _Offloaded):
             return packed
         if packed.device.type != "cuda":

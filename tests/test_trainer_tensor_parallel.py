@@ -1,19 +1,32 @@
-"""SequenceParallelTrainer with tensor parallelism on its mesh: tensor 2 x sequence 2 on 4
-gloo ranks (the tiny Llama's 4 heads and 2 kv heads: 2 and 1 per tensor rank), asked for
-by tensor_parallel_size=2 (Ulysses, the mixin averaging the gradients over the sequence
-ranks itself) and by accelerate's ParallelismConfig(tp_size=2, cp_size=2) with FSDP2
-over the sequence ranks on the tensor-parallel parameters (the ring, balanced), against
-the plain Trainer in one process on the same batches: every step's loss and grad_norm,
-eval_loss, train_loss and every parameter after 3 SGD steps of 2 micro-batches, fp32
-(tolerances: test_transformers_trainer's). And a tensor degree the heads cannot take
-raises on every rank, naming the numbers.
+"""SequenceParallelTrainer with tensor parallelism on its mesh, on 4 gloo ranks (the tiny
+Llama's 4 heads and 2 kv heads: 2 and 1 per tensor rank), against the plain Trainer in
+one process on the same global batches: every step's loss and grad_norm, eval_loss,
+train_loss and every parameter after 3 SGD steps of 2 micro-batches, fp32 (tolerances:
+test_transformers_trainer's). The runs:
+- tensor 2 x sequence 2 asked by tensor_parallel_size=2 (Ulysses, the mixin averaging
+  the gradients over the sequence ranks itself), saving a checkpoint and the final
+  model: each file holds the whole model, equal to the trained shards gathered;
+- the same from accelerate's ParallelismConfig(tp_size=2, cp_size=2) with FSDP2 over
+  the sequence ranks on the tensor-parallel parameters (the ring, balanced), saving too;
+- with gradient checkpointing, tiled MLPs and offloaded activations;
+- USP (tensor 2 x ring 2 x Ulysses 1);
+- 2 data replicas x tensor 2 (sequence_parallel_size=1);
+- a LoRA PeftModel (q_proj, v_proj column-wise, down_proj row-wise: the adapter's halves
+  sharded with them) under FSDP2, against the plain Trainer on the same PeftModel, and
+  the adapter its save_model writes.
+And what cannot be honoured raises on every rank, naming why: a tensor degree the heads
+cannot take, saving optimizer state, loading the best model at the end, saving on each
+node, resuming from a checkpoint, DoRA and LoRA dropout on a column-wise layer.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import tempfile
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -21,6 +34,7 @@ pytest.importorskip("accelerate")
 from conftest import pool_for  # noqa: E402
 from on_ranks import raises  # noqa: E402
 from test_transformers_trainer import (  # noqa: E402
+    SEQUENCE_PARALLEL_KEYS,
     _arguments,
     _as_torchrun_started,
     _case,
@@ -40,70 +54,197 @@ ACCUMULATE = dict(max_steps=3, gradient_accumulation_steps=2)
 ULYSSES = _case("ulysses", "contiguous", args=ACCUMULATE)
 # The same training from the reference's view (it drops the mode, the layout and fsdp).
 RING_FSDP2 = _case("ring", "balanced", args=dict(ACCUMULATE, fsdp=True, fsdp_config={"version": 2}))
+MEMORY = _case("ulysses", "contiguous", tiled_mlp=16, offload_activations=True,
+               args=dict(ACCUMULATE, gradient_checkpointing=True))  # fmt: skip
+USP = _case("usp", "balanced", args=ACCUMULATE)
+REPLICAS = _case("ulysses", "contiguous", replicas=2, args=ACCUMULATE)
+# Saved at the last step (a checkpoint holding the model only) and by save_model after training.
+SAVE = dict(save_strategy="steps", save_steps=3, save_only_model=True)
 
 
-def _trainer(case: dict, directory: str, **options):
-    """The case's SequenceParallelTrainer on this rank, with `options` (the Trainer's
-    tensor_parallel_size, sequence_parallel_size, or parallelism_config for its
-    TrainingArguments)."""
+def _lora_model(dropout: float = 0.0, dora: bool = False):
+    """The tiny Llama with LoRA on q_proj, v_proj (column-wise under tensor parallelism)
+    and down_proj (row-wise); B random too, so every adapter weight moves from step 1."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                        lora_dropout=dropout, use_dora=dora)  # fmt: skip
+    torch.manual_seed(1)
+    return get_peft_model(_model(), config)
+
+
+def _trainer(case: dict, directory: str, model=None, plain: bool = False, **options):
+    """The case's SequenceParallelTrainer on this rank (or, plain, the Trainer in one
+    process), with `options`: the Trainer's tensor_parallel_size, sequence_parallel_size,
+    parallelism_config or TrainingArguments' overrides (args=)."""
+    from transformers import Trainer
+
     from seqpar_kernels.integrations.transformers import SequenceParallelTrainer
 
     config = options.pop("parallelism_config", None)
-    args = _arguments(directory, 2, parallelism_config=config, **case["args"])
-    return SequenceParallelTrainer(model=_model(), args=args, train_dataset=_dataset(),
-                                   eval_dataset=_dataset(6, seed=2), data_collator=_collator(case["collator"]),
-                                   mode=case["mode"], layout=case["layout"], **options)  # fmt: skip
+    settings = {**case["args"], **options.pop("args", {})}
+    if plain:
+        settings = {key: value for key, value in settings.items() if key not in ("fsdp", "fsdp_config")}
+    args = _arguments(directory, 2, parallelism_config=config, **settings)
+    common = dict(model=_model() if model is None else model, args=args, train_dataset=_dataset(),
+                  eval_dataset=_dataset(6, seed=2), data_collator=_collator(case["collator"]))  # fmt: skip
+    if plain:
+        return Trainer(**common)
+    sequence_parallel = {key: case[key] for key in SEQUENCE_PARALLEL_KEYS if key in case}
+    return SequenceParallelTrainer(**common, **sequence_parallel, **options)
 
 
-def _trained(case: dict, **options) -> dict:
-    """The run on this rank: its log, evaluation, the full parameters (rank 0), its data
-    index, its mesh's dims, and its q_proj's local and full rows."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _saved_files(directory: str) -> dict:
+    """The tensors of every safetensors file under directory, by its relative path."""
+    from safetensors.torch import load_file
+
+    return {os.path.relpath(os.path.join(root, name), directory): load_file(os.path.join(root, name))
+            for root, _, names in os.walk(directory) for name in names if name.endswith(".safetensors")}  # fmt: skip
+
+
+def _trained(case: dict, save: bool = False, model=None, trainable_only: bool = False, **options) -> dict:
+    """The run on this rank: its log, evaluation, the full parameters (rank 0; only the
+    trainable ones for a PeftModel), its data index, its mesh's dims, its q_proj's local
+    and full rows, and (save) the safetensors files the run wrote (rank 0)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    rank = dist.get_rank()
     with tempfile.TemporaryDirectory() as directory:
-        trainer = _trainer(case, directory, **options)
+        trainer = _trainer(case, directory, model=model, args=SAVE if save else {}, **options)
         trainer.train()
         metrics = trainer.evaluate()
-    weights = {name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-               for name, tensor in trainer.model.state_dict().items()}  # fmt: skip
-    q_proj = trainer.model.model.layers[0].self_attn.q_proj.weight
+        if save:
+            trainer.save_model(os.path.join(directory, "final"))
+        files = _saved_files(directory) if save and rank == 0 else None
+    named = trainer.model.named_parameters() if trainable_only else trainer.model.state_dict().items()
+    # Every rank gathers (collective); rank 0 keeps them.
+    weights = {name: _whole(tensor) for name, tensor in named if not trainable_only or tensor.requires_grad}
+    q_proj = trainer.model.get_decoder().layers[0].self_attn.q_proj
+    q_proj = getattr(q_proj, "base_layer", q_proj).weight
     sp = trainer.sequence_parallel
-    return {"log": trainer.state.log_history, "eval": metrics, "weights": weights if dist.get_rank() == 0 else None,
+    return {"log": trainer.state.log_history, "eval": metrics, "weights": weights if rank == 0 else None,
             "data_rank": sp.data_rank, "dims": sp.mesh_dims.mesh.mesh_dim_names, "piece": sp.piece,
-            "q_rows": (q_proj.to_local().shape[0], q_proj.shape[0])}  # fmt: skip
+            "q_rows": (q_proj.to_local().shape[0] if isinstance(q_proj, DTensor) else None, q_proj.shape[0]),
+            "files": files}  # fmt: skip
+
+
+def run_lora_reference() -> dict:
+    """The plain Trainer in one process on the LoRA PeftModel: the reference's result."""
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = _trainer(RING_FSDP2, directory, model=_lora_model(), plain=True)
+        trainer.train()
+        metrics = trainer.evaluate()
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    return {"log": trainer.state.log_history, "eval": metrics, "weights": weights}
+
+
+def _refusals(directory: str) -> dict:
+    """What raises at construction (or at train()), on every rank: None where it raised as expected."""
+    refused = {
+        # 4 tensor ranks over the 2 kv heads: a rank would hold half a kv head.
+        "heads": (lambda: _trainer(ULYSSES, directory, tensor_parallel_size=4),
+                  r"tensor parallelism over 4 ranks .* the model has 4 and 2"),
+        "optimizer state": (lambda: _trainer(ULYSSES, directory, tensor_parallel_size=2,
+                                             args=dict(save_strategy="steps")),
+                            r"saves no optimizer state: pass save_only_model=True"),
+        "best model": (lambda: _trainer(ULYSSES, directory, tensor_parallel_size=2,
+                                        args=dict(SAVE, eval_strategy="steps", eval_steps=3,
+                                                  load_best_model_at_end=True)),
+                       r"load_best_model_at_end would load a whole checkpoint into a model sharded by tensor"),
+        "each node": (lambda: _trainer(ULYSSES, directory, tensor_parallel_size=2,
+                                       args=dict(SAVE, save_on_each_node=True)),
+                      r"save_on_each_node: a model sharded by tensor parallelism is gathered whole on the first"),
+        "resume": (lambda: _trainer(RING_FSDP2, directory, tensor_parallel_size=2,
+                                    args=SAVE).train(resume_from_checkpoint=True),
+                   r"resume_from_checkpoint: .* saves its weights only"),
+        "dora": (lambda: _trainer(ULYSSES, directory, model=_lora_model(dora=True), tensor_parallel_size=2),
+                 r"runs plain LoRA on layers.0.self_attn.q_proj; its adapters \['default'\] are a LoRA variant"),
+        "lora dropout": (lambda: _trainer(ULYSSES, directory, model=_lora_model(dropout=0.1), tensor_parallel_size=2),
+                         r"shards layers.0.self_attn.q_proj column-wise, and its LoRA adapters \['default'\] drop out"),
+    }  # fmt: skip
+    return {name: raises(call, match) for name, (call, match) in refused.items()}
 
 
 def run_tensor_parallel_trainers() -> dict:
-    """On every rank: the tensor_parallel_size run, the ParallelismConfig + FSDP2 run, and
-    what raises."""
+    """On every rank: each run of the module docstring, and what raises."""
     from accelerate.parallelism_config import ParallelismConfig
 
     _as_torchrun_started()
     results = {
-        "tensor_parallel_size": _trained(ULYSSES, tensor_parallel_size=2),
-        "parallelism_config": _trained(RING_FSDP2, parallelism_config=ParallelismConfig(tp_size=2, cp_size=2)),
-    }
+        "tensor_parallel_size": _trained(ULYSSES, save=True, tensor_parallel_size=2),
+        "parallelism_config": _trained(RING_FSDP2, save=True,
+                                       parallelism_config=ParallelismConfig(tp_size=2, cp_size=2)),
+        "memory": _trained(MEMORY, tensor_parallel_size=2),
+        "usp": _trained(USP, tensor_parallel_size=2),
+        "replicas": _trained(REPLICAS, tensor_parallel_size=2, sequence_parallel_size=1),
+        "lora": _trained(RING_FSDP2, save=True, model=_lora_model(), trainable_only=True, tensor_parallel_size=2),
+    }  # fmt: skip
     with tempfile.TemporaryDirectory() as directory:
-        # 4 tensor ranks over the 2 kv heads: a rank would hold half a kv head.
-        results["refused"] = raises(
-            lambda: _trainer(ULYSSES, directory, tensor_parallel_size=4),
-            r"tensor parallelism over 4 ranks .* the model has 4 and 2",
-        )
+        results["refused"] = _refusals(directory)
     return results
 
 
-def test_tensor_times_sequence_matches_the_plain_trainer():
-    per_rank = pool_for(4).run(run_tensor_parallel_trainers)
+def _saved_problems(result: dict) -> list[str]:
+    """The whole model in the checkpoint and in save_model's files, equal to the trained
+    weights gathered from their shards."""
+    files = result["files"]
+    expected = {f"checkpoint-3{os.sep}model.safetensors", f"final{os.sep}model.safetensors"}
+    if set(files) != expected:
+        return [f"safetensors files {sorted(files)}, expected {sorted(expected)}"]
+    return [f"{path}: {name}" for path, tensors in files.items() for name, weight in result["weights"].items()
+            if name not in tensors or not torch.equal(tensors[name], weight)]  # fmt: skip
+
+
+@functools.cache
+def _runs() -> list[dict]:
+    """Every rank's results of run_tensor_parallel_trainers (one pool run for both tests)."""
+    return pool_for(4).run(run_tensor_parallel_trainers)
+
+
+def test_tensor_parallelism_in_the_trainer_matches_the_plain_trainer():
+    per_rank = _runs()
     reference = _reference(ULYSSES)
-    assert _reference(RING_FSDP2) is reference  # one reference: the same training
+    # One reference: the same training (the mode, the layout, fsdp and the memory options change nothing).
+    assert _reference(RING_FSDP2) is reference and _reference(MEMORY) is not None
     # q_proj's 64 rows (4 heads): 32 on each tensor rank, FSDP2 halving them over the 2 sequence ranks.
-    for kind, rows in (("tensor_parallel_size", 32), ("parallelism_config", 16)):
-        problems = _differences(per_rank[0][kind], reference)
+    runs = {"tensor_parallel_size": (ULYSSES, 32), "parallelism_config": (RING_FSDP2, 16), "memory": (MEMORY, 32),
+            "usp": (USP, 32), "replicas": (REPLICAS, 32)}  # fmt: skip
+    for kind, (case, rows) in runs.items():
+        problems = _differences(per_rank[0][kind], _reference(case))
         assert not problems, (kind, problems)
+        assert all(result[kind]["q_rows"] == (rows, 64) for result in per_rank), kind
+    for kind in ("tensor_parallel_size", "parallelism_config", "memory"):
         # Ranks (piece 0, tp 0), (0, 1), (1, 0), (1, 1): one replica.
         assert per_rank[0][kind]["dims"] == ("dp_replicate", "dp_shard", "sequence", "tp"), kind
         assert [result[kind]["piece"] for result in per_rank] == [0, 0, 1, 1], kind
-        assert all(result[kind]["data_rank"] == 0 and result[kind]["q_rows"] == (rows, 64) for result in per_rank), kind
+        assert all(result[kind]["data_rank"] == 0 for result in per_rank), kind
+    assert per_rank[0]["usp"]["dims"] == ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
+    # Replicas: ranks (replica 0, tp 0), (0, 1), (1, 0), (1, 1).
+    assert [result["replicas"]["data_rank"] for result in per_rank] == [0, 0, 1, 1]
+    for kind in ("tensor_parallel_size", "parallelism_config"):
+        problems = _saved_problems(per_rank[0][kind])
+        assert not problems, (kind, problems)
     for rank, result in enumerate(per_rank):
-        assert result["refused"] is None, (rank, result["refused"])
+        assert not any(result["refused"].values()), (rank, result["refused"])
+
+
+def test_lora_with_tensor_parallelism_matches_the_plain_trainer():
+    per_rank = _runs()
+    [reference] = pool_for(1).run(run_lora_reference)
+    ours = per_rank[0]["lora"]
+    problems = _differences(ours, reference)
+    assert not problems, problems
+    assert sorted(ours["weights"]) == sorted(reference["weights"]) and len(ours["weights"]) == 12
+    # save_model wrote the adapter alone: its 12 tensors, whole, as trained.
+    adapter = ours["files"][f"final{os.sep}adapter_model.safetensors"]
+    assert len(adapter) == 12, sorted(adapter)
+    for name, tensor in adapter.items():
+        trained = ours["weights"][name.replace(".weight", ".default.weight")]
+        assert torch.equal(tensor, trained), name

@@ -12,16 +12,28 @@ output summed over the tensor ranks); the MLP column-wise then row-wise. Activat
 between layers stay plain tensors, whole over the tensor dims. The embeddings and the
 LM head stay whole on every rank (replicated over the tensor dims): the loss's sum and
 count need no reduction over them, and their gradients are the same on every tensor
-rank. What tensor parallelism cannot honour raises ValueError before any parameter is
-sharded, alike on every rank (it reads the config, the same everywhere): heads or
-key/value heads that T does not divide (a rank would hold part of a head), a plan style
-other than column-wise and row-wise, a model already sharded.
+rank.
+
+PEFT's LoRA on a layer of the plan (q_proj = lora.Linear(base_layer, lora_A, lora_B)):
+its base layer is sharded as the plan says, and the adapter so that its output adds to
+the base's shard: column-wise, lora_B column-wise (lora_A whole: its gradient, from
+the all-reduced gradient of its output, is the same on every tensor rank); row-wise,
+lora_A row-wise (its r-wide output summed over the tensor ranks) and lora_B whole.
+
+What tensor parallelism cannot honour raises ValueError before any parameter is
+sharded, alike on every rank (it reads the config and the modules, the same
+everywhere): heads or key/value heads that T does not divide (a rank would hold part of
+a head), a plan style other than column-wise and row-wise, a model already sharded, a
+module of the plan that is neither a Linear nor a plain LoRA Linear of one (DoRA and
+other variants, other adapters), LoRA dropout before a column-wise layer (each tensor
+rank would draw its own mask over the same input, whose adapter output they share).
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatch
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -66,8 +78,47 @@ def shard_layers(describe: str, model, parallelism: SequenceParallelism) -> None
         raise ValueError(f"{describe}: tensor_dims= shards the model itself; {sharded[:3]} are DTensors already "
                          "(apply() comes before fully_shard and instead of parallelize_module)")  # fmt: skip
     base = model.base_model
-    targets = [name for name, _ in base.named_modules() if any(fnmatch(name, path) for path in plan)]
+    targets = {name: (module, style) for name, module in base.named_modules()
+               for path, style in plan.items() if fnmatch(name, path)}  # fmt: skip
     if not targets:  # parallelize_module would only warn, leaving every layer whole
         raise ValueError(f"{describe}: no module of {type(base).__name__} matches its tensor-parallel plan's paths "
                          f"{sorted(plan)}")  # fmt: skip
-    parallelize_module(base, parallelism.tensor_mesh(), {path: STYLES[style]() for path, style in plan.items()})
+    styles = {}
+    for name, (module, style) in targets.items():
+        styles.update(_module_plan(describe, name, module, style))
+    parallelize_module(base, parallelism.tensor_mesh(), {name: STYLES[style]() for name, style in styles.items()})
+
+
+def _module_plan(describe: str, name: str, module: torch.nn.Module, style: str) -> dict[str, str]:
+    """The styles that shard one module of the plan (by its name under base_model): the
+    module itself where it is a Linear; for PEFT's LoRA Linear, its base layer and the
+    adapter's matching half (module docstring); ValueError for anything else."""
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return {name: style}
+    base_layer = getattr(module, "base_layer", None)
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if not (isinstance(base_layer, torch.nn.Linear) and isinstance(lora_a, torch.nn.ModuleDict)
+            and isinstance(lora_b, torch.nn.ModuleDict)):  # fmt: skip
+        raise ValueError(
+            f"{describe}: tensor parallelism shards {name} {style}-wise, which takes a Linear (or PEFT's LoRA Linear "
+            f"around one); it is a {type(module).__name__}"
+        )
+    magnitudes = getattr(module, "lora_magnitude_vector", None) or {}  # DoRA's, in PEFT releases before lora_variant
+    variants = sorted(set(getattr(module, "lora_variant", None) or {}) | set(magnitudes))
+    if variants or getattr(module, "merged_adapters", None):
+        raise ValueError(
+            f"{describe}: tensor parallelism runs plain LoRA on {name}; its adapters {variants or 'merged'} are "
+            "a LoRA variant (DoRA, ...) or merged into the weight, whose full-weight terms a tensor rank cannot form"
+        )
+    if style == "colwise":
+        dropping = sorted(adapter for adapter, dropout in module.lora_dropout.items()
+                          if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0)  # fmt: skip
+        if dropping:
+            raise ValueError(
+                f"{describe}: tensor parallelism shards {name} column-wise, and its LoRA adapters {dropping} drop out "
+                "its input: each tensor rank would draw its own mask over the input they share; use "
+                "lora_dropout=0 (or no tensor parallelism)"
+            )
+    halves = {"colwise": ("lora_B", lora_b), "rowwise": ("lora_A", lora_a)}
+    attribute, adapters = halves[style]
+    return {f"{name}.base_layer": style, **{f"{name}.{attribute}.{adapter}": style for adapter in adapters}}

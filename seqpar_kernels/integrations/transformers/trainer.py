@@ -74,7 +74,9 @@ sampling strategy, a world size that sequence_parallel_size does not divide, deg
 that do not multiply to the world size and what trainer_mesh.trainer_degrees refuses
 (pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over the mesh
 does not take), a tensor degree that does not divide the heads (apply's checks),
-saving the optimizer's state of a model the mixin shards; when
+saving the optimizer's state of a model the mixin shards, or loading the best model at
+the end into it (its saves are whole models, gathered from the shards: save_model);
+at train(): resuming such a model from a checkpoint (no optimizer state); when
 train() or evaluate() makes a dataloader: batches dispatched from rank 0 (accelerate's
 dispatch_batches, its default for an IterableDataset), uneven replica batches
 (even_batches=False); at a batch, on every rank: keys shard_batch does not know, ranks
@@ -269,6 +271,16 @@ class SequenceParallelTrainerMixin:
                     f"{describe}: a model sharded by {what} saves no optimizer state: pass save_only_model=True or "
                     f"save_strategy='no' (got save_strategy={training_args.save_strategy!r})"
                 )
+            if training_args.save_on_each_node:
+                raise ValueError(
+                    f"{describe}: save_on_each_node: a model sharded by {what} is gathered whole on the first rank "
+                    "only, which writes it; save to a filesystem every node reads"
+                )
+            if training_args.load_best_model_at_end:
+                raise ValueError(
+                    f"{describe}: load_best_model_at_end would load a whole checkpoint into a model sharded by "
+                    f"{what}; load the saved model with from_pretrained instead"
+                )
         training_args = copy.copy(training_args)
         training_args.parallelism_config = None
         if self._degrees.fsdp:
@@ -352,6 +364,34 @@ class SequenceParallelTrainerMixin:
             if not getattr(parameter, "_seqpar_gradient_hook", False):  # train() may run more than once
                 parameter.register_post_accumulate_grad_hook(average_gradient)
                 parameter._seqpar_gradient_hook = True
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint not in (None, False) and self._sharded_before_the_trainer:
+            raise ValueError(
+                f"{type(self).__name__}: resume_from_checkpoint: a model sharded by FSDP2 over the mesh or tensor "
+                "parallelism saves its weights only (save_only_model=True), without the optimizer's state, so "
+                "training cannot resume exactly; start a new run from the saved model (from_pretrained)"
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save_model; for a model sharded before the Trainer (FSDP2 over
+        the mesh, tensor parallelism), every rank first gathers the whole state dict
+        (collective: torch.distributed.checkpoint's full state dict, on the CPU of the
+        first rank only), which the Trainer's writer then saves as from_pretrained loads
+        it: one model whatever the degrees."""
+        if not self._sharded_before_the_trainer:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model = self._unwrapped(self.model)
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:  # the world's first rank, which holds the gathered state dict
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=whole)
+        dist.barrier()  # the other ranks go on once the files are written
+        if self.args.push_to_hub and not _internal_call:
+            revision = getattr(self.args, "hub_revision", None)
+            self.push_to_hub(commit_message="Model save", **({"revision": revision} if revision else {}))
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):

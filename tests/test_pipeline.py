@@ -5,7 +5,7 @@ differ, against one process on every micro-batch: the loss of every step and eve
 parameter after the steps, fp32. Under the slow marker, 8 ranks: pipeline 2 x tensor 2
 x sequence 2 and data 2 x pipeline 2 x sequence 2. And what cannot work raises on every
 rank: tied embeddings across stages, a reduction over the pipeline dim (gradients and
-the loss), a pipeline dim the mesh lacks.
+the loss), a pipeline dim the mesh lacks, FSDP2 around the stage.
 """
 
 from __future__ import annotations
@@ -163,6 +163,20 @@ def run_refusals():
         sp_transformers.apply(model, "ring", layout="balanced", **dims)
         return model
 
+    def fully_sharded(model):  # FSDP2 over the sequence ranks, layer by layer, as torchtitan wraps
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["cp"])
+        return model
+
+    def fully_sharded_pipeline(model):
+        from torch.distributed.fsdp import fully_shard
+
+        stage = sp_transformers.pipeline(model, pipeline_dim="pp", schedule="GPipe", microbatches=2)
+        fully_shard(fully_sharded(stage.module), mesh=mesh["cp"])
+        return stage
+
     pipe = sp_transformers.pipeline(set_up(), pipeline_dim="pp", schedule="GPipe", microbatches=2)
     hidden, labels = torch.randn(1, 12, 64), torch.randint(0, VOCAB, (1, 12))
     stage = r"held by one pipeline stage of mesh dim 'pp' \(2 stages"
@@ -199,6 +213,14 @@ def run_refusals():
         "the loss over the pipeline dim": (
             lambda: sp_transformers.causal_lm_loss(pipe.module, hidden, labels, data_dims="pp", **dims),
             stage + r".*data_dims='pp'",
+        ),
+        "FSDP2 before pipeline()": (
+            lambda: sp_transformers.pipeline(fully_sharded(set_up()), pipeline_dim="pp", microbatches=2),
+            r"FSDP2 \(fully_shard\) wraps \['model.layers.0', 'model.layers.1', 'model.layers.2'\] of the pipeline",
+        ),
+        "FSDP2 after pipeline()": (  # every rank's message from the first failing one: its stage's layer
+            lambda: fully_sharded_pipeline(set_up()).step(_micro_batches(MICRO_BATCHES[:2], seed=0)),
+            r"FSDP2 \(fully_shard\) wraps \['the model itself', 'model.layers.0'",
         ),
         "micro-batches of other local shapes": (
             lambda: pipe.step(_micro_batches([([24], 0), ([3, 21], 0)], seed=0)),

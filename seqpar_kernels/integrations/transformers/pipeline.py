@@ -116,7 +116,12 @@ class SequencePipeline:
             for batch in micro_batches
         ]
         shapes = [tuple(batch["input_ids"].shape) for batch in local]
-        parallelism.checked(describe, lambda: _one_shape(describe, shapes))
+
+        def local_checks():
+            _not_fully_sharded(describe, self.module)  # fully_shard after pipeline()
+            return _one_shape(describe, shapes)
+
+        parallelism.checked(describe, local_checks)
         labels = [batch.pop("shift_labels") for batch in local]
         # Each micro-batch's real tokens over the sequence and data dims: its loss's weight is its share.
         counts = torch.stack([(label != IGNORE_INDEX).sum() for label in labels]).double()
@@ -144,6 +149,21 @@ class SequencePipeline:
         if shape not in self._runners:
             self._runners[shape] = _Runner(self, shape, device)
         return self._runners[shape]
+
+
+def _not_fully_sharded(describe: str, module) -> None:
+    """ValueError where FSDP2 (fully_shard) wraps the stage or a module of it: the last
+    stage's loss reads the LM head after the stage's forward, where FSDP2 holds it
+    sharded, and the schedule's stages would wait on each other's gathers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [name or "the model itself" for name, inner in module.named_modules() if isinstance(inner, FSDPModule)]
+    if wrapped:
+        raise ValueError(
+            f"{describe}: FSDP2 (fully_shard) wraps {wrapped[:3]} of the pipeline stage, which the pipeline does not "
+            "run: its loss reads the LM head outside the stage's forward, where FSDP2 holds it sharded. Keep each "
+            "stage's parameters whole and sum their gradients with all_reduce_gradients over the sequence and data dims"
+        )
 
 
 def _one_shape(describe: str, shapes):
@@ -211,11 +231,13 @@ def pipeline(model, *, pipeline_dim: str, schedule: str = "1F1B", microbatches: 
     pipeline dim the mesh lacks or that apply() was given as another dim, a schedule
     other than SCHEDULES, fewer micro-batches than stages (1F1B), stage_layers that do
     not add up, a model without the embeddings -> layers -> norm -> head structure,
-    mixed layer types (config.layer_types: the base model reads them by position), and
+    mixed layer types (config.layer_types: the base model reads them by position),
     tied embeddings on several stages (the first stage's embedding is the last stage's
-    head)."""
+    head), and FSDP2 around the model or any of its modules (also at step(), for
+    fully_shard after pipeline())."""
     describe = "pipeline"
     inner = transformers_model(model, describe)
+    _not_fully_sharded(describe, inner)
     parallelism = getattr(inner, SETTINGS_ATTRIBUTE, None)
     dims = parallelism.mesh_dims if parallelism is not None else None
     if dims is None:

@@ -2,8 +2,8 @@
 (seqpar_kernels/integrations/transformers/generation.py): small random models after
 apply(model, mode) on gloo ranks against the same model's generate in one process:
 greedy tokens equal, scores to fp32 rounding, sampling with the same seed, left-padded
-batches, a next turn over the returned cache, every rank's share of the cache; what
-cannot run raises."""
+batches, a next turn over the returned cache, every rank's share of the cache, the
+layers sharded by tensor parallelism beside the sequence; what cannot run raises."""
 
 from __future__ import annotations
 
@@ -242,6 +242,36 @@ def test_hybrid_models():
     ]  # fmt: skip
     cases.append(_case("usp", family="qwen3_next", family_spec=HYBRID_FAMILIES["qwen3_next"]))
     failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@on_every_rank
+def run_generate_tensor_parallel(mode: str, layout: str) -> list[str]:
+    """generate on a (cp 2, tp 2) mesh, the layers sharded over tp (each rank's cache
+    holds its tensor rank's kv head and its sequence share), and a next turn over the
+    cache, against one process: what differs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import seqpar_kernels.integrations.transformers as sp_transformers
+
+    reference = integration._family_model("mistral").eval()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    sp_transformers.apply(model, mode, layout=layout, mesh=mesh, sequence_dims="cp", tensor_dims="tp")
+    ids, mask = _prompt(2, 19, True)
+    ours, theirs = (_generate(m, ids, mask, seed=11) for m in (model, reference))
+    more = torch.randint(3, integration.VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    ids2 = torch.cat([theirs.sequences, more], 1)
+    mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    ours2 = _generate(model, ids2, mask2, seed=12, cache=ours.cache)
+    theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache)
+    return _compare(mode, ours, theirs) + _compare(f"{mode} next turn", ours2, theirs2)
+
+
+@pytest.mark.parametrize("mode, layout", [("ring", "balanced"), ("ulysses", "contiguous")])
+def test_with_tensor_parallelism(mode, layout):
+    failures = [failure for per_rank in pool_for(4).run(run_generate_tensor_parallel, mode, layout)
+                for failure in per_rank]  # fmt: skip
     assert not failures, "\n".join(failures)
 
 

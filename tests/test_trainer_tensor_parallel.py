@@ -9,7 +9,7 @@ test_transformers_trainer's). The runs:
 - the same from accelerate's ParallelismConfig(tp_size=2, cp_size=2) with FSDP2 over
   the sequence ranks on the tensor-parallel parameters (the ring, balanced), saving too;
 - with gradient checkpointing, tiled MLPs and offloaded activations;
-- USP (tensor 2 x ring 2 x Ulysses 1);
+- USP (tensor 2 x ring 2 x Ulysses 1) on packed documents;
 - 2 data replicas x tensor 2 (sequence_parallel_size=1);
 - a LoRA PeftModel (q_proj, v_proj column-wise, down_proj row-wise: the adapter's halves
   sharded with them) under FSDP2, against the plain Trainer on the same PeftModel, and
@@ -56,7 +56,7 @@ ULYSSES = _case("ulysses", "contiguous", args=ACCUMULATE)
 RING_FSDP2 = _case("ring", "balanced", args=dict(ACCUMULATE, fsdp=True, fsdp_config={"version": 2}))
 MEMORY = _case("ulysses", "contiguous", tiled_mlp=16, offload_activations=True,
                args=dict(ACCUMULATE, gradient_checkpointing=True))  # fmt: skip
-USP = _case("usp", "balanced", args=ACCUMULATE)
+USP = _case("usp", "balanced", "packed", args=ACCUMULATE)
 REPLICAS = _case("ulysses", "contiguous", replicas=2, args=ACCUMULATE)
 # Saved at the last step (a checkpoint holding the model only) and by save_model after training.
 SAVE = dict(save_strategy="steps", save_steps=3, save_only_model=True)

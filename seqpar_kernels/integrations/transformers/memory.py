@@ -260,7 +260,9 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             packed = self._pack(local)
             if packed is local:
                 return tensor
-            return _OffloadedShard(packed, tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            # The local shard comes back contiguous: so is the global stride it is rebuilt with.
+            stride = torch.empty(tensor.shape, device="meta").stride()
+            return _OffloadedShard(packed, tensor.device_mesh, tensor.placements, tensor.shape, stride)
         nbytes = tensor.numel() * tensor.element_size()
         if (tensor.requires_grad and tensor.is_leaf) or nbytes == 0 or nbytes < self.min_bytes \
                 or tensor.layout != torch.strided:  # fmt: skip

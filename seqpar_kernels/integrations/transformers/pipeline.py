@@ -155,9 +155,10 @@ def _not_fully_sharded(describe: str, module) -> None:
     """ValueError where FSDP2 (fully_shard) wraps the stage or a module of it: the last
     stage's loss reads the LM head after the stage's forward, where FSDP2 holds it
     sharded, and the schedule's stages would wait on each other's gathers."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    wrapped = [name or "the model itself" for name, inner in module.named_modules() if isinstance(inner, FSDPModule)]
+    wrappers = (FSDPModule, FullyShardedDataParallel)
+    wrapped = [name or "the model itself" for name, inner in module.named_modules() if isinstance(inner, wrappers)]
     if wrapped:
         raise ValueError(
             f"{describe}: FSDP2 (fully_shard) wraps {wrapped[:3]} of the pipeline stage, which the pipeline does not "
@@ -236,8 +237,8 @@ def pipeline(model, *, pipeline_dim: str, schedule: str = "1F1B", microbatches: 
     head), and FSDP2 around the model or any of its modules (also at step(), for
     fully_shard after pipeline())."""
     describe = "pipeline"
+    _not_fully_sharded(describe, model)  # the model as given: a PeftModel's wrapper too
     inner = transformers_model(model, describe)
-    _not_fully_sharded(describe, inner)
     parallelism = getattr(inner, SETTINGS_ATTRIBUTE, None)
     dims = parallelism.mesh_dims if parallelism is not None else None
     if dims is None:

@@ -78,8 +78,14 @@ def shard_layers(describe: str, model, parallelism: SequenceParallelism) -> None
         raise ValueError(f"{describe}: tensor_dims= shards the model itself; {sharded[:3]} are DTensors already "
                          "(apply() comes before fully_shard and instead of parallelize_module)")  # fmt: skip
     base = model.base_model
-    targets = {name: (module, style) for name, module in base.named_modules()
-               for path, style in plan.items() if fnmatch(name, path)}  # fmt: skip
+    targets = {}
+    for name, module in base.named_modules():
+        styles = {style for path, style in plan.items() if _matches(name, path)}
+        if len(styles) > 1:
+            raise ValueError(f"{describe}: {type(model).__name__}'s tensor-parallel plan gives {name} the styles "
+                             f"{sorted(styles)}")  # fmt: skip
+        if styles:
+            targets[name] = (module, styles.pop())
     if not targets:  # parallelize_module would only warn, leaving every layer whole
         raise ValueError(f"{describe}: no module of {type(base).__name__} matches its tensor-parallel plan's paths "
                          f"{sorted(plan)}")  # fmt: skip
@@ -87,6 +93,13 @@ def shard_layers(describe: str, model, parallelism: SequenceParallelism) -> None
     for name, (module, style) in targets.items():
         styles.update(_module_plan(describe, name, module, style))
     parallelize_module(base, parallelism.tensor_mesh(), {name: STYLES[style]() for name, style in styles.items()})
+
+
+def _matches(name: str, path: str) -> bool:
+    """Whether a module's dotted name matches a plan path dot by dot (a wildcard stays
+    within its part), as parallelize_module reads the plan."""
+    parts, patterns = name.split("."), path.split(".")
+    return len(parts) == len(patterns) and all(fnmatch(part, pattern) for part, pattern in zip(parts, patterns))
 
 
 def _module_plan(describe: str, name: str, module: torch.nn.Module, style: str) -> dict[str, str]:

@@ -74,8 +74,9 @@ sampling strategy, a world size that sequence_parallel_size does not divide, deg
 that do not multiply to the world size and what trainer_mesh.trainer_degrees refuses
 (pipeline and DeepSpeed's sequence parallelism, fsdp_config options FSDP2 over the mesh
 does not take), a tensor degree that does not divide the heads (apply's checks),
-saving the optimizer's state of a model the mixin shards, or loading the best model at
-the end into it (its saves are whole models, gathered from the shards: save_model);
+saving the optimizer's state of a model the mixin shards, loading the best model at
+the end into it, or saving it on each node (its saves are whole models, gathered from
+the shards on the first rank: save_model, which every rank calls);
 at train(): resuming such a model from a checkpoint (no optimizer state); when
 train() or evaluate() makes a dataloader: batches dispatched from rank 0 (accelerate's
 dispatch_batches, its default for an IterableDataset), uneven replica batches
@@ -378,14 +379,17 @@ class SequenceParallelTrainerMixin:
         """The Trainer's save_model; for a model sharded before the Trainer (FSDP2 over
         the mesh, tensor parallelism), every rank first gathers the whole state dict
         (collective: torch.distributed.checkpoint's full state dict, on the CPU of the
-        first rank only), which the Trainer's writer then saves as from_pretrained loads
-        it: one model whatever the degrees."""
+        first rank only; a PeftModel's trainable parameters only, which hold its
+        adapter), which the Trainer's writer then saves as from_pretrained loads it: one
+        model whatever the degrees. Call it on every rank."""
         if not self._sharded_before_the_trainer:
             return super().save_model(output_dir, _internal_call)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model = self._unwrapped(self.model)
-        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        adapters_only = hasattr(model, "peft_config")  # PEFT saves the adapter: the frozen base stays ungathered
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
+        whole = get_model_state_dict(model, options=options)
         if self.args.should_save:  # the world's first rank, which holds the gathered state dict
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=whole)
         dist.barrier()  # the other ranks go on once the files are written

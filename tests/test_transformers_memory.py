@@ -149,6 +149,26 @@ def test_offloaded_checkpoints_give_the_same_gradients_in_less_memory():
     assert plain_peak - offloaded_peak >= (layers - 1) * checkpoint, (plain_peak, offloaded_peak)
 
 
+def test_offload_keeps_parameters_and_their_views():
+    """A linear layer saves its input and its weight transposed (a view of the
+    parameter): only the input is offloaded, the weight stays (trained or frozen), and
+    the gradients are the plain ones."""
+    from seqpar_kernels.integrations.transformers import offload_activations
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(HIDDEN, INTERMEDIATE)
+    frozen = torch.nn.Linear(INTERMEDIATE, HIDDEN).requires_grad_(False)
+    x = torch.randn(8, HIDDEN, requires_grad=True)
+    expected = torch.autograd.grad(frozen(layer(x)).square().sum(), (x, layer.weight))
+    with offload_activations(min_bytes=0) as hooks:
+        out = frozen(layer(x * 1.0)).square().sum()  # x * 1.0: an activation, not a leaf
+    grads = torch.autograd.grad(out, (x, layer.weight))
+    # Offloaded: layer's input and the square's input (8 x HIDDEN each, fp32; frozen's input is not
+    # saved, its weight needs no gradient); never a weight (64 KiB each, transposed views).
+    assert hooks.offloaded_bytes == 4 * 8 * 2 * HIDDEN, hooks.offloaded_bytes
+    assert all(torch.equal(ours, plain) for ours, plain in zip(grads, expected))
+
+
 def run_tensor_parallel_mlp() -> dict:
     """On each of 2 ranks: a Llama MLP sharded as its tensor-parallel plan says (gate/up
     column-wise, down row-wise), tiled by 16 tokens, and untiled under

@@ -203,6 +203,11 @@ class _Offloaded:
         self.host, self.device, self.stored, self.fetched = host, device, stored, None
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A module's parameter (trained or frozen) or another leaf that requires grad."""
+    return isinstance(tensor, torch.nn.Parameter) or (tensor.requires_grad and tensor.is_leaf)
+
+
 class _OffloadedShard:
     """A DTensor saved for the backward: its local shard offloaded (an _Offloaded) and
     what rebuilds it."""
@@ -215,7 +220,8 @@ class _OffloadedShard:
 
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     """While active, every tensor autograd saves for the backward that is an activation
-    (not a parameter or another leaf that requires grad) of at least min_bytes is copied
+    (not a parameter, trained or frozen, or another leaf that requires grad, nor a view
+    of one: the transposed weight a linear layer saves) of at least min_bytes is copied
     to host memory and freed on the device; the backward gets it back. A DTensor (inside
     a tensor-parallel layer) offloads its local shard, min_bytes counted on the shard.
 
@@ -252,9 +258,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         return self._streams[device]
 
     def _pack(self, tensor: torch.Tensor):
+        base = tensor._base  # a view's base (torch's view tracking): linear saves weight.t()
+        if _is_parameter(tensor) or (base is not None and _is_parameter(base)):
+            return tensor  # parameters (frozen ones too) and views of them stay where they are
         if isinstance(tensor, DTensor):  # a tensor-parallel layer's activation: its local shard goes
-            if tensor.requires_grad and tensor.is_leaf:
-                return tensor
             with torch.no_grad():
                 local = tensor.to_local()
             packed = self._pack(local)
@@ -264,9 +271,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             stride = torch.empty(tensor.shape, device="meta").stride()
             return _OffloadedShard(packed, tensor.device_mesh, tensor.placements, tensor.shape, stride)
         nbytes = tensor.numel() * tensor.element_size()
-        if (tensor.requires_grad and tensor.is_leaf) or nbytes == 0 or nbytes < self.min_bytes \
-                or tensor.layout != torch.strided:  # fmt: skip
-            return tensor  # parameters, small tensors: kept as they are
+        if nbytes == 0 or nbytes < self.min_bytes or tensor.layout != torch.strided:
+            return tensor  # small tensors: kept as they are
         # The same tensor saved again (one input of several ops): its one copy. Keyed by
         # id, valid while that tensor lives (a freed tensor's id and memory are reused).
         key = (id(tensor), tensor._version)

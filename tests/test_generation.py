@@ -74,16 +74,30 @@ def _compare(name: str, ours, theirs) -> list[str]:
     return failures
 
 
+def _groups(case) -> tuple[dict, int]:
+    """apply()'s groups for the case, and the sequence's ranks: the whole world, or with
+    tensor_parallel a (cp, tp 2) mesh whose tp dim shards the layers (each rank's cache
+    then holds its tensor rank's kv heads and its share of the sequence)."""
+    import torch.distributed as dist
+
+    if not case.get("tensor_parallel"):
+        return integration._parallelism(case["mode"], case.get("ulysses", 2)), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pieces = dist.get_world_size() // 2
+    mesh = init_device_mesh("cpu", (pieces, 2), mesh_dim_names=("cp", "tp"))
+    return dict(mesh=mesh, sequence_dims="cp", tensor_dims="tp"), pieces
+
+
 @on_every_rank
 def run_generate(cases):
     """Per case: what differs from one process (empty: nothing)."""
-    import torch.distributed as dist
 
     import seqpar_kernels.integrations.transformers as sp_transformers
 
     failures = []
     for case in cases:
-        groups = integration._parallelism(case["mode"], case.get("ulysses", 2))
+        groups, pieces = _groups(case)
         reference = integration._family_model(case.get("family", "mistral"), spec=case.get("family_spec")).eval()
         model = copy.deepcopy(reference)
         sp_transformers.apply(model, case["mode"], layout=case.get("layout", "contiguous"), **groups)
@@ -100,7 +114,7 @@ def run_generate(cases):
                 failures.append(f"{name}: the streamer got {streamed[0].tolist()}, generate returned "
                                 f"{ours.sequences.tolist()}")  # fmt: skip
         cache = ours.cache
-        failures += _within_share(f"{name} after generate", cache, theirs.sequences, dist.get_world_size(), 1)
+        failures += _within_share(f"{name} after generate", cache, theirs.sequences, pieces, 1)
         if case.get("next_turn"):
             more = torch.randint(3, integration.VOCAB, (ids.shape[0], 6), generator=torch.Generator().manual_seed(5))
             ids2 = torch.cat([theirs.sequences, more], 1)
@@ -110,8 +124,7 @@ def run_generate(cases):
             ours2 = _generate(model, ids2, mask2, seed=12, cache=cache, new_tokens=turn_tokens)
             theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache, new_tokens=turn_tokens)
             failures += _compare(f"{name} next turn", ours2, theirs2)
-            failures += _within_share(f"{name} after a next turn", ours2.cache, theirs2.sequences,
-                                      dist.get_world_size(), 1)  # fmt: skip
+            failures += _within_share(f"{name} after a next turn", ours2.cache, theirs2.sequences, pieces, 1)
     return failures
 
 
@@ -245,33 +258,11 @@ def test_hybrid_models():
     assert not failures, "\n".join(failures)
 
 
-@on_every_rank
-def run_generate_tensor_parallel(mode: str, layout: str) -> list[str]:
-    """generate on a (cp 2, tp 2) mesh, the layers sharded over tp (each rank's cache
-    holds its tensor rank's kv head and its sequence share), and a next turn over the
-    cache, against one process: what differs."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import seqpar_kernels.integrations.transformers as sp_transformers
-
-    reference = integration._family_model("mistral").eval()
-    model = copy.deepcopy(reference)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    sp_transformers.apply(model, mode, layout=layout, mesh=mesh, sequence_dims="cp", tensor_dims="tp")
-    ids, mask = _prompt(2, 19, True)
-    ours, theirs = (_generate(m, ids, mask, seed=11) for m in (model, reference))
-    more = torch.randint(3, integration.VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
-    ids2 = torch.cat([theirs.sequences, more], 1)
-    mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
-    ours2 = _generate(model, ids2, mask2, seed=12, cache=ours.cache)
-    theirs2 = _generate(reference, ids2, mask2, seed=12, cache=theirs.cache)
-    return _compare(mode, ours, theirs) + _compare(f"{mode} next turn", ours2, theirs2)
-
-
-@pytest.mark.parametrize("mode, layout", [("ring", "balanced"), ("ulysses", "contiguous")])
-def test_with_tensor_parallelism(mode, layout):
-    failures = [failure for per_rank in pool_for(4).run(run_generate_tensor_parallel, mode, layout)
-                for failure in per_rank]  # fmt: skip
+def test_with_tensor_parallelism():
+    """On a (cp 2, tp 2) mesh, the layers sharded over tp: decode and a next turn."""
+    cases = [_case("ring", layout="balanced", tensor_parallel=True, next_turn=True),
+             _case("ulysses", tensor_parallel=True, next_turn=True)]  # fmt: skip
+    failures = [failure for per_rank in pool_for(4).run(run_generate, cases) for failure in per_rank]
     assert not failures, "\n".join(failures)
 
 

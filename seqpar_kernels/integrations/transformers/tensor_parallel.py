@@ -89,10 +89,10 @@ def shard_layers(describe: str, model, parallelism: SequenceParallelism) -> None
     if not targets:  # parallelize_module would only warn, leaving every layer whole
         raise ValueError(f"{describe}: no module of {type(base).__name__} matches its tensor-parallel plan's paths "
                          f"{sorted(plan)}")  # fmt: skip
-    styles = {}
+    sharded_as = {}  # module name: style, LoRA wrappers' base layers and adapter halves spelled out
     for name, (module, style) in targets.items():
-        styles.update(_module_plan(describe, name, module, style))
-    parallelize_module(base, parallelism.tensor_mesh(), {name: STYLES[style]() for name, style in styles.items()})
+        sharded_as.update(_module_plan(describe, name, module, style))
+    parallelize_module(base, parallelism.tensor_mesh(), {name: STYLES[style]() for name, style in sharded_as.items()})
 
 
 def _matches(name: str, path: str) -> bool:

@@ -62,15 +62,22 @@ REPLICAS = _case("ulysses", "contiguous", replicas=2, args=ACCUMULATE)
 SAVE = dict(save_strategy="steps", save_steps=3, save_only_model=True)
 
 
+# The adapter weights the LoRA run freezes (as LoRA-FA trains B alone): saved all the same.
+FROZEN_ADAPTER = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.default.weight"
+
+
 def _lora_model(dropout: float = 0.0, dora: bool = False):
     """The tiny Llama with LoRA on q_proj, v_proj (column-wise under tensor parallelism)
-    and down_proj (row-wise); B random too, so every adapter weight moves from step 1."""
+    and down_proj (row-wise); B random too, so every adapter weight moves from step 1,
+    but FROZEN_ADAPTER, which stays."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
                         lora_dropout=dropout, use_dora=dora)  # fmt: skip
     torch.manual_seed(1)
-    return get_peft_model(_model(), config)
+    model = get_peft_model(_model(), config)
+    model.get_parameter(FROZEN_ADAPTER).requires_grad_(False)
+    return model
 
 
 def _trainer(case: dict, directory: str, model=None, plain: bool = False, **options):
@@ -242,15 +249,16 @@ def test_lora_with_tensor_parallelism_matches_the_plain_trainer():
     ours = per_rank[0]["lora"]
     problems = _differences(ours, reference)
     assert not problems, problems
-    assert sorted(ours["weights"]) == sorted(reference["weights"]) and len(ours["weights"]) == 12
+    assert sorted(ours["weights"]) == sorted(reference["weights"]) and len(ours["weights"]) == 11
     # The halves each tensor rank holds whole (lora_A of q/v, lora_B of down_proj) stayed the same on every rank.
     for rank, result in enumerate(per_rank[1:], start=1):
         theirs = result["lora"]["weights"]
         differing = [name for name, weight in theirs.items() if not torch.equal(weight, ours["weights"][name])]
         assert not differing, (rank, differing)
-    # save_model wrote the adapter alone: its 12 tensors, whole, as trained.
+    # save_model wrote the adapter alone: its 12 tensors, whole, as trained (the frozen one as it began).
     adapter = ours["files"][f"final{os.sep}adapter_model.safetensors"]
     assert len(adapter) == 12, sorted(adapter)
+    initial = _lora_model().get_parameter(FROZEN_ADAPTER).detach()
     for name, tensor in adapter.items():
-        trained = ours["weights"][name.replace(".weight", ".default.weight")]
-        assert torch.equal(tensor, trained), name
+        name = name.replace(".weight", ".default.weight")
+        assert torch.equal(tensor, initial if name == FROZEN_ADAPTER else ours["weights"][name]), name

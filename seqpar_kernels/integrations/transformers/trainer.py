@@ -379,16 +379,21 @@ class SequenceParallelTrainerMixin:
         """The Trainer's save_model; for a model sharded before the Trainer (FSDP2 over
         the mesh, tensor parallelism), every rank first gathers the whole state dict
         (collective: torch.distributed.checkpoint's full state dict, on the CPU of the
-        first rank only; a PeftModel's trainable parameters only, which hold its
-        adapter), which the Trainer's writer then saves as from_pretrained loads it: one
-        model whatever the degrees. Call it on every rank."""
+        first rank only; of a PeftModel, whose adapter PEFT saves, the trainable
+        parameters only where every adapter parameter is trainable), which the
+        Trainer's writer then saves as from_pretrained loads it: one model whatever the
+        degrees. Call it on every rank."""
         if not self._sharded_before_the_trainer:
             return super().save_model(output_dir, _internal_call)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model = self._unwrapped(self.model)
-        adapters_only = hasattr(model, "peft_config")  # PEFT saves the adapter: the frozen base stays ungathered
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
+        # PEFT saves the adapter: the frozen base stays ungathered, unless a part of an adapter is frozen too.
+        adapters = getattr(model, "peft_config", None) or {}
+        frozen_adapter = any(not parameter.requires_grad and any(f".{adapter}." in name for adapter in adapters)
+                             for name, parameter in model.named_parameters())  # fmt: skip
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                   ignore_frozen_params=bool(adapters) and not frozen_adapter)  # fmt: skip
         whole = get_model_state_dict(model, options=options)
         if self.args.should_save:  # the world's first rank, which holds the gathered state dict
             self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=whole)
